@@ -1,0 +1,88 @@
+"""Explicit random keys: randomness is a value folded with (step, micro-batch, layer, rank).
+
+A key is a CPU int64 tensor of shape ``(2,)`` (so it lives in a TrainState pytree and is saved
+with a checkpoint). Keys never advance hidden state: `fold_in` derives a new key from a key and
+an integer, `split` derives several. `seed` turns a key into a torch seed, which is how a key
+drives torch's own samplers (dropout) for the duration of one call (see `fscale.functionalize`).
+Deriving keys by folding, not by drawing from a global generator, is what makes dropout masks
+identical under any split of the batch, any number of ranks, and under rematerialisation.
+
+The mixing function is SplitMix64's finaliser, a bijection on 64-bit integers with good
+avalanche, applied to (key word, data); it is cheap, deterministic and identical on every
+platform.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["fold_in", "is_key", "key", "seed", "split"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _to_signed(x: int) -> int:
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+def _words(k: torch.Tensor) -> tuple[int, int]:
+    if not is_key(k):
+        raise TypeError(
+            "expected a key: an int64 tensor of shape (2,) made by `fscale.random.key(seed)`, "
+            f"got {type(k).__name__}"
+            + (f" of dtype {k.dtype} and shape {tuple(k.shape)}" if isinstance(k, torch.Tensor) else "")
+        )
+    hi, lo = (int(v) & _MASK64 for v in k.tolist())
+    return hi, lo
+
+
+def _make(hi: int, lo: int) -> torch.Tensor:
+    return torch.tensor([_to_signed(hi), _to_signed(lo)], dtype=torch.int64)
+
+
+def is_key(value: object) -> bool:
+    """Whether `value` is a key (an int64 tensor of shape (2,))."""
+    return (
+        isinstance(value, torch.Tensor) and value.dtype == torch.int64 and value.shape == (2,)
+    )
+
+
+def key(seed_value: int) -> torch.Tensor:
+    """A key from an integer seed."""
+    if isinstance(seed_value, bool) or not isinstance(seed_value, int):
+        raise TypeError(f"key: `seed_value` must be an int, got {type(seed_value).__name__}")
+    s = seed_value & _MASK64
+    return _make(_mix64(s), _mix64(s ^ 0xD1B54A32D192ED03))
+
+
+def fold_in(k: torch.Tensor, data: int) -> torch.Tensor:
+    """A new key derived from `k` and the integer `data` (a step, micro-batch, layer or rank)."""
+    if isinstance(data, torch.Tensor):
+        data = int(data.item())
+    if isinstance(data, bool) or not isinstance(data, int):
+        raise TypeError(f"fold_in: `data` must be an int, got {type(data).__name__}")
+    hi, lo = _words(k)
+    d = data & _MASK64
+    new_hi = _mix64(hi ^ _mix64(d))
+    new_lo = _mix64(lo ^ _mix64(d ^ new_hi))
+    return _make(new_hi, new_lo)
+
+
+def split(k: torch.Tensor, num: int = 2) -> list[torch.Tensor]:
+    """`num` independent keys derived from `k`."""
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+        raise ValueError(f"split: `num` must be a positive int, got {num!r}")
+    return [fold_in(k, (1 << 62) + i) for i in range(num)]
+
+
+def seed(k: torch.Tensor) -> int:
+    """A non-negative 63-bit torch seed determined by `k` (for `torch.manual_seed`)."""
+    hi, lo = _words(k)
+    return _mix64(hi ^ (lo << 1)) & ((1 << 63) - 1)
