@@ -1,0 +1,104 @@
+"""fscale.tree: pytree helpers and FlatBuffer round trips, shards, fragments and errors."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fscale import tree
+from fscale.tree import FlatBuffer, Fragment
+
+
+def test_helpers_follow_optree_order_and_name_paths():
+    params = {"b": [torch.ones(1), torch.zeros(2)], "a": {"w": torch.ones(3)}, "none": None}
+    assert [t.numel() for t in tree.leaves(params)] == [3, 1, 2]
+    assert tree.paths(params) == ["a.w", "b.0", "b.1"]
+    leaves, treedef = tree.flatten(params)
+    rebuilt = tree.unflatten(treedef, leaves)
+    assert tree.structure(rebuilt) == tree.structure(params)
+    doubled = tree.map(lambda t: t * 2, params)
+    assert torch.equal(doubled["a"]["w"], torch.full((3,), 2.0))
+    named = tree.map_with_path(lambda path, t: path, params)
+    assert named["b"][1] == "b.1"
+
+
+def test_map_over_mismatched_trees_names_both_structures():
+    with pytest.raises(ValueError, match="different structure"):
+        tree.map(torch.add, {"a": torch.ones(1)}, {"b": torch.ones(1)})
+
+
+def test_unflatten_checks_the_leaf_count():
+    _, treedef = tree.flatten({"a": torch.ones(1), "b": torch.ones(1)})
+    with pytest.raises(ValueError, match="2 leaves but 1 values"):
+        tree.unflatten(treedef, [torch.ones(1)])
+
+
+shapes = st.lists(
+    st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple), min_size=1, max_size=6
+)
+
+
+@given(shapes=shapes, num_shards=st.integers(1, 5), dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64]))
+def test_flatbuffer_round_trips_exactly_and_shards_evenly(shapes, num_shards, dtype):
+    g = torch.Generator().manual_seed(len(shapes))
+    tensors = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    flat = FlatBuffer(tensors, num_shards)
+    assert flat.numel % num_shards == 0 and flat.numel >= flat.numel_unpadded
+    assert flat.numel - flat.numel_unpadded < num_shards or flat.numel_unpadded == 0
+    for original, view in zip(tensors, flat.views()):
+        assert view.shape == original.shape and torch.equal(view, original)
+        if view.numel():
+            assert view.untyped_storage().data_ptr() == flat.data.untyped_storage().data_ptr()
+    assert torch.all(flat.data[flat.numel_unpadded :] == 0)
+    shards = [flat.shard(i) for i in range(num_shards)]
+    assert all(s.numel() == flat.shard_size for s in shards)
+    assert torch.equal(torch.cat(shards), flat.data)
+    # Fragments of every shard tile every tensor exactly once, and fragment views hold its data.
+    for i, original in enumerate(tensors):
+        pieces = [flat.fragment_views(r, shards[r])[i] for r in range(num_shards)]
+        frags = [flat.fragments(r)[i] for r in range(num_shards)]
+        assert sum(f.numel for f in frags) == original.numel()
+        assert all(f.shape == original.shape for f in frags)
+        assert torch.equal(torch.cat(pieces), original.reshape(-1))
+
+
+def test_fragments_hand_computed():
+    flat = FlatBuffer([torch.zeros(2, 2), torch.zeros(3)], num_shards=2)  # 7 -> padded 8
+    assert flat.shard_size == 4
+    assert flat.fragments(0) == [Fragment(torch.Size([2, 2]), 0, 4), Fragment(torch.Size([3]), 0, 0)]
+    assert flat.fragments(1) == [Fragment(torch.Size([2, 2]), 4, 4), Fragment(torch.Size([3]), 0, 3)]
+    assert flat.fragments(1)[1].is_whole and not flat.fragments(0)[1].is_whole
+
+
+def test_with_data_shares_the_layout():
+    flat = FlatBuffer([torch.ones(2), torch.ones(3)], num_shards=2)
+    grads = flat.with_data(torch.arange(6.0))
+    assert [v.tolist() for v in grads.views()] == [[0.0, 1.0], [2.0, 3.0, 4.0]]
+    assert torch.equal(flat.empty_like().data, torch.zeros(6))
+    with pytest.raises(ValueError, match="6 elements"):
+        flat.with_data(torch.zeros(5))
+    with pytest.raises(ValueError, match="dtype"):
+        flat.with_data(torch.zeros(6, dtype=torch.float64))
+
+
+def test_flatbuffer_errors():
+    with pytest.raises(ValueError, match="empty"):
+        FlatBuffer([])
+    with pytest.raises(ValueError, match="mix dtypes"):
+        FlatBuffer([torch.ones(1), torch.ones(1, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="num_shards"):
+        FlatBuffer([torch.ones(1)], 0)
+    with pytest.raises(ValueError, match="num_shards"):
+        FlatBuffer([torch.ones(1)], 2.0)
+    with pytest.raises(TypeError, match="not a tensor"):
+        FlatBuffer([[1.0]])
+    with pytest.raises(IndexError, match="outside"):
+        FlatBuffer([torch.ones(4)], 2).shard(2)
+    if torch.device("meta") != torch.device("cpu"):
+        with pytest.raises(ValueError, match="several devices"):
+            FlatBuffer([torch.ones(1), torch.ones(1, device="meta")])
+
+
+def test_group_by_dtype_keeps_first_seen_order():
+    ts = [torch.ones(1), torch.ones(1, dtype=torch.float64), torch.ones(1)]
+    assert FlatBuffer.group_by_dtype(ts) == {torch.float32: [0, 2], torch.float64: [1]}
