@@ -1,10 +1,27 @@
 """fscale: large-scale training in PyTorch as pure, composable transformations of a train step."""
 
 from fscale import data as data
+from fscale import dist as dist
+from fscale import memory as memory
 from fscale import models as models
+from fscale import optim as optim
+from fscale import offload as offload
 from fscale import random as random
+from fscale import remat as remat
+from fscale import testing as testing
 from fscale import tree as tree
+from fscale.dist import Mesh as Mesh
+from fscale.dist import init as init
+from fscale.dist import launch as launch
 from fscale.model import FunctionalModule as FunctionalModule
 from fscale.model import functionalize as functionalize
+from fscale.offload import offload_optimizer as offload_optimizer
+from fscale.offload import offload_params as offload_params
+from fscale.parallel import data_parallel as data_parallel
+from fscale.remat import checkpoint as checkpoint
+from fscale.train import Step as Step
+from fscale.train import TrainState as TrainState
+from fscale.train import train_step as train_step
+from fscale.train import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"

@@ -2,6 +2,12 @@
 
 import os
 
+# Every collective first checks that all ranks pass the same shapes and dtypes (the ranks of the
+# test pool inherit this environment).
+os.environ.setdefault("FSCALE_DEBUG", "1")
+# Deterministic cuBLAS, should the suite run on a GPU.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 import torch
 from hypothesis import HealthCheck, settings
 

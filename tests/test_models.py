@@ -94,7 +94,8 @@ def test_gpt_logits_shape_and_causality() -> None:
     changed_logits = model(changed)
     assert torch.equal(changed_logits[:, :5], logits[:, :5])  # the past cannot see the future
     assert not torch.equal(changed_logits[:, 5:], logits[:, 5:])
-    assert torch.equal(model(tokens[:, :3]), logits[:, :3])  # shorter sequences are prefixes
+    # Shorter sequences are prefixes (up to GEMM blocking, which depends on the length).
+    assert torch.allclose(model(tokens[:, :3]), logits[:, :3], rtol=1e-5, atol=1e-6)
 
 
 def test_gpt_dropout_is_active_only_in_training_mode() -> None:

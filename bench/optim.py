@@ -1,0 +1,131 @@
+"""Benchmark: fscale.optim Adam / AdamW / SGD-momentum against torch.optim on CPU.
+
+Usage: ``python bench/optim.py [--quick] [--threads N]``
+
+Two parameter sets: (a) 200 tensors of 100 x 250 (5.0M params); (b) a GPT-style model (d=256,
+8 blocks of attention and MLP linears with layer norms, an 8192 x 256 embedding). Variants:
+torch.optim with ``foreach=True`` and with ``fused=True`` (grads attached to ``.grad``), and
+fscale's `step` with ``donate=True`` (params and state are the flat-buffer views its previous
+step returned, updated in place) and with ``donate=False`` (pure: fresh params and state).
+Variants are interleaved round by round; medians are reported with the ratio to torch's fused
+optimizer, printed as a table and written to ``bench/results/optim.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import fscale.optim as optim
+
+
+def tensors_200() -> dict[str, torch.Tensor]:
+    return {f"w{i:03d}": torch.randn(100, 250) for i in range(200)}
+
+
+def gpt_like(d: int = 256, blocks: int = 8, vocab: int = 8192) -> dict[str, torch.Tensor]:
+    params = {"embed": torch.randn(vocab, d) * 0.02}
+    for b in range(blocks):
+        for name, shape in [
+            ("ln1.w", (d,)), ("ln1.b", (d,)),
+            ("attn.qkv.w", (3 * d, d)), ("attn.qkv.b", (3 * d,)),
+            ("attn.proj.w", (d, d)), ("attn.proj.b", (d,)),
+            ("ln2.w", (d,)), ("ln2.b", (d,)),
+            ("mlp.fc.w", (4 * d, d)), ("mlp.fc.b", (4 * d,)),
+            ("mlp.proj.w", (d, 4 * d)), ("mlp.proj.b", (d,)),
+        ]:
+            params[f"blocks.{b}.{name}"] = torch.randn(shape) * 0.02
+    params["ln_f.w"], params["ln_f.b"] = torch.ones(d), torch.zeros(d)
+    return params
+
+
+OPTIMIZERS = {
+    "adam": (lambda: optim.adam(1e-3), lambda ps, **kw: torch.optim.Adam(ps, lr=1e-3, **kw)),
+    "adamw": (lambda: optim.adamw(1e-3), lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, **kw)),
+    "sgd-momentum": (
+        lambda: optim.sgd(1e-2, momentum=0.9),
+        lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, **kw),
+    ),
+}
+
+
+def make_variants(name: str, params: dict[str, torch.Tensor]) -> dict:
+    """Each variant is a zero-argument callable running one optimizer step."""
+    make_fscale, make_torch = OPTIMIZERS[name]
+    grads = {k: torch.randn_like(v) * 1e-3 for k, v in params.items()}
+    variants = {}
+    for kind in ("foreach", "fused"):
+        torch_params = [torch.nn.Parameter(v.clone()) for v in params.values()]
+        for p, g in zip(torch_params, grads.values()):
+            p.grad = g.clone()
+        variants[f"torch {kind}"] = make_torch(torch_params, **{kind: True}).step
+    for donate in (True, False):
+        opt = make_fscale()
+        box = {"state": opt.init(params)}
+        # one warm-up step: params and state are then the flat-buffer views fscale produces
+        box["params"], box["state"] = optim.step(opt, grads, box["state"], params)
+
+        def run(opt=opt, box=box, donate=donate) -> None:
+            box["params"], box["state"] = optim.step(
+                opt, grads, box["state"], box["params"], donate=donate
+            )
+
+        variants[f"fscale donate={donate}"] = run
+    return variants
+
+
+def measure(variants: dict, rounds: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for fn in variants.values():  # warm-up
+        fn()
+    for _ in range(rounds):
+        for label, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(ts) * 1e3 for label, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rounds = 5 if args.quick else 30
+    param_sets = {"200 tensors (5.0M)": tensors_200(), "GPT-like d=256": gpt_like()}
+    results = []
+    print(f"torch {torch.__version__}, {args.threads} thread(s), {rounds} rounds, medians in ms; "
+          "fscale donate=True: params/state are its own previous outputs, updated in place")
+    header = f"{'params':<20} {'optimizer':<13} {'variant':<20} {'ms':>8} {'vs fused':>9}"
+    print(header)
+    print("-" * len(header))
+    for set_name, params in param_sets.items():
+        numel = sum(p.numel() for p in params.values())
+        for opt_name in OPTIMIZERS:
+            medians = measure(make_variants(opt_name, params), rounds)
+            fused = medians["torch fused"]
+            for label, ms in medians.items():
+                print(f"{set_name:<20} {opt_name:<13} {label:<20} {ms:8.2f} {ms / fused:8.2f}x")
+                results.append({
+                    "params": set_name, "numel": numel, "tensors": len(params),
+                    "optimizer": opt_name, "variant": label, "median_ms": ms,
+                    "ratio_vs_torch_fused": ms / fused,
+                })
+    out = Path(__file__).parent / "results" / "optim.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "threads": args.threads, "rounds": rounds,
+            "machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

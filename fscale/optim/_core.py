@@ -1,0 +1,321 @@
+"""Shared machinery of the optimizers: argument checks, step inputs, packed state buffers.
+
+Every optimizer step follows the same pattern: flatten `grads`, `params` and each per-leaf state
+tree, check that they agree, take *writable* copies of the params and state (or the caller's own
+tensors when they donate them), run in-place kernels on those, and rebuild the trees.
+
+Writable copies are packed: the copies of all leaves of one (device, dtype) live back to back in
+one fresh 1-D buffer and the returned leaves are views of it, exactly like the state `init`
+creates. When the incoming leaves are already consecutive views of one storage (what the previous
+step returned), the copy is a single `clone` of that span instead of one copy per leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch._utils import _unflatten_dense_tensors
+
+from fscale import tree
+from fscale.tree import FlatBuffer
+
+PyTree = Any
+LearningRate = float | Callable[[int], float]
+
+
+# ----------------------------------------------------------------------------- hyper-parameters
+
+
+def check_non_negative(name: str, arg: str, value: float) -> float:
+    """`value` as a float, or a ValueError naming `name`'s argument `arg` if it is < 0 or NaN."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: `{arg}` must be a number, got {type(value).__name__}")
+    if not value >= 0.0:  # also rejects NaN
+        raise ValueError(f"{name}: `{arg}` must be >= 0, got {arg}={value!r}")
+    return float(value)
+
+
+def check_unit_interval(name: str, arg: str, value: float) -> float:
+    """`value` as a float in [0, 1), else a ValueError naming `arg`."""
+    value = check_non_negative(name, arg, value)
+    if not value < 1.0:
+        raise ValueError(f"{name}: `{arg}` must lie in [0, 1), got {arg}={value!r}")
+    return value
+
+
+def check_betas(name: str, betas: Sequence[float]) -> tuple[float, float]:
+    """`betas` as a pair of floats in [0, 1), else a ValueError."""
+    if not isinstance(betas, Sequence) or len(betas) != 2:
+        raise ValueError(f"{name}: `betas` must be a pair (beta1, beta2), got {betas!r}")
+    return (
+        check_unit_interval(name, "betas[0]", betas[0]),
+        check_unit_interval(name, "betas[1]", betas[1]),
+    )
+
+
+def learning_rate(name: str, lr: LearningRate) -> Callable[[int], float]:
+    """`lr` (a float or a schedule ``count -> float``) as a checked schedule.
+
+    A constant is checked once here; a schedule's value is checked at every step, so a schedule
+    that turns negative fails at the step where it does instead of silently ascending.
+    """
+    if callable(lr):
+
+        def scheduled(count: int) -> float:
+            value = lr(count)
+            if isinstance(value, torch.Tensor):
+                value = value.item()
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(
+                    f"{name}: the learning-rate schedule returned {value!r} at count={count}; "
+                    "a schedule must return a float >= 0"
+                )
+            return float(value)
+
+        return scheduled
+    constant = check_non_negative(name, "lr", lr)
+    return lambda count: constant
+
+
+# ----------------------------------------------------------------------------- params and state
+
+
+def float_leaves(name: str, params: PyTree) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
+    """Leaves and structure of `params`; a TypeError if a leaf is not a floating-point tensor."""
+    paths, leaves, treedef = tree.flatten_with_paths(params)
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{name}: params leaf {path!r} is a {type(leaf).__name__}, not a tensor")
+        if not leaf.is_floating_point():
+            raise TypeError(
+                f"{name}: params leaf {path!r} has dtype {leaf.dtype}; optimizers update "
+                "floating-point tensors only (keep integer buffers out of the params tree)"
+            )
+    return leaves, treedef
+
+
+def new_count() -> torch.Tensor:
+    """The step counter of a fresh state: a host int64 scalar (read every step, never on device)."""
+    return torch.zeros((), dtype=torch.int64)
+
+
+def next_count(count: int) -> torch.Tensor:
+    return torch.tensor(count + 1, dtype=torch.int64)
+
+
+def read_count(name: str, count: Any) -> int:
+    if not isinstance(count, torch.Tensor) or count.numel() != 1:
+        raise TypeError(f"{name}: the state's `count` must be a scalar tensor, got {count!r}")
+    return int(count)
+
+
+def check_state(name: str, state: Any, state_type: type) -> None:
+    if not isinstance(state, state_type):
+        raise TypeError(
+            f"{name}: `state` must be the {state_type.__name__} that {name}'s init returned, "
+            f"got {type(state).__name__}"
+        )
+
+
+def packed_full(leaves: Sequence[torch.Tensor], fill: float = 0.0) -> list[torch.Tensor]:
+    """Tensors shaped like `leaves`, filled with `fill`, packed in one buffer per device/dtype."""
+    out: list[torch.Tensor | None] = [None] * len(leaves)
+    for indices in device_groups(leaves):
+        group = [leaves[i] for i in indices]
+        total = sum(t.numel() for t in group)
+        if not total:  # a FlatBuffer needs at least one element; empty leaves need no storage
+            views = [torch.full_like(t, fill) for t in group]
+        else:
+            data = torch.full((total,), fill, dtype=group[0].dtype, device=group[0].device)
+            views = FlatBuffer(group, data=data).views()
+        for i, view in zip(indices, views):
+            out[i] = view
+    return out  # type: ignore[return-value]
+
+
+def device_groups(leaves: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of `leaves` grouped by (device, dtype), in first-seen order.
+
+    Fused kernels and packed buffers need one device and dtype per call; the common case of a
+    single group is detected without building per-leaf keys.
+    """
+    if not leaves:
+        return []
+    first = leaves[0]
+    dtype, device = first.dtype, first.device
+    if all(t.dtype == dtype for t in leaves) and all(t.device == device for t in leaves):
+        return [list(range(len(leaves)))]
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(leaves):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.values())
+
+
+def _span(leaves: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A 1-D view over `leaves` if they are consecutive, contiguous pieces of one allocation.
+
+    Consecutive addresses inside the first leaf's storage are what makes a single `clone` of the
+    span equal to copying every leaf; leaves of separate allocations return None.
+    """
+    anchor = next((t for t in leaves if t.numel()), None)
+    if anchor is None:
+        return None
+    itemsize = anchor.element_size()
+    start = anchor.data_ptr()
+    expected = start
+    for t in leaves:
+        if not t.numel():
+            continue
+        if t.data_ptr() != expected or not t.is_contiguous():
+            return None
+        expected += t.numel() * itemsize
+    storage = anchor.untyped_storage()
+    if start < storage.data_ptr() or expected > storage.data_ptr() + storage.nbytes():
+        return None
+    return anchor.as_strided(((expected - start) // itemsize,), (1,))
+
+
+def packed_copy(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Fresh copies of `leaves`, packed in one new buffer per (device, dtype)."""
+    out: list[torch.Tensor | None] = [None] * len(leaves)
+    for indices in device_groups(leaves):
+        group = [leaves[i] for i in indices]
+        span = _span(group)
+        if span is not None:
+            flat = span.clone()
+        else:
+            total = sum(t.numel() for t in group)
+            flat = torch.empty(total, dtype=group[0].dtype, device=group[0].device)
+            if total:
+                torch.cat([t.reshape(-1) for t in group], out=flat)
+        for i, view in zip(indices, _unflatten_dense_tensors(flat, group)):
+            out[i] = view
+    return out  # type: ignore[return-value]
+
+
+def writable(leaves: Sequence[torch.Tensor], donate: bool) -> list[torch.Tensor]:
+    """Tensors with the values of `leaves` that the step may update in place.
+
+    With `donate`, the caller gave its tensors up, so they are used as they are (a non-contiguous
+    leaf is replaced by a contiguous copy, which kernels need); otherwise they are copied.
+    """
+    return _contiguous(leaves) if donate else packed_copy(leaves)
+
+
+def _contiguous(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    if all(map(torch.Tensor.is_contiguous, leaves)):  # the common case, without a Python loop
+        return leaves
+    return [t if t.is_contiguous() else t.contiguous() for t in leaves]
+
+
+def _check_grads_match(
+    name: str, grads: list[Any], params: list[torch.Tensor], params_tree: PyTree
+) -> None:
+    """Each gradient must be a tensor of its parameter's shape and dtype."""
+    try:
+        same = [g.shape for g in grads] == [p.shape for p in params] and [
+            g.dtype for g in grads
+        ] == [p.dtype for p in params]
+    except AttributeError:
+        same = False
+    if same:
+        return
+    for path, g, p in zip(tree.paths(params_tree), grads, params):
+        if not isinstance(g, torch.Tensor) or g.shape != p.shape or g.dtype != p.dtype:
+            found = (
+                f"{tuple(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__
+            )
+            raise ValueError(
+                f"{name}: grads leaf {path!r} is {found} but the param is "
+                f"{tuple(p.shape)} {p.dtype}; each gradient must match its parameter"
+            )
+
+
+class StepInputs(NamedTuple):
+    """Flattened, checked inputs of one optimizer step."""
+
+    treedef: optree.PyTreeSpec
+    grads: list[torch.Tensor]
+    params: list[torch.Tensor]
+    states: dict[str, list[torch.Tensor] | None]
+
+
+def step_inputs(
+    name: str,
+    grads: PyTree,
+    params: PyTree,
+    states: Mapping[str, PyTree],
+    *,
+    donate: bool,
+    copy_params: bool = True,
+) -> StepInputs:
+    """Flatten and check one step's inputs; params (if `copy_params`) and states made writable.
+
+    `states` maps a state field's name to its per-leaf tree (None for an absent optional
+    field). Every tree must have the structure of `params`; a mismatch raises a ValueError that
+    names both structures.
+    """
+    if params is None:
+        raise ValueError(
+            f"{name}: `params` is required (the update is computed from the current values)"
+        )
+    param_leaves, treedef = tree.flatten(params)
+    grad_leaves = _leaves_like(name, "grads", grads, treedef)
+    _check_grads_match(name, grad_leaves, param_leaves, params)
+    grad_leaves = _contiguous(grad_leaves)
+    state_leaves: dict[str, list[torch.Tensor] | None] = {}
+    for field, state_tree in states.items():
+        if state_tree is None:
+            state_leaves[field] = None
+            continue
+        leaves = _leaves_like(name, f"state.{field}", state_tree, treedef)
+        state_leaves[field] = writable(leaves, donate)
+    if copy_params:
+        param_leaves = writable(param_leaves, donate)
+    return StepInputs(treedef, grad_leaves, param_leaves, state_leaves)
+
+
+def _leaves_like(
+    name: str, what: str, value: PyTree, treedef: optree.PyTreeSpec
+) -> list[torch.Tensor]:
+    leaves, value_def = tree.flatten(value)
+    if value_def != treedef:
+        raise ValueError(
+            f"{name}: `{what}` has structure {value_def} but `params` has structure {treedef}; "
+            "pass trees of the same structure (the state must come from init on these params)"
+        )
+    return leaves
+
+
+def derive_update(
+    apply: Callable[..., tuple[PyTree, Any]],
+) -> Callable[..., tuple[PyTree, Any]]:
+    """An optax-style `update` from an `apply` that produces new params directly."""
+
+    def update(
+        grads: PyTree, state: Any, params: PyTree = None, *, layout: Any = None
+    ) -> tuple[PyTree, Any]:
+        new_params, new_state = apply(grads, state, params, layout=layout, donate=False)
+        return tree.map(torch.sub, new_params, params), new_state
+
+    return update
+
+
+def bias_correction(beta: float, step: int) -> float:
+    """``1 - beta**step`` in Python floats, as torch.optim's single-tensor paths compute it."""
+    return 1 - beta ** float(step)
+
+
+def picker(indices: list[int], total: int) -> Callable[[list[Any] | None], list[Any] | None]:
+    """Select `indices` from a list (None stays None); the identity when they are all of it."""
+    if len(indices) == total:
+        return lambda leaves: leaves
+    return lambda leaves: None if leaves is None else [leaves[i] for i in indices]
+
+
+def unflattener(treedef: optree.PyTreeSpec) -> Callable[[list[Any] | None], PyTree]:
+    """Rebuild trees of structure `treedef` from leaf lists (None for an absent state field)."""
+    return lambda leaves: None if leaves is None else tree.unflatten(treedef, leaves)

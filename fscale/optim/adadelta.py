@@ -1,0 +1,122 @@
+"""Adadelta, bit-exact with torch.optim.Adadelta's single-tensor implementation.
+
+As for `rmsprop`: torch has no fused kernel, so each operation of
+``torch.optim.Adadelta(foreach=False)`` runs as one ``torch._foreach_*`` call over the per-leaf
+views of the flat state buffers (torch's per-tensor kernels, applied tensor by tensor).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from fscale import tree
+from fscale.optim import _core
+from fscale.optim.base import Layout, Optimizer
+
+__all__ = ["AdadeltaState", "adadelta"]
+
+PyTree = Any
+
+
+class AdadeltaState(NamedTuple):
+    """State of `adadelta`; field names follow torch.optim's state keys.
+
+    Attributes:
+        count: number of updates applied so far (a host int64 scalar; torch's ``step``).
+        square_avg: running average of squared gradients, one tensor per param.
+        acc_delta: running average of squared updates, one tensor per param.
+    """
+
+    count: torch.Tensor
+    square_avg: PyTree
+    acc_delta: PyTree
+
+
+def adadelta(
+    lr: _core.LearningRate = 1.0,
+    *,
+    rho: float = 0.9,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    maximize: bool = False,
+) -> Optimizer:
+    """Adadelta (Zeiler, 2012), equal bit for bit to ``torch.optim.Adadelta(foreach=False)``.
+
+    Matches torch's single-tensor implementation (there is no fused Adadelta kernel).
+
+    Args:
+        lr: coefficient of the update, or a schedule ``count -> lr``.
+        rho: decay rate of the running averages, in [0, 1).
+        eps: added inside the square roots, >= 0.
+        weight_decay: L2 penalty added to the gradient, >= 0.
+        maximize: ascend the objective instead of descending.
+
+    Returns:
+        An `Optimizer` whose state is an `AdadeltaState`.
+
+    Raises:
+        ValueError: for negative hyper-parameters or `rho` outside [0, 1).
+    """
+    name = "adadelta"
+    lr_at = _core.learning_rate(name, lr)
+    rho = _core.check_unit_interval(name, "rho", rho)
+    eps = _core.check_non_negative(name, "eps", eps)
+    weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
+    maximize = bool(maximize)
+
+    def init(params: PyTree, *, layout: Layout | None = None) -> AdadeltaState:
+        leaves, treedef = _core.float_leaves(name, params)
+
+        def zeros() -> PyTree:
+            return tree.unflatten(treedef, _core.packed_full(leaves))
+
+        return AdadeltaState(count=_core.new_count(), square_avg=zeros(), acc_delta=zeros())
+
+    def apply(
+        grads: PyTree,
+        state: AdadeltaState,
+        params: PyTree,
+        *,
+        layout: Layout | None = None,
+        donate: bool = False,
+    ) -> tuple[PyTree, AdadeltaState]:
+        _core.check_state(name, state, AdadeltaState)
+        count = _core.read_count(name, state.count)
+        inputs = _core.step_inputs(
+            name,
+            grads,
+            params,
+            {"square_avg": state.square_avg, "acc_delta": state.acc_delta},
+            donate=donate,
+        )
+        lr_now = lr_at(count)
+        square_avg, acc_delta = inputs.states["square_avg"], inputs.states["acc_delta"]
+        params_ = inputs.params
+        if params_:
+            with torch.no_grad():
+                grads_ = inputs.grads
+                if maximize:
+                    grads_ = torch._foreach_neg(grads_)
+                if weight_decay != 0:
+                    grads_ = torch._foreach_add(grads_, params_, alpha=weight_decay)
+                torch._foreach_mul_(square_avg, rho)
+                torch._foreach_addcmul_(square_avg, grads_, grads_, value=1 - rho)
+                std = torch._foreach_add(square_avg, eps)
+                torch._foreach_sqrt_(std)
+                delta = torch._foreach_add(acc_delta, eps)
+                torch._foreach_sqrt_(delta)
+                torch._foreach_div_(delta, std)
+                torch._foreach_mul_(delta, grads_)
+                torch._foreach_mul_(acc_delta, rho)
+                torch._foreach_addcmul_(acc_delta, delta, delta, value=1 - rho)
+                torch._foreach_add_(params_, delta, alpha=-lr_now)
+        unflatten = _core.unflattener(inputs.treedef)
+        return unflatten(params_), AdadeltaState(
+            count=_core.next_count(count),
+            square_avg=unflatten(square_avg),
+            acc_delta=unflatten(acc_delta),
+        )
+
+    return Optimizer(init=init, update=_core.derive_update(apply), apply=apply, pointwise=True)

@@ -1,0 +1,119 @@
+"""Adamax, bit-exact with torch.optim.Adamax's single-tensor implementation.
+
+As for `rmsprop`: torch has no fused kernel, so each operation of
+``torch.optim.Adamax(foreach=False)`` runs as one ``torch._foreach_*`` call over the per-leaf
+views of the flat state buffers (torch's per-tensor kernels, applied tensor by tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from fscale import tree
+from fscale.optim import _core
+from fscale.optim.base import Layout, Optimizer
+
+__all__ = ["AdamaxState", "adamax"]
+
+PyTree = Any
+
+
+class AdamaxState(NamedTuple):
+    """State of `adamax`; field names follow torch.optim's state keys.
+
+    Attributes:
+        count: number of updates applied so far (a host int64 scalar; torch's ``step``).
+        exp_avg: first moment, one tensor per param.
+        exp_inf: exponentially weighted infinity norm, one tensor per param.
+    """
+
+    count: torch.Tensor
+    exp_avg: PyTree
+    exp_inf: PyTree
+
+
+def adamax(
+    lr: _core.LearningRate = 2e-3,
+    *,
+    betas: Sequence[float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    maximize: bool = False,
+) -> Optimizer:
+    """Adamax (Kingma & Ba, 2015, sec. 7), equal bit for bit to ``torch.optim.Adamax``.
+
+    Matches torch's single-tensor implementation (``foreach=False``; there is no fused kernel).
+
+    Args:
+        lr: learning rate, or a schedule ``count -> lr``.
+        betas: decay rates of the first moment and of the infinity norm, each in [0, 1).
+        eps: added to the infinity norm, >= 0.
+        weight_decay: L2 penalty added to the gradient, >= 0.
+        maximize: ascend the objective instead of descending.
+
+    Returns:
+        An `Optimizer` whose state is an `AdamaxState`.
+
+    Raises:
+        ValueError: for negative hyper-parameters or betas outside [0, 1).
+    """
+    name = "adamax"
+    lr_at = _core.learning_rate(name, lr)
+    beta1, beta2 = _core.check_betas(name, betas)
+    eps = _core.check_non_negative(name, "eps", eps)
+    weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
+    maximize = bool(maximize)
+
+    def init(params: PyTree, *, layout: Layout | None = None) -> AdamaxState:
+        leaves, treedef = _core.float_leaves(name, params)
+
+        def zeros() -> PyTree:
+            return tree.unflatten(treedef, _core.packed_full(leaves))
+
+        return AdamaxState(count=_core.new_count(), exp_avg=zeros(), exp_inf=zeros())
+
+    def apply(
+        grads: PyTree,
+        state: AdamaxState,
+        params: PyTree,
+        *,
+        layout: Layout | None = None,
+        donate: bool = False,
+    ) -> tuple[PyTree, AdamaxState]:
+        _core.check_state(name, state, AdamaxState)
+        count = _core.read_count(name, state.count)
+        inputs = _core.step_inputs(
+            name,
+            grads,
+            params,
+            {"exp_avg": state.exp_avg, "exp_inf": state.exp_inf},
+            donate=donate,
+        )
+        lr_now = lr_at(count)
+        exp_avg, exp_inf = inputs.states["exp_avg"], inputs.states["exp_inf"]
+        params_ = inputs.params
+        if params_:
+            with torch.no_grad():
+                grads_ = inputs.grads
+                if maximize:
+                    grads_ = torch._foreach_neg(grads_)
+                if weight_decay != 0:
+                    grads_ = torch._foreach_add(grads_, params_, alpha=weight_decay)
+                torch._foreach_lerp_(exp_avg, grads_, 1 - beta1)
+                torch._foreach_mul_(exp_inf, beta2)
+                bounded = torch._foreach_abs(grads_)
+                torch._foreach_add_(bounded, eps)
+                torch._foreach_maximum_(exp_inf, bounded)
+                step_size = lr_now / _core.bias_correction(beta1, count + 1)
+                torch._foreach_addcdiv_(params_, exp_avg, exp_inf, value=-step_size)
+        unflatten = _core.unflattener(inputs.treedef)
+        return unflatten(params_), AdamaxState(
+            count=_core.next_count(count),
+            exp_avg=unflatten(exp_avg),
+            exp_inf=unflatten(exp_inf),
+        )
+
+    return Optimizer(init=init, update=_core.derive_update(apply), apply=apply, pointwise=True)

@@ -1,0 +1,223 @@
+"""The optimizer type, the sharding layout hook, and the combinators `step` and `chain`.
+
+An `Optimizer` is a NamedTuple of pure functions over explicit pytree state, in the manner of
+optax's ``GradientTransformation``:
+
+- ``init(params, *, layout=None) -> state``
+- ``update(grads, state, params=None, *, layout=None) -> (updates, new_state)``: additive
+  updates, ``new_params = apply_updates(params, updates)``.
+- ``apply(grads, state, params, *, layout=None, donate=False) -> (new_params, new_state)`` or
+  None: the bit-exact path. torch.optim updates parameters with fused multiply-adds
+  (``param.add_(update, alpha=-lr)``), so ``params + updates`` rounded separately differs from
+  it in the last bit; every real optimizer therefore computes new params directly and derives
+  `update` from that. Gradient transforms (clipping, scaling) have ``apply=None``.
+- ``pointwise``: True when every output element depends only on the same element of the grads,
+  params and state, so a sharded wrapper may run the optimizer on any slice unchanged.
+
+`Layout` is how sharded wrappers run non-pointwise optimizers on pieces of tensors: it says
+which piece of which full tensor each leaf is, and how to sum a statistic across the ranks that
+share the pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fscale import tree
+from fscale.tree import Fragment
+
+__all__ = [
+    "EmptyState",
+    "Layout",
+    "Optimizer",
+    "apply_updates",
+    "chain",
+    "step",
+]
+
+PyTree = Any
+
+
+class Optimizer(NamedTuple):
+    """A pair of pure functions (`init`, `update`), an optional exact `apply`, and `pointwise`.
+
+    See the module docstring for the contract of each field. Inputs are never mutated unless
+    ``donate=True`` is passed to `apply` (the caller then gives up `params` and `state`, whose
+    buffers may be updated in place, as torch.optim does).
+    """
+
+    init: Callable[..., Any]
+    update: Callable[..., tuple[PyTree, Any]]
+    apply: Callable[..., tuple[PyTree, Any]] | None
+    pointwise: bool
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+class Layout(NamedTuple):
+    """Where each leaf sits in a full tensor, and how to complete a sum across ranks.
+
+    Args:
+        fragments: a pytree with the params' structure whose leaves are `fscale.tree.Fragment`:
+            the leaf given to the optimizer is elements ``[start, stop)`` (possibly none) of the
+            row-major flattening of a full tensor of ``shape``, as a 1-D tensor.
+        all_reduce: ``t -> t`` summing a tensor across the ranks that share the pieces; a
+            sharded wrapper passes ``lambda t: fscale.dist.all_reduce(t, axis)``.
+
+    Non-pointwise optimizers compute partial statistics over their fragments and complete them
+    with one batched `all_reduce` per reduction round; pointwise ones ignore the layout.
+    ``layout=None`` means every leaf is a whole, local tensor.
+    """
+
+    fragments: PyTree
+    all_reduce: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _is_fragment(x: Any) -> bool:
+    return isinstance(x, Fragment)
+
+
+def resolve_layout(
+    name: str, layout: Layout | None, leaves: list[torch.Tensor], treedef: optree.PyTreeSpec
+) -> tuple[list[Fragment], Callable[[torch.Tensor], torch.Tensor]]:
+    """Per-leaf fragments and the all-reduce of `layout` (whole local tensors when None)."""
+    if layout is None:
+        return [Fragment(t.shape, 0, t.numel()) for t in leaves], _identity
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{name}: `layout` must be an fscale.optim.Layout, got {type(layout)}")
+    fragments, fragments_def = optree.tree_flatten(
+        layout.fragments, is_leaf=_is_fragment, none_is_leaf=False
+    )
+    if fragments_def != treedef or not all(map(_is_fragment, fragments)):
+        raise ValueError(
+            f"{name}: `layout.fragments` has structure {fragments_def} but the params have "
+            f"structure {treedef}; give one fscale.tree.Fragment per parameter leaf"
+        )
+    for i, (frag, leaf) in enumerate(zip(fragments, leaves)):
+        if leaf.numel() != frag.numel or not 0 <= frag.start <= frag.stop <= frag.shape.numel():
+            raise ValueError(
+                f"{name}: leaf {i} has {leaf.numel()} elements but its fragment is {frag}; "
+                "a leaf must hold exactly elements [start, stop) of a tensor of `shape`"
+            )
+    return list(fragments), layout.all_reduce
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """``params + updates`` leaf by leaf, in the params' dtypes (new tensors).
+
+    Raises:
+        ValueError: if the two trees have different structures.
+    """
+    with torch.no_grad():
+        return tree.map(lambda p, u: p + u.to(p.dtype), params, updates)
+
+
+def step(
+    optimizer: Optimizer,
+    grads: PyTree,
+    state: Any,
+    params: PyTree,
+    *,
+    layout: Layout | None = None,
+    donate: bool = False,
+) -> tuple[PyTree, Any]:
+    """One optimizer step: ``(new_params, new_state)``.
+
+    Uses ``optimizer.apply`` (bit-exact, in place on donated buffers) when present, else
+    ``update`` followed by `apply_updates`.
+
+    Args:
+        optimizer: the optimizer.
+        grads, state, params: the gradients, the optimizer state and the current params.
+        layout: where each leaf sits in a full tensor, for sharded callers (see `Layout`).
+        donate: give `params` and `state` up so their buffers may be updated in place.
+
+    Returns:
+        The new params and the new state.
+    """
+    if optimizer.apply is not None:
+        return optimizer.apply(grads, state, params, layout=layout, donate=donate)
+    updates, new_state = optimizer.update(grads, state, params, layout=layout)
+    return apply_updates(params, updates), new_state
+
+
+def chain(*optimizers: Optimizer) -> Optimizer:
+    """Run gradients through `optimizers` in order; the last one produces the new params.
+
+    ``chain(clip_by_global_norm(1.0), adamw(3e-4))`` clips then applies AdamW exactly. The state
+    is a tuple of the states in argument order. ``chain.apply`` is the last optimizer's `apply`
+    after the others' `update` (None if the last has no `apply`).
+
+    Raises:
+        ValueError: if no optimizer is given.
+        TypeError: if an argument is not an `Optimizer`.
+    """
+    if not optimizers:
+        raise ValueError("chain: give at least one optimizer")
+    for i, opt in enumerate(optimizers):
+        if not isinstance(opt, Optimizer):
+            raise TypeError(f"chain: argument {i} is a {type(opt).__name__}, not an Optimizer")
+
+    def init(params: PyTree, *, layout: Layout | None = None) -> tuple[Any, ...]:
+        return tuple(opt.init(params, layout=layout) for opt in optimizers)
+
+    def check(state: Any) -> None:
+        if not isinstance(state, tuple) or len(state) != len(optimizers):
+            raise ValueError(
+                f"chain: `state` must be the tuple of {len(optimizers)} states that init "
+                f"returned, got {type(state).__name__}"
+            )
+
+    def update(
+        grads: PyTree, state: tuple[Any, ...], params: PyTree = None, *, layout: Layout | None = None
+    ) -> tuple[PyTree, tuple[Any, ...]]:
+        check(state)
+        new_states = []
+        for opt, opt_state in zip(optimizers, state):
+            grads, opt_state = opt.update(grads, opt_state, params, layout=layout)
+            new_states.append(opt_state)
+        return grads, tuple(new_states)
+
+    last = optimizers[-1]
+    head = optimizers[:-1]
+
+    def head_update(
+        grads: PyTree, state: tuple[Any, ...], params: PyTree, *, layout: Layout | None
+    ) -> tuple[PyTree, tuple[Any, ...]]:
+        new_states = []
+        for opt, opt_state in zip(head, state):
+            grads, opt_state = opt.update(grads, opt_state, params, layout=layout)
+            new_states.append(opt_state)
+        return grads, tuple(new_states)
+
+    def chained_apply(
+        grads: PyTree,
+        state: tuple[Any, ...],
+        params: PyTree,
+        *,
+        layout: Layout | None = None,
+        donate: bool = False,
+    ) -> tuple[PyTree, tuple[Any, ...]]:
+        check(state)
+        grads, head_states = head_update(grads, state[:-1], params, layout=layout)
+        new_params, last_state = last.apply(  # type: ignore[misc]
+            grads, state[-1], params, layout=layout, donate=donate
+        )
+        return new_params, (*head_states, last_state)
+
+    return Optimizer(
+        init=init,
+        update=update,
+        apply=chained_apply if last.apply is not None else None,
+        pointwise=all(opt.pointwise for opt in optimizers),
+    )

@@ -1,0 +1,128 @@
+"""SGD with momentum on torch's fused kernel, bit-exact with ``torch.optim.SGD(fused=True)``."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from fscale import tree
+from fscale.optim import _core
+from fscale.optim.base import Layout, Optimizer
+
+__all__ = ["SGDState", "sgd"]
+
+PyTree = Any
+
+
+class SGDState(NamedTuple):
+    """State of `sgd`; field names follow torch.optim's state keys.
+
+    Attributes:
+        count: number of updates applied so far (a host int64 scalar).
+        momentum_buffer: the velocity, one tensor per param (views of one buffer per dtype),
+            or None when ``momentum == 0`` (as torch.optim stores it).
+    """
+
+    count: torch.Tensor
+    momentum_buffer: PyTree
+
+
+def sgd(
+    lr: _core.LearningRate,
+    *,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    maximize: bool = False,
+) -> Optimizer:
+    """Stochastic gradient descent, equal bit for bit to ``torch.optim.SGD(..., fused=True)``.
+
+    Matches torch's fused implementation (``torch._fused_sgd_``) called once per device and
+    dtype on the per-parameter views of the flat momentum buffer. As in torch, the first step
+    sets the momentum buffer to the gradient (no dampening), later ones to
+    ``momentum * buf + (1 - dampening) * grad``.
+
+    Args:
+        lr: learning rate, or a schedule ``count -> lr``.
+        momentum: momentum factor, >= 0.
+        dampening: dampening of the momentum, >= 0.
+        nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+        weight_decay: L2 penalty added to the gradient, >= 0.
+        maximize: ascend the objective instead of descending.
+
+    Returns:
+        An `Optimizer` whose state is an `SGDState`.
+
+    Raises:
+        ValueError: for negative hyper-parameters, or `nesterov` without momentum or with
+            dampening.
+
+    Example:
+        >>> import torch, fscale.optim as optim
+        >>> params = [torch.zeros(2)]
+        >>> opt = optim.sgd(0.5, momentum=0.9)
+        >>> params, state = optim.step(opt, [torch.ones(2)], opt.init(params), params)
+        >>> params[0]
+        tensor([-0.5000, -0.5000])
+    """
+    name = "sgd"
+    lr_at = _core.learning_rate(name, lr)
+    momentum = _core.check_non_negative(name, "momentum", momentum)
+    dampening = _core.check_non_negative(name, "dampening", dampening)
+    weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
+    nesterov, maximize = bool(nesterov), bool(maximize)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(
+            f"sgd: Nesterov momentum needs momentum > 0 and dampening == 0, got "
+            f"momentum={momentum}, dampening={dampening}"
+        )
+    has_buffer = momentum != 0
+
+    def init(params: PyTree, *, layout: Layout | None = None) -> SGDState:
+        leaves, treedef = _core.float_leaves(name, params)
+        buffer = tree.unflatten(treedef, _core.packed_full(leaves)) if has_buffer else None
+        return SGDState(count=_core.new_count(), momentum_buffer=buffer)
+
+    def apply(
+        grads: PyTree,
+        state: SGDState,
+        params: PyTree,
+        *,
+        layout: Layout | None = None,
+        donate: bool = False,
+    ) -> tuple[PyTree, SGDState]:
+        _core.check_state(name, state, SGDState)
+        count = _core.read_count(name, state.count)
+        inputs = _core.step_inputs(
+            name,
+            grads,
+            params,
+            {"momentum_buffer": state.momentum_buffer if has_buffer else None},
+            donate=donate,
+        )
+        lr_now = lr_at(count)
+        buffers = inputs.states["momentum_buffer"]
+        with torch.no_grad():
+            for idx in _core.device_groups(inputs.params):
+                pick = _core.picker(idx, len(inputs.params))
+                torch._fused_sgd_(
+                    pick(inputs.params),
+                    pick(inputs.grads),
+                    pick(buffers) if has_buffer else [],
+                    weight_decay=weight_decay,
+                    momentum=momentum,
+                    lr=lr_now,
+                    dampening=dampening,
+                    nesterov=nesterov,
+                    maximize=maximize,
+                    # torch starts the buffer as a copy of the first gradient
+                    is_first_step=has_buffer and count == 0,
+                )
+        unflatten = _core.unflattener(inputs.treedef)
+        return unflatten(inputs.params), SGDState(
+            count=_core.next_count(count), momentum_buffer=unflatten(buffers)
+        )
+
+    return Optimizer(init=init, update=_core.derive_update(apply), apply=apply, pointwise=True)

@@ -1,0 +1,83 @@
+"""Gradient transformations without an exact `apply`: global-norm clipping and scaling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fscale import tree
+from fscale.optim import _core
+from fscale.optim.base import EmptyState, Layout, Optimizer, resolve_layout
+
+__all__ = ["clip_by_global_norm", "scale"]
+
+PyTree = Any
+
+
+def clip_by_global_norm(max_norm: float) -> Optimizer:
+    """Scale the gradients so that their global L2 norm is at most `max_norm`.
+
+    The coefficient is ``min(1, max_norm / (norm + 1e-6))``, as in
+    ``torch.nn.utils.clip_grad_norm_``. Under a `Layout` the squared norm is summed over the
+    rank's fragments and completed with one ``all_reduce`` of a one-element tensor.
+
+    Args:
+        max_norm: the largest allowed global norm, >= 0.
+
+    Returns:
+        An `Optimizer` with ``apply=None``; chain it before an optimizer:
+        ``chain(clip_by_global_norm(1.0), adamw(3e-4))``.
+
+    Raises:
+        ValueError: for a negative `max_norm`.
+    """
+    name = "clip_by_global_norm"
+    max_norm = _core.check_non_negative(name, "max_norm", max_norm)
+
+    def init(params: PyTree, *, layout: Layout | None = None) -> EmptyState:
+        return EmptyState()
+
+    def update(
+        grads: PyTree, state: EmptyState, params: PyTree = None, *, layout: Layout | None = None
+    ) -> tuple[PyTree, EmptyState]:
+        leaves, treedef = tree.flatten(grads)
+        if not leaves:
+            return grads, state
+        _, all_reduce = resolve_layout(name, layout, leaves, treedef)
+        with torch.no_grad():
+            device = leaves[0].device
+            squares = sum(
+                torch.dot(g.reshape(-1).float(), g.reshape(-1).float()).to(device) for g in leaves
+            )
+            norm = all_reduce(squares.reshape(1)).sqrt()
+            coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            clipped = [g * coefficient.to(g) for g in leaves]
+        return tree.unflatten(treedef, clipped), state
+
+    return Optimizer(init=init, update=update, apply=None, pointwise=False)
+
+
+def scale(factor: float) -> Optimizer:
+    """Multiply the gradients by `factor` (any float; e.g. -1 to turn them into a descent step).
+
+    Returns:
+        A pointwise `Optimizer` with ``apply=None``.
+
+    Raises:
+        TypeError: if `factor` is not a number.
+    """
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise TypeError(f"scale: `factor` must be a number, got {type(factor).__name__}")
+    factor = float(factor)
+
+    def init(params: PyTree, *, layout: Layout | None = None) -> EmptyState:
+        return EmptyState()
+
+    def update(
+        grads: PyTree, state: EmptyState, params: PyTree = None, *, layout: Layout | None = None
+    ) -> tuple[PyTree, EmptyState]:
+        with torch.no_grad():
+            return tree.map(lambda g: g * factor, grads), state
+
+    return Optimizer(init=init, update=update, apply=None, pointwise=True)

@@ -1,0 +1,233 @@
+"""Gradient buckets: group leaves into flat buffers and act on each as soon as it is complete.
+
+Data parallelism and ZeRO reduce gradients bucket by bucket *during* backward, so the reduction
+of one bucket overlaps the computation of the next, and one collective moves many tensors
+(one collective per tensor costs 10-15% on this kind of machine; see DESIGN.md).
+
+Buckets are filled in reverse leaf order, because backward produces the gradients of the last
+layers first. A bucket holds leaves of one dtype and device; a leaf larger than the cap gets a
+bucket of its own. Each bucket is a `FlatBuffer` padded to a multiple of the number of shards,
+so reduce-scatter gives every rank an equal slice.
+
+`GradBuckets.hooks()` returns one hook per leaf for `fscale.train.value_and_grad`: the hook
+copies the leaf's gradient into its bucket's flat buffer (the gradient then lives only there) and
+calls ``on_ready(bucket)`` once every leaf of the bucket has arrived. Autograd runs a leaf's hook
+as soon as that leaf's gradient is final, which is what makes the overlap possible.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fscale import tree
+from fscale.tree import FlatBuffer
+
+__all__ = ["Bucket", "GradBuckets", "assign_buckets", "forward_order"]
+
+
+class Bucket:
+    """A group of leaves packed into one flat buffer layout.
+
+    Attributes:
+        index: position of the bucket in reduction order (0 = first to complete in backward).
+        leaf_indices: indices into the flattened parameter list, in packing order.
+        layout: `FlatBuffer` describing the packing (shapes and offsets only: its ``data``
+            is on the meta device; ``layout.device`` is where the real buffers live).
+    """
+
+    def __init__(self, index: int, leaf_indices: list[int], layout: FlatBuffer) -> None:
+        self.index = index
+        self.leaf_indices = leaf_indices
+        self.layout = layout
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    def __repr__(self) -> str:
+        return f"Bucket({self.index}, leaves={self.leaf_indices}, {self.layout.numel} elements)"
+
+
+def assign_buckets(
+    leaves: Sequence[torch.Tensor],
+    bucket_bytes: int,
+    num_shards: int = 1,
+    order: Sequence[int] | None = None,
+) -> list[Bucket]:
+    """Group `leaves` into buckets of at most `bucket_bytes`, last-used leaves first.
+
+    Only the leaves' shapes, dtypes and devices matter; the result is cached for a given
+    signature, so calling this every step costs a dictionary look-up. The buckets' layouts
+    hold no memory (their ``data`` lives on the meta device).
+
+    Args:
+        leaves: the parameter leaves.
+        bucket_bytes: cap on a bucket's size in bytes; a larger leaf gets its own bucket.
+        num_shards: each bucket is padded to a multiple of this.
+        order: leaf indices in the order the forward pass uses them (default: leaf order);
+            see `forward_order`.
+
+    Returns:
+        Buckets in the order backward completes them.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"`bucket_bytes` must be positive, got {bucket_bytes}")
+    signature = tuple((tuple(t.shape), t.dtype, t.device) for t in leaves)
+    order = tuple(range(len(leaves))) if order is None else tuple(order)
+    if sorted(order) != list(range(len(leaves))):
+        raise ValueError("assign_buckets: `order` must be a permutation of the leaf indices")
+    return _assign_buckets(signature, bucket_bytes, num_shards, order)
+
+
+def forward_order(params: Any) -> list[int]:
+    """Leaf indices of `params` in the order a model most likely uses them.
+
+    optree visits dict keys sorted, but `functionalize` returns the parameters in module
+    registration order, which is (for sequential models) the order of use; buckets built in the
+    reverse of that order complete earliest in backward. For a dict, this returns the leaf
+    indices in key insertion order; for any other tree, leaf order.
+    """
+    paths = tree.paths(params)
+    if not isinstance(params, dict):
+        return list(range(len(paths)))
+    position = {path: i for i, path in enumerate(paths)}
+    ordered: list[int] = []
+    for key in params:
+        prefix = str(key)
+        ordered.extend(i for p, i in position.items() if p == prefix or p.startswith(prefix + "."))
+    seen = set()
+    return [i for i in ordered if not (i in seen or seen.add(i))]
+
+
+@functools.lru_cache(maxsize=64)
+def _assign_buckets(
+    signature: tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...],
+    bucket_bytes: int,
+    num_shards: int,
+    order: tuple[int, ...],
+) -> list[Bucket]:
+    groups: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    current_kind: tuple[torch.dtype, torch.device] | None = None
+    for i in reversed(order):
+        shape, dtype, device = signature[i]
+        kind = (dtype, device)
+        size = torch.Size(shape).numel() * dtype.itemsize
+        if current and (kind != current_kind or current_bytes + size > bucket_bytes):
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(i)
+        current_bytes += size
+        current_kind = kind
+    if current:
+        groups.append(current)
+    buckets = []
+    for b, indices in enumerate(groups):
+        shapes = [torch.empty(signature[i][0], dtype=signature[i][1], device="meta") for i in indices]
+        total = sum(t.numel() for t in shapes)
+        padded = -(-max(total, 1) // num_shards) * num_shards
+        layout = FlatBuffer(
+            shapes, num_shards, data=torch.empty(padded, dtype=shapes[0].dtype, device="meta")
+        )
+        layout.device = signature[indices[0]][2]  # where the bucket's real buffers live
+        buckets.append(Bucket(b, indices, layout))
+    return buckets
+
+
+class GradBuckets:
+    """Per-step collector that writes leaf gradients into bucket buffers.
+
+    Args:
+        buckets: from `assign_buckets`.
+        num_leaves: the number of parameter leaves.
+        on_ready: called as ``on_ready(bucket, flat_grad)`` when every leaf of a bucket has
+            its gradient; `flat_grad` is the bucket's padded flat gradient buffer.
+        keep_grads: when True (the default) each hook returns a view into the bucket buffer,
+            so the gradients autograd hands back *are* the bucket contents (no second copy);
+            when False it returns a stride-0 zero that holds no memory, for strategies that
+            keep only a reduced shard of each bucket.
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[Bucket],
+        num_leaves: int,
+        on_ready: Callable[[Bucket, torch.Tensor], None],
+        *,
+        keep_grads: bool = True,
+    ) -> None:
+        self.buckets = list(buckets)
+        self.on_ready = on_ready
+        self.keep_grads = keep_grads
+        self._where: list[tuple[int, int] | None] = [None] * num_leaves
+        for bucket in self.buckets:
+            for slot, leaf in enumerate(bucket.leaf_indices):
+                self._where[leaf] = (bucket.index, slot)
+        self._data: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._delivered = [[False] * len(b.leaf_indices) for b in self.buckets]
+        self._pending = [len(b.leaf_indices) for b in self.buckets]
+
+    def hooks(self) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
+        """One hook per leaf (None for leaves in no bucket)."""
+        return [
+            None if where is None else self._make_hook(*where) for where in self._where
+        ]
+
+    def _make_hook(self, bucket_index: int, slot: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            return self._deliver(bucket_index, slot, grad)
+
+        return hook
+
+    def _deliver(self, bucket_index: int, slot: int, grad: torch.Tensor) -> torch.Tensor:
+        bucket = self.buckets[bucket_index]
+        layout = bucket.layout
+        data = self._data[bucket_index]
+        if data is None:
+            # Zero only the padding: every real element is overwritten by a gradient.
+            data = _new_buffer(layout, torch.empty)
+            data[layout.numel_unpadded :].zero_()
+            self._data[bucket_index] = data
+        offset, numel = layout.offsets[slot], layout.numels[slot]
+        target = data[offset : offset + numel].view(layout.shapes[slot])
+        target.copy_(grad)
+        self._delivered[bucket_index][slot] = True
+        self._pending[bucket_index] -= 1
+        if self._pending[bucket_index] == 0:
+            self.on_ready(bucket, data)
+        if self.keep_grads:
+            return target
+        return grad.new_zeros(()).expand(grad.shape)
+
+    def flush(self) -> None:
+        """Deliver buckets whose leaves got no gradient hook call (unused leaves) as zeros.
+
+        Autograd does not run hooks for leaves the loss does not depend on, so a bucket with
+        such a leaf would never complete; every rank must still issue the same collectives.
+        """
+        for bucket in self.buckets:
+            if self._pending[bucket.index] == 0:
+                continue
+            data = self._data[bucket.index]
+            if data is None:
+                data = _new_buffer(bucket.layout, torch.zeros)
+                self._data[bucket.index] = data
+            layout = bucket.layout
+            for slot, delivered in enumerate(self._delivered[bucket.index]):
+                if not delivered:  # never written: holds uninitialised memory
+                    offset = layout.offsets[slot]
+                    data[offset : offset + layout.numels[slot]].zero_()
+            self._pending[bucket.index] = 0
+            self.on_ready(bucket, data)
+
+    def bucket_data(self, bucket_index: int) -> torch.Tensor | None:
+        return self._data[bucket_index]
+
+
+def _new_buffer(layout: FlatBuffer, make: Callable[..., torch.Tensor]) -> torch.Tensor:
+    return make(layout.numel, dtype=layout.dtype, device=layout.device)

@@ -1,0 +1,145 @@
+"""What every parallel plan needs: argument checks, cross-rank agreement, metrics reduction."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fscale import tree
+from fscale.dist import collectives
+from fscale.dist.mesh import Mesh
+
+__all__ = [
+    "broadcast_tree",
+    "check_axis",
+    "check_same_on_all_ranks",
+    "describe_tree",
+    "mean_floating_leaves",
+    "reduce_metrics",
+]
+
+
+def check_axis(mesh: Any, axis: str, caller: str) -> None:
+    """`mesh` is a Mesh with an axis called `axis`; else a clear error."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{caller}: `mesh` must be an fscale.Mesh (e.g. fscale.Mesh(dp=2)), got "
+            f"{type(mesh).__name__}"
+        )
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"{caller}: the mesh has no axis {axis!r}; its axes are {mesh.axis_names}. "
+            f"Build it with that axis, e.g. fscale.Mesh({axis}=world_size), or pass axis=..."
+        )
+
+
+def describe_tree(values: Any) -> list[str]:
+    """One line per leaf: path, shape and dtype (what ranks must agree on)."""
+    paths, leaves, _ = tree.flatten_with_paths(values)
+    return [
+        f"{p}: {tuple(leaf.shape)} {str(leaf.dtype).replace('torch.', '')}"
+        if isinstance(leaf, torch.Tensor)
+        else f"{p}: {type(leaf).__name__}"
+        for p, leaf in zip(paths, leaves)
+    ]
+
+
+def check_same_on_all_ranks(mesh: Mesh, axis: str, lines: list[str], what: str, caller: str) -> None:
+    """Raise on every rank when ranks of `axis` describe `what` differently.
+
+    Ranks exchange a digest of `lines` (cheap); on a mismatch they exchange the lines and the
+    error names the first difference, so a bad configuration fails at once instead of hanging
+    in a collective whose shapes disagree.
+    """
+    group = mesh.group(axis)
+    if group is None:
+        return
+    digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
+    digests: list[Any] = [None] * mesh.size(axis)
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) == 1:
+        return
+    all_lines: list[Any] = [None] * mesh.size(axis)
+    dist.all_gather_object(all_lines, lines, group=group)
+    reference = all_lines[0]
+    for index, other in enumerate(all_lines):
+        if other == reference:
+            continue
+        detail = _first_difference(reference, other)
+        raise ValueError(
+            f"{caller}: the ranks along axis {axis!r} disagree on {what}: rank 0 and rank "
+            f"{index} of the axis differ — {detail}. Every rank must build the same model "
+            "(same shapes, dtypes and pytree structure)."
+        )
+
+
+def _first_difference(a: list[str], b: list[str]) -> str:
+    for x, y in zip(a, b):
+        if x != y:
+            return f"{x!r} vs {y!r}"
+    return f"{len(a)} leaves vs {len(b)} leaves"
+
+
+def broadcast_tree(values: Any, mesh: Mesh, axis: str) -> Any:
+    """Copies of the tensor leaves of `values` holding the values of index 0 along `axis`.
+
+    Used once at init (as torch DDP does at construction) so every rank starts from the same
+    parameters; the input tensors are not modified.
+    """
+    group = mesh.group(axis)
+    if group is None:
+        return values
+    source = mesh.global_rank(axis, 0)
+
+    def copy_from_source(leaf: torch.Tensor) -> torch.Tensor:
+        out = leaf.detach().clone()
+        dist.broadcast(out, src=source, group=group)
+        return out
+
+    return tree.map(copy_from_source, values)
+
+
+def mean_floating_leaves(values: Any, mesh: Mesh, axis: str) -> Any:
+    """Average the floating-point tensor leaves over `axis` (integer leaves are kept as is).
+
+    One collective for all leaves of a dtype: they are packed into one flat buffer first.
+    """
+    if mesh.size(axis) == 1:
+        return values
+    leaves, treedef = tree.flatten(values)
+    floating = [i for i, leaf in enumerate(leaves) if leaf.is_floating_point()]
+    out = list(leaves)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i in floating:
+        by_dtype.setdefault(leaves[i].dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = torch.cat([leaves[i].detach().reshape(-1) for i in indices])
+        flat = collectives.all_reduce(flat, axis, "mean", mesh=mesh)
+        offset = 0
+        for i in indices:
+            n = leaves[i].numel()
+            out[i] = flat[offset : offset + n].view(leaves[i].shape)
+            offset += n
+    return tree.unflatten(treedef, out)
+
+
+def reduce_metrics(metrics: dict[str, Any], mesh: Mesh, axis: str) -> dict[str, Any]:
+    """Mean of the scalar floating-point metrics over `axis`, in one collective."""
+    if mesh.size(axis) == 1:
+        return metrics
+    names = [
+        k
+        for k, v in metrics.items()
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()
+    ]
+    if not names:
+        return metrics
+    stacked = torch.stack([metrics[k].detach().reshape(()).float() for k in names])
+    stacked = collectives.all_reduce(stacked, axis, "mean", mesh=mesh)
+    reduced = dict(metrics)
+    for i, k in enumerate(names):
+        reduced[k] = stacked[i].to(metrics[k].dtype)
+    return reduced

@@ -1,0 +1,26 @@
+"""Tools for testing distributed code: a persistent pool of ranks and pytree assertions.
+
+- `run_spmd(fn, world_size, *args, **kwargs)` runs a module-level function on every rank of a
+  shared, persistent pool of gloo processes and returns the per-rank results; `RankPool` is
+  the pool itself, for callers that want their own. A failure on any rank raises `RankError`
+  with the rank's traceback. See `fscale.testing.pool` for how to property-test a strategy
+  with hypothesis (draw the case in the test, pass it to every rank as arguments).
+- `assert_trees_equal` / `assert_trees_close` compare pytrees leaf by leaf and name the leaf
+  path, the largest errors and the worst element when they differ.
+"""
+
+from fscale.dist.launch import RankError as RankError
+from fscale.dist.launch import RankTimeoutError as RankTimeoutError
+from fscale.testing.assertions import assert_trees_close as assert_trees_close
+from fscale.testing.assertions import assert_trees_equal as assert_trees_equal
+from fscale.testing.pool import RankPool as RankPool
+from fscale.testing.pool import run_spmd as run_spmd
+
+__all__ = [
+    "RankError",
+    "RankPool",
+    "RankTimeoutError",
+    "assert_trees_close",
+    "assert_trees_equal",
+    "run_spmd",
+]

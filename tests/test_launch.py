@@ -1,0 +1,195 @@
+"""fscale.dist.launch: spawned ranks, their results and failures; joining a launcher's group."""
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fscale.dist.launch import (
+    RankError,
+    RankInfo,
+    RankTimeoutError,
+    init,
+    launch,
+    rank,
+    world_size,
+)
+
+
+# Functions run on the ranks; module level so that the ranks can import them.
+
+
+def _report(offset, big):
+    total = torch.tensor([float(rank() + offset)])
+    dist.all_reduce(total)
+    view = big[rank() :: 100]  # a view into a large storage
+    return {
+        "rank": rank(),
+        "world_size": world_size(),
+        "total": total,
+        "view": view,
+        "threads": torch.get_num_threads(),
+        "env": os.environ.get("FSCALE_TEST_VALUE"),
+        "backend": dist.get_backend(),
+    }
+
+
+def _raise_on_rank_1():
+    if dist.get_rank() == 1:
+        raise ValueError("bad input on rank 1")
+    dist.barrier()  # rank 0 waits here for a peer that never comes
+    return "unreachable"
+
+
+def _hang_on_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    return dist.get_rank()
+
+
+def _rejoin_with_init(port):
+    # Leave the group `launch` made and join a new one the way a rank under torchrun does.
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    info = init(backend="gloo", timeout=30)
+    again = init()  # already initialised: unchanged
+    total = torch.tensor([info.rank + 1.0])
+    dist.all_reduce(total)
+    return info, again, total, dist.get_world_size()
+
+
+def _nested_owner():
+    def nested():
+        return 0
+
+    return nested
+
+
+# Tests
+
+
+def test_launch_returns_each_rank_result_in_rank_order():
+    big = torch.arange(1000.0)
+    results = launch(_report, 2, 10.0, big, env={"FSCALE_TEST_VALUE": "seen"})
+
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world_size"] == 2 for r in results)
+    assert all(r["backend"] == "gloo" for r in results)
+    assert all(torch.equal(r["total"], torch.tensor([21.0])) for r in results)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert all(r["threads"] == max(1, cpus // 2) for r in results)
+    assert all(r["env"] == "seen" for r in results)
+    for rank_id, result in enumerate(results):
+        assert torch.equal(result["view"], big[rank_id::100])
+        # The view was copied out of its storage before pickling, not shipped with all of it.
+        assert result["view"].untyped_storage().nbytes() == 10 * 4
+
+
+def test_launch_with_one_rank_still_forms_a_group():
+    (result,) = launch(_report, 1, 1.0, torch.zeros(1))
+    assert result["rank"] == 0 and result["world_size"] == 1
+    assert torch.equal(result["total"], torch.tensor([1.0]))
+
+
+def test_exception_on_one_rank_is_raised_promptly_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1 of 2 failed") as caught:
+        launch(_raise_on_rank_1, 2, pg_timeout=120.0)
+    elapsed = time.monotonic() - start
+
+    error = caught.value
+    assert error.first_failed == 1
+    assert "ValueError: bad input on rank 1" in error.failures[1]
+    assert "_raise_on_rank_1" in error.failures[1]  # the user's frame is in the traceback
+    assert "ValueError: bad input on rank 1" in str(error)
+    # Rank 0 was blocked in a barrier: it must be stopped, not left to the 120 s group timeout.
+    assert elapsed < 60
+
+
+def test_hanging_rank_is_killed_at_the_timeout_and_named():
+    start = time.monotonic()
+    pattern = r"rank\(s\) \[(0, )?1\] of 2 did not finish"
+    with pytest.raises(RankTimeoutError, match=pattern) as caught:
+        launch(_hang_on_rank_1, 2, timeout=6.0)
+    elapsed = time.monotonic() - start
+
+    # Rank 0 is listed too only if this host was too busy to start it within the timeout;
+    # the pool's test checks the exact list (its timeout excludes start-up).
+    assert 1 in caught.value.unfinished
+    assert isinstance(caught.value, RankError)
+    assert elapsed < 6.0 + 10.0
+
+
+def test_init_joins_the_group_a_launcher_describes():
+    with socket.socket() as probe:  # a free port for the new group's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = launch(_rejoin_with_init, 2, port)
+    for rank_id, (info, again, total, size) in enumerate(results):
+        assert info == RankInfo(rank=rank_id, world_size=2, local_rank=rank_id)
+        assert again == info
+        assert torch.equal(total, torch.tensor([3.0]))
+        assert size == 2
+
+
+def test_init_without_a_launcher_is_a_single_process(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert init() == RankInfo(rank=0, world_size=1, local_rank=0)
+    assert not dist.is_initialized()
+    assert rank() == 0
+    assert world_size() == 1
+
+
+def test_init_reports_an_incomplete_launcher_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ValueError, match=r"init: WORLD_SIZE=2 .*MASTER_ADDR.*torchrun"):
+        init()
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE='two' is not an integer"):
+        init()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(ValueError, match=r"RANK=5 is outside \[0, WORLD_SIZE=2\)"):
+        init()
+    with pytest.raises(ValueError, match=r"`backend` must be one of"):
+        init(backend="mpi")
+
+
+def test_lambda_and_nested_functions_are_refused_before_spawning():
+    with pytest.raises(TypeError, match=r"launch: `fn` is a lambda .*module level"):
+        launch(lambda: 0, 2)
+    with pytest.raises(TypeError, match=r"launch: `fn` is a nested function"):
+        launch(_nested_owner(), 2)
+    with pytest.raises(TypeError, match=r"`fn` must be callable"):
+        launch(42, 2)
+
+
+def test_bad_arguments_are_refused_before_spawning():
+    with pytest.raises(TypeError, match=r"arguments for _report cannot be pickled"):
+        launch(_report, 2, threading.Lock(), torch.zeros(1))
+    with pytest.raises(ValueError, match=r"`world_size` must be an integer >= 1, got 0"):
+        launch(_report, 0)
+    with pytest.raises(ValueError, match=r"`timeout` must be a positive number"):
+        launch(_report, 2, timeout=0)
+    with pytest.raises(ValueError, match=r"`pg_timeout` must be a positive number"):
+        launch(_report, 2, pg_timeout=float("inf"))
+    with pytest.raises(ValueError, match=r"`env` must map str to str"):
+        launch(_report, 2, env={"X": 1})
+    with pytest.raises(ValueError, match=r"`backend` must be one of \('gloo', 'nccl'\)"):
+        launch(_report, 2, backend="mpi")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 64, reason="needs fewer GPUs than ranks")
+def test_nccl_without_enough_gpus_is_refused():
+    with pytest.raises(ValueError, match=r"backend='nccl' needs one GPU per rank"):
+        launch(_report, 64, backend="nccl")
