@@ -13,6 +13,9 @@ are taken with ``torch.autograd.grad`` over detached copies-free leaves of the p
 them with ``torch.func.grad_and_value`` instead, for users who need higher-order gradients of
 the step (it builds a second-order graph: about 2x the peak memory of the default path).
 
+Metrics: ``loss`` (the mean loss), the loss_fn's extra metrics, and ``grad_bytes``: the bytes of
+gradient storage this rank held for the update (exact, see `fscale.memory.tree_bytes`).
+
 Randomness comes from the state's key folded with the step count (and, under data
 parallelism, the rank's mesh coordinate), so a run is reproducible from its state alone.
 """
@@ -28,6 +31,7 @@ import torch
 from fscale import optim as optim_lib
 from fscale import random as fsrandom
 from fscale import tree
+from fscale.memory import tree_bytes
 
 __all__ = ["LossFn", "Plan", "Step", "TrainState", "train_step", "value_and_grad"]
 
@@ -172,7 +176,7 @@ class LocalPlan:
             step.optimizer, grads, state.opt_state, state.params, donate=step.donate
         )
         new_state = TrainState(params, out.buffers, opt_state, state.step + 1, state.key)
-        return new_state, {"loss": out.loss, **out.metrics}
+        return new_state, {"loss": out.loss, **out.metrics, "grad_bytes": tree_bytes(grads)}
 
     def __repr__(self) -> str:
         return "local"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fscale.dist.launch import rank, world_size
+from fscale.dist.spawn import rank, world_size
 from fscale.testing import (
     RankError,
     RankPool,

@@ -21,10 +21,12 @@ from fscale.dist.collectives import reduce_scatter_start as reduce_scatter_start
 from fscale.dist.collectives import replicate as replicate
 from fscale.dist.collectives import send as send
 from fscale.dist.collectives import set_debug as set_debug
-from fscale.dist.launch import init as init
-from fscale.dist.launch import launch as launch
-from fscale.dist.launch import rank as rank
-from fscale.dist.launch import world_size as world_size
+from fscale.dist.spawn import RankError as RankError
+from fscale.dist.spawn import RankTimeoutError as RankTimeoutError
+from fscale.dist.spawn import init as init
+from fscale.dist.spawn import launch as launch
+from fscale.dist.spawn import rank as rank
+from fscale.dist.spawn import world_size as world_size
 from fscale.dist.ledger import CommLedger as CommLedger
 from fscale.dist.ledger import CommRecord as CommRecord
 from fscale.dist.ledger import comm_ledger as comm_ledger
@@ -37,6 +39,8 @@ __all__ = [
     "CommRecord",
     "Mesh",
     "Pending",
+    "RankError",
+    "RankTimeoutError",
     "all_gather",
     "all_gather_start",
     "all_reduce",

@@ -417,8 +417,10 @@ class _AllReduceStart(torch.autograd.Function):
     def forward(x: Tensor, comm: _Comm, op: str, work: _Work) -> Tensor:
         _issue(comm, "all_reduce", x, x.numel(), extra=_REDUCTIONS.index(op))
         # c10d reduces in place; the copy it needs anyway carries the 1/N of a mean.
-        buffer = torch.div(x, comm.size) if op == "mean" else x.clone()
-        buffer = buffer.contiguous()
+        if op == "mean":
+            buffer = torch.div(x, comm.size).contiguous()
+        else:
+            buffer = x.clone(memory_format=torch.contiguous_format)
         work.work = dist.all_reduce(buffer, group=comm.group, async_op=True)
         return buffer
 

@@ -244,7 +244,7 @@ def _resolve_sizes(axes: dict[str, Any], world: int) -> tuple[int, ...]:
             f"Mesh({given}) covers {math.prod(shape)} ranks but {source}. The product of the "
             f"axis sizes must equal the world size: change the sizes (one axis may be -1 for "
             f"the rest of the world) or start {math.prod(shape)} ranks "
-            "(fscale.dist.launch or torchrun)"
+            "(fscale.launch or torchrun)"
         )
     return shape
 

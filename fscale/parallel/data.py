@@ -40,6 +40,7 @@ from fscale import random as fsrandom
 from fscale import tree
 from fscale.dist import collectives
 from fscale.dist.mesh import Mesh
+from fscale.memory import tree_bytes
 from fscale.parallel import common
 from fscale.parallel.buckets import GradBuckets, assign_buckets, forward_order
 from fscale.train import LocalPlan, Step, TrainState, value_and_grad
@@ -76,6 +77,7 @@ class DataParallelPlan:
         )
         buffers = common.mean_floating_leaves(out.buffers, self.mesh, self.axis)
         metrics = common.reduce_metrics({"loss": out.loss, **out.metrics}, self.mesh, self.axis)
+        metrics["grad_bytes"] = tree_bytes(grads)
         return TrainState(params, buffers, opt_state, state.step + 1, state.key), metrics
 
     def _grads_by_buckets(self, step: Step, state: TrainState, batch: Any, key: torch.Tensor):

@@ -73,7 +73,7 @@ from typing import Any
 
 import torch
 
-from fscale.dist.launch import (
+from fscale.dist.spawn import (
     DEFAULT_PG_TIMEOUT,
     RankError,
     RankSetup,
@@ -139,7 +139,7 @@ class RankPool:
         """Run ``fn(*args, **kwargs)`` on every rank and return the results in rank order.
 
         Args:
-            fn: a module-level function; inside it, `fscale.dist.launch.rank()` /
+            fn: a module-level function; inside it, `fscale.dist.rank()` /
                 ``world_size()`` and ``torch.distributed`` see this pool's group.
             *args: positional arguments, the same on every rank; must be picklable.
             timeout: seconds this call may take (the pool's `timeout` when None). It does not

@@ -541,8 +541,7 @@ def _receive(
         process.join(1.0)
         replies.failures[rank_id] = (
             f"the process ended (exit code {process.exitcode}) without returning a result; "
-            "its own output above may say why (a script that starts ranks at import, outside "
-            '`if __name__ == "__main__":`, fails like this)'
+            "its own output on stderr may say why"
         )
         return
     except Exception:  # noqa: BLE001 - e.g. a result whose class the caller cannot import
