@@ -57,7 +57,7 @@ def test_product_must_equal_the_world_size():
     message = (
         r"Mesh\(dp=2, tp=2\) covers 4 ranks but torch.distributed is not initialized "
         r"\(a world of 1 process\)\. The product of the axis sizes must equal the world size: "
-        r".*start 4 ranks \(fscale.dist.launch or torchrun\)"
+        r".*start 4 ranks \(fscale.launch or torchrun\)"
     )
     with pytest.raises(ValueError, match=message):
         fd.Mesh(dp=2, tp=2)
