@@ -740,6 +740,18 @@ def _swapped(slots: list[list[tuple[nn.Module, str, str]]], values: list[torch.T
                 getattr(owner, kind)[attr] = value
 
 
+@contextlib.contextmanager
+def _training_modes(modes: list[tuple[nn.Module, bool]]) -> Iterator[None]:
+    previous = [(m, m.training) for m, _ in modes]
+    try:
+        for m, training in modes:
+            m.training = training
+        yield
+    finally:
+        for m, training in previous:
+            m.training = training
+
+
 class _CheckpointedModule(nn.Module):
     """Mixin placed before a module's own class: its forward is checkpointed."""
 
@@ -752,10 +764,14 @@ class _CheckpointedModule(nn.Module):
         # Collected at call time: under functional_call these are the swapped-in tensors, which
         # must enter the Function as inputs for their gradients to flow.
         state, slots, num_parameters = _module_state(self)
+        # The recompute runs in backward, after the caller (e.g. functionalize's apply with an
+        # explicit train flag) may have put the modules back in another mode: replay the mode
+        # of this forward, or dropout and BatchNorm would compute another function.
+        modes = [(m, m.training) for m in self.modules()]
 
         def run(inputs: Any) -> Any:
             state_values, call_args, call_kwargs = inputs
-            with _swapped(slots, state_values):
+            with _swapped(slots, state_values), _training_modes(modes):
                 return base_forward(*call_args, **call_kwargs)
 
         return _checkpointed_call(

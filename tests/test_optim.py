@@ -431,3 +431,11 @@ def test_wrong_state_type_and_missing_params():
         optim.step(opt, GRADS[0], optim.sgd(0.1).init(PARAMS), PARAMS)
     with pytest.raises(ValueError, match="`params` is required"):
         opt.update(GRADS[0], opt.init(PARAMS))
+
+
+def test_clip_by_global_norm_keeps_scalar_leaves_scalar():
+    grads = {"scale": torch.tensor(3.0), "w": torch.tensor([4.0])}
+    clip = optim.clip_by_global_norm(1.0)
+    clipped, _ = clip.update(grads, clip.init(grads))
+    assert clipped["scale"].shape == () and clipped["w"].shape == (1,)
+    assert torch.allclose(clipped["scale"], torch.tensor(0.6), atol=1e-6)

@@ -430,3 +430,33 @@ def test_named_values_are_counted_as_saved():
         checkpoint(_block, policy=save_names("hidden"))(x, w)
     # x and w (inputs) and the kept tanh output, all float64.
     assert stats.saved_bytes == (6 * 5 + 5 * 5 + 6 * 5) * 8
+
+
+@pytest.mark.parametrize("module_mode, call_mode", [(True, True), (False, True), (True, False)])
+def test_recompute_replays_the_train_mode_of_its_forward(module_mode, call_mode):
+    """functionalize's apply restores the modules' modes before backward recomputes."""
+    import copy
+
+    import fscale as fs
+    from fscale import models
+
+    cfg = models.GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, dropout=0.3)
+    plain = models.GPT(cfg)
+    checkpointed = copy.deepcopy(plain)
+    for i, block in enumerate(checkpointed.blocks):
+        checkpointed.blocks[i] = fs.checkpoint(block)
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def grads(model):
+        model.train(module_mode)
+        apply, params, buffers = fs.functionalize(model)
+
+        def loss_fn(p, b, batch, key):
+            out, _ = apply(p, b, batch[:, :-1], key=key, train=call_mode)
+            return models.lm_loss(out, batch[:, 1:])
+
+        return fs.value_and_grad(loss_fn, params, buffers, tokens, fs.random.key(3))[1]
+
+    expected, actual = grads(plain), grads(checkpointed)
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name

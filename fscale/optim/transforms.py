@@ -50,7 +50,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
             squares = sum(
                 torch.dot(g.reshape(-1).float(), g.reshape(-1).float()).to(device) for g in leaves
             )
-            norm = all_reduce(squares.reshape(1)).sqrt()
+            norm = all_reduce(squares.reshape(1)).sqrt().reshape(())  # 0-d: keeps 0-d leaves 0-d
             coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             clipped = [g * coefficient.to(g) for g in leaves]
         return tree.unflatten(treedef, clipped), state

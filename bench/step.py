@@ -1,0 +1,340 @@
+"""Benchmark: one fscale training step against the eager PyTorch step, in one process.
+
+Usage: ``python bench/step.py [--quick] [--steps N] [--warmup N] [--threads N] [--profile]``
+
+The model is `fscale.models.GPT` (shape from `_util.gpt_config`: vocabulary 8192, d_model 256,
+4 layers, 128 positions, batch 8; ``--quick``: a smaller one), dropout 0, every variant built
+from seed 0 and fed the same stream of batches. Variants:
+
+* ``eager``: the ``nn.Module`` with ``torch.optim.AdamW(fused=True)``:
+  ``zero_grad(set_to_none=True)``, ``loss.backward()``, ``opt.step()``;
+* ``fscale donate=False``: ``fscale.train_step(loss_fn, fscale.optim.adamw(lr))`` over
+  ``fscale.functionalize(GPT(cfg))`` (the pure step: the input state is never modified);
+* ``fscale donate=True``: the same with ``donate=True`` (parameters and optimizer state updated
+  in place, as the eager optimizer does).
+
+Variants run interleaved round by round (`_util.interleave`); warm-up rounds are dropped. The
+report gives each variant's median step time with its interquartile range, the ratio of medians
+to eager and the median of the round-by-round ratios, the transient memory of one step (peak
+RSS above the resident memory before it), and whether the final losses and parameters equal
+eager's bit for bit. When an fscale variant is more than ``GOAL`` times slower than eager (or
+with ``--profile``), it is profiled against eager: per-op self CPU time from torch.profiler
+(which ops fscale runs more of, e.g. copies) and the Python functions with the most own time
+from cProfile (per-step overhead outside the ops). Writes ``bench/results/step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import _util
+import fscale as fs
+from fscale.models import GPT, lm_loss
+
+GOAL = 1.05
+"""The slowdown against eager at or below which fscale's step counts as fast enough."""
+
+LEARNING_RATE = 1e-3
+BATCH_SIZE = 8
+
+
+class Batches:
+    """The shared stream of batches, made once so that creating them is never timed."""
+
+    def __init__(self, cfg: Any, batch_size: int, count: int) -> None:
+        self._batches = [_util.lm_batch(cfg, batch_size, i) for i in range(count)]
+
+    def __getitem__(self, index: int) -> Any:
+        # Extra steps (memory and profile passes) cycle through the stream again.
+        return self._batches[index % len(self._batches)]
+
+
+class EagerVariant:
+    """The reference: an nn.Module trained with torch.optim.AdamW(fused=True)."""
+
+    def __init__(self, cfg: Any, batches: Batches) -> None:
+        self.model = GPT(cfg, seed=0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE, fused=True)
+        self.batches = batches
+        self.losses: list[torch.Tensor] = []
+
+    def __call__(self) -> None:
+        batch = self.batches[len(self.losses)]
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(self.model(batch.inputs), batch.targets)
+        loss.backward()
+        self.optimizer.step()
+        self.losses.append(loss.detach())
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach() for name, p in self.model.named_parameters()}
+
+
+class FscaleVariant:
+    """fscale.train_step over the functionalized GPT with fscale.optim.adamw."""
+
+    def __init__(self, cfg: Any, batches: Batches, *, donate: bool) -> None:
+        apply, params, buffers = fs.functionalize(GPT(cfg, seed=0))
+
+        def loss_fn(params, buffers, batch, key):
+            logits, new_buffers = apply(params, buffers, batch.inputs, key=key)
+            return lm_loss(logits, batch.targets), new_buffers
+
+        self.step = fs.train_step(loss_fn, fs.optim.adamw(LEARNING_RATE), donate=donate)
+        self.state = self.step.init(params, buffers)
+        self.batches = batches
+        self.losses: list[torch.Tensor] = []
+
+    def __call__(self) -> None:
+        self.state, metrics = self.step(self.state, self.batches[len(self.losses)])
+        self.losses.append(metrics["loss"])
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(self.state.params)
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Same names, and every pair of tensors equal bit for bit."""
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def step_memory(variant: Callable[[], None]) -> int | None:
+    """Bytes by which one step's peak RSS exceeds the resident memory before it."""
+    if not _util.reset_peak_rss():
+        return None
+    before = _util.rss_bytes()
+    variant()
+    return max(0, _util.peak_rss_bytes() - before)
+
+
+def op_times(variant: Callable[[], None], steps: int) -> tuple[dict[str, tuple[float, float]], float]:
+    """Per-op (calls, self CPU µs) per step under torch.profiler, and all ops' µs per step."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            variant()
+    table = {
+        event.key: (event.count / steps, event.self_cpu_time_total / steps)
+        for event in prof.key_averages()
+    }
+    total_us = sum(self_us for _, self_us in table.values())
+    return table, total_us
+
+
+def python_hotspots(variant: Callable[[], None], steps: int, top: int) -> list[dict[str, Any]]:
+    """The Python functions with the most own time per step under cProfile."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        variant()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, calls, tottime, cumtime, _)
+    rows = [
+        {
+            "function": f"{_short_path(file)}:{line}({name})",
+            "calls_per_step": calls / steps,
+            "own_us_per_step": tottime / steps * 1e6,
+            "cumulative_us_per_step": cumtime / steps * 1e6,
+        }
+        for (file, line, name), (_, calls, tottime, cumtime, _) in stats.items()
+    ]
+    rows.sort(key=lambda row: row["own_us_per_step"], reverse=True)
+    return rows[:top]
+
+
+def _short_path(file: str) -> str:
+    for marker in ("/site-packages/", "/main/"):
+        if marker in file:
+            return file.split(marker, 1)[1]
+    return file
+
+
+def profile_against_eager(
+    variants: dict[str, Callable[[], None]], names: list[str], steps: int, top: int = 12
+) -> dict[str, Any]:
+    """Where each fscale variant in `names` spends time that eager does not."""
+    eager_ops, eager_total = op_times(variants["eager"], steps)
+    report: dict[str, Any] = {"steps": steps, "eager_op_us_per_step": eager_total}
+    for name in names:
+        ops, total = op_times(variants[name], steps)
+        differences = []
+        for op in set(ops) | set(eager_ops):
+            calls, self_us = ops.get(op, (0.0, 0.0))
+            eager_calls, eager_self_us = eager_ops.get(op, (0.0, 0.0))
+            differences.append(
+                {
+                    "op": op,
+                    "calls": calls,
+                    "eager_calls": eager_calls,
+                    "self_us": self_us,
+                    "eager_self_us": eager_self_us,
+                    "extra_us": self_us - eager_self_us,
+                }
+            )
+        differences.sort(key=lambda row: row["extra_us"], reverse=True)
+        report[name] = {
+            "op_us_per_step": total,
+            "extra_op_us_per_step": total - eager_total,
+            "ops_with_most_extra_time": differences[:top],
+            "python_hotspots": python_hotspots(variants[name], steps, top),
+        }
+    return report
+
+
+def print_profile(report: dict[str, Any], names: list[str]) -> None:
+    for name in names:
+        entry = report[name]
+        print(
+            f"\nprofile of {name!r} against eager ({report['steps']} steps each): op self time "
+            f"{entry['op_us_per_step'] / 1e3:.2f} ms/step vs eager "
+            f"{report['eager_op_us_per_step'] / 1e3:.2f} ms/step "
+            f"({entry['extra_op_us_per_step'] / 1e3:+.2f} ms)"
+        )
+        print(
+            _util.format_table(
+                ["op", "calls", "eager calls", "self ms", "eager ms", "extra ms"],
+                [
+                    [
+                        row["op"],
+                        row["calls"],
+                        row["eager_calls"],
+                        row["self_us"] / 1e3,
+                        row["eager_self_us"] / 1e3,
+                        row["extra_us"] / 1e3,
+                    ]
+                    for row in entry["ops_with_most_extra_time"]
+                ],
+                float_format="{:.2f}",
+            )
+        )
+        print(f"Python functions with the most own time per step in {name!r} (cProfile):")
+        print(
+            _util.format_table(
+                ["function", "calls", "own ms", "cumulative ms"],
+                [
+                    [
+                        row["function"],
+                        row["calls_per_step"],
+                        row["own_us_per_step"] / 1e3,
+                        row["cumulative_us_per_step"] / 1e3,
+                    ]
+                    for row in entry["python_hotspots"]
+                ],
+                float_format="{:.3f}",
+            )
+        )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer steps")
+    parser.add_argument("--steps", type=int, default=None, help="timed rounds (steps per variant)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--profile", action="store_true", help="profile even if within the goal")
+    parser.add_argument("--profile-steps", type=int, default=None, help="steps per profile")
+    args = parser.parse_args(argv)
+    steps = args.steps if args.steps is not None else (20 if args.quick else 60)
+    warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
+    profile_steps = args.profile_steps or (3 if args.quick else 5)
+    if steps < 1 or warmup < 0 or profile_steps < 1:
+        parser.error("--steps and --profile-steps must be >= 1 and --warmup >= 0")
+    torch.set_num_threads(args.threads)
+
+    cfg = _util.gpt_config(args.quick)
+    batches = Batches(cfg, BATCH_SIZE, warmup + steps)
+    variants: dict[str, Any] = {
+        "eager": EagerVariant(cfg, batches),
+        "fscale donate=False": FscaleVariant(cfg, batches, donate=False),
+        "fscale donate=True": FscaleVariant(cfg, batches, donate=True),
+    }
+    numel = sum(p.numel() for p in variants["eager"].params().values())
+    print(
+        f"GPT vocab={cfg.vocab_size} d_model={cfg.d_model} layers={cfg.n_layers} "
+        f"seq={cfg.seq_len} batch={BATCH_SIZE} ({numel / 1e6:.2f}M params), "
+        f"{args.threads} thread(s), {steps} timed rounds after {warmup} warm-up"
+    )
+    with _util.MachineLoad() as load:
+        times = _util.interleave(variants, rounds=steps, warmup=warmup)
+    print(load.describe())
+
+    # The losses and parameters after the same number of steps on the same batches.
+    eager = variants["eager"]
+    final_loss = {name: float(v.losses[-1]) for name, v in variants.items()}
+    losses_equal = {
+        name: torch.equal(v.losses[-1], eager.losses[-1]) for name, v in variants.items()
+    }
+    params_equal = {name: bitwise_equal(v.params(), eager.params()) for name, v in variants.items()}
+    memory = {name: step_memory(v) for name, v in variants.items()}
+
+    summaries = {name: _util.summarize(samples) for name, samples in times.items()}
+    eager_median = summaries["eager"].median
+    rows = []
+    for name, summary in summaries.items():
+        paired = _util.summarize(_util.paired_ratios(times[name], times["eager"]))
+        rows.append(
+            {
+                "variant": name,
+                "step_s": summary.as_dict(),
+                "ratio_of_medians": summary.median / eager_median,
+                "paired_ratio": paired.as_dict(),
+                "final_loss": final_loss[name],
+                "loss_bitwise_equal_to_eager": losses_equal[name],
+                "params_bitwise_equal_to_eager": params_equal[name],
+                "step_peak_rss_above_resident_bytes": memory[name],
+            }
+        )
+    print(
+        _util.format_table(
+            ["variant", "median ms", "IQR ms", "x eager", "paired x (IQR)", "final loss",
+             "loss ==", "params ==", "step MiB"],
+            [
+                [
+                    row["variant"],
+                    row["step_s"]["median"] * 1e3,
+                    row["step_s"]["iqr"] * 1e3,
+                    row["ratio_of_medians"],
+                    f"{row['paired_ratio']['median']:.3f} ({row['paired_ratio']['iqr']:.3f})",
+                    f"{row['final_loss']:.6f}",
+                    row["loss_bitwise_equal_to_eager"],
+                    row["params_bitwise_equal_to_eager"],
+                    None
+                    if row["step_peak_rss_above_resident_bytes"] is None
+                    else row["step_peak_rss_above_resident_bytes"] / 2**20,
+                ]
+                for row in rows
+            ],
+        )
+    )
+    print(f"process peak RSS: {_util.peak_rss_bytes() / 2**20:.1f} MiB (after the last reset)")
+
+    slow = [row["variant"] for row in rows if row["variant"] != "eager" and row["ratio_of_medians"] > GOAL]
+    verdict = "all fscale variants within" if not slow else f"slower than the goal: {slow}"
+    print(f"goal: fscale step <= {GOAL}x eager; {verdict}")
+    profile = None
+    to_profile = [name for name in variants if name != "eager"] if args.profile else slow
+    if to_profile:
+        profile = profile_against_eager(variants, to_profile, profile_steps)
+        print_profile(profile, to_profile)
+
+    result = {
+        "config": {**cfg.__dict__, "batch": BATCH_SIZE, "params": numel, "lr": LEARNING_RATE},
+        "steps": steps,
+        "warmup": warmup,
+        "goal_ratio": GOAL,
+        "machine_load": load.as_dict(),
+        "rows": rows,
+        "profile": profile,
+    }
+    path = _util.write_results("step", result)
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
