@@ -16,11 +16,13 @@ from seed 0 and fed the same stream of batches. Variants:
 Variants run interleaved round by round (`_util.interleave`); warm-up rounds are dropped. The
 report gives each variant's median step time with its interquartile range, the ratio of medians
 to eager and the median of the round-by-round ratios, the transient memory of one step (peak
-RSS above the resident memory before it), and whether the final losses and parameters equal
+RSS above the resident memory before it), the minor page faults per step (first touches of
+memory the allocator had to get from the kernel), and whether the final losses and parameters equal
 eager's bit for bit. When an fscale variant is more than ``GOAL`` times slower than eager (or
 with ``--profile``), it is profiled against eager: per-op self CPU time from torch.profiler
-(which ops fscale runs more of, e.g. copies) and the Python functions with the most own time
-from cProfile (per-step overhead outside the ops). Writes ``bench/results/step.json``.
+(which ops fscale runs more of, e.g. copies) and per-function own time from cProfile (the
+Python overhead outside the ops), each the median over steps profiled in alternation with eager.
+Writes ``bench/results/step.json``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import resource
 from collections.abc import Callable
 from typing import Any
 
@@ -113,38 +116,40 @@ def step_memory(variant: Callable[[], None]) -> int | None:
     return max(0, _util.peak_rss_bytes() - before)
 
 
-def op_times(variant: Callable[[], None], steps: int) -> tuple[dict[str, tuple[float, float]], float]:
-    """Per-op (calls, self CPU µs) per step under torch.profiler, and all ops' µs per step."""
+def page_faults(variant: Callable[[], None], steps: int = 3) -> float:
+    """Median minor page faults per step: first touches of memory the allocator got fresh."""
+    counts = []
+    for _ in range(steps):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        variant()
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return _util.quantile(counts, 0.5)
+
+
+def op_times(variant: Callable[[], None]) -> dict[str, tuple[int, float]]:
+    """Per-op (calls, self CPU µs) of one step under torch.profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            variant()
-    table = {
-        event.key: (event.count / steps, event.self_cpu_time_total / steps)
-        for event in prof.key_averages()
-    }
-    total_us = sum(self_us for _, self_us in table.values())
-    return table, total_us
+        variant()
+    return {event.key: (event.count, event.self_cpu_time_total) for event in prof.key_averages()}
 
 
-def python_hotspots(variant: Callable[[], None], steps: int, top: int) -> list[dict[str, Any]]:
-    """The Python functions with the most own time per step under cProfile."""
+def python_times(variant: Callable[[], None]) -> dict[str, tuple[int, float]]:
+    """Per-function (calls, own µs) of one step under cProfile, Python functions only.
+
+    Built-ins (the torch ops, the autograd engine) are left out: their time is in `op_times`.
+    What remains is the interpreter's own per-step overhead: module calls, hooks, pytree
+    flattening, argument checks.
+    """
     profiler = cProfile.Profile()
     profiler.enable()
-    for _ in range(steps):
-        variant()
+    variant()
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, calls, tottime, cumtime, _)
-    rows = [
-        {
-            "function": f"{_short_path(file)}:{line}({name})",
-            "calls_per_step": calls / steps,
-            "own_us_per_step": tottime / steps * 1e6,
-            "cumulative_us_per_step": cumtime / steps * 1e6,
-        }
-        for (file, line, name), (_, calls, tottime, cumtime, _) in stats.items()
-    ]
-    rows.sort(key=lambda row: row["own_us_per_step"], reverse=True)
-    return rows[:top]
+    return {
+        f"{_short_path(file)}:{line}({name})": (calls, tottime * 1e6)
+        for (file, line, name), (_, calls, tottime, _, _) in stats.items()
+        if file != "~"  # cProfile's marker for built-in functions
+    }
 
 
 def _short_path(file: str) -> str:
@@ -154,80 +159,111 @@ def _short_path(file: str) -> str:
     return file
 
 
+def _median_tables(tables: list[dict[str, tuple[int, float]]]) -> dict[str, tuple[float, float]]:
+    """Per key, the median over steps of (calls, µs); a key absent from a step counts as 0."""
+    keys = set().union(*tables)
+    return {
+        key: (
+            _util.quantile([t.get(key, (0, 0.0))[0] for t in tables], 0.5),
+            _util.quantile([t.get(key, (0, 0.0))[1] for t in tables], 0.5),
+        )
+        for key in keys
+    }
+
+
+def _compare(
+    ours: dict[str, tuple[float, float]], eager: dict[str, tuple[float, float]], top: int
+) -> list[dict[str, Any]]:
+    rows = []
+    for key in set(ours) | set(eager):
+        calls, us = ours.get(key, (0.0, 0.0))
+        eager_calls, eager_us = eager.get(key, (0.0, 0.0))
+        rows.append(
+            {
+                "name": key,
+                "calls": calls,
+                "eager_calls": eager_calls,
+                "us": us,
+                "eager_us": eager_us,
+                "extra_us": us - eager_us,
+            }
+        )
+    rows.sort(key=lambda row: row["extra_us"], reverse=True)
+    return rows[:top]
+
+
 def profile_against_eager(
     variants: dict[str, Callable[[], None]], names: list[str], steps: int, top: int = 12
 ) -> dict[str, Any]:
-    """Where each fscale variant in `names` spends time that eager does not."""
-    eager_ops, eager_total = op_times(variants["eager"], steps)
-    report: dict[str, Any] = {"steps": steps, "eager_op_us_per_step": eager_total}
+    """Where the fscale variants in `names` spend time that eager does not.
+
+    Profiles one step at a time, interleaving eager and the variants for `steps` rounds (the
+    same reason as for the timing), and compares per-op and per-function medians over rounds.
+    """
+    profiled = ["eager", *names]
+    op_tables: dict[str, list] = {name: [] for name in profiled}
+    python_tables: dict[str, list] = {name: [] for name in profiled}
+    for _ in range(steps):
+        for name in profiled:
+            op_tables[name].append(op_times(variants[name]))
+        for name in profiled:
+            python_tables[name].append(python_times(variants[name]))
+    ops = {name: _median_tables(tables) for name, tables in op_tables.items()}
+    python = {name: _median_tables(tables) for name, tables in python_tables.items()}
+
+    def op_total(name: str) -> float:
+        return _util.quantile([sum(us for _, us in t.values()) for t in op_tables[name]], 0.5)
+
+    def python_total(name: str) -> float:
+        return _util.quantile([sum(us for _, us in t.values()) for t in python_tables[name]], 0.5)
+
+    report: dict[str, Any] = {
+        "steps": steps,
+        "eager": {"op_us_per_step": op_total("eager"), "python_us_per_step": python_total("eager")},
+    }
     for name in names:
-        ops, total = op_times(variants[name], steps)
-        differences = []
-        for op in set(ops) | set(eager_ops):
-            calls, self_us = ops.get(op, (0.0, 0.0))
-            eager_calls, eager_self_us = eager_ops.get(op, (0.0, 0.0))
-            differences.append(
-                {
-                    "op": op,
-                    "calls": calls,
-                    "eager_calls": eager_calls,
-                    "self_us": self_us,
-                    "eager_self_us": eager_self_us,
-                    "extra_us": self_us - eager_self_us,
-                }
-            )
-        differences.sort(key=lambda row: row["extra_us"], reverse=True)
         report[name] = {
-            "op_us_per_step": total,
-            "extra_op_us_per_step": total - eager_total,
-            "ops_with_most_extra_time": differences[:top],
-            "python_hotspots": python_hotspots(variants[name], steps, top),
+            "op_us_per_step": op_total(name),
+            "python_us_per_step": python_total(name),
+            "ops_with_most_extra_time": _compare(ops[name], ops["eager"], top),
+            "python_functions_with_most_extra_time": _compare(python[name], python["eager"], top),
         }
     return report
 
 
 def print_profile(report: dict[str, Any], names: list[str]) -> None:
+    eager = report["eager"]
     for name in names:
         entry = report[name]
         print(
-            f"\nprofile of {name!r} against eager ({report['steps']} steps each): op self time "
-            f"{entry['op_us_per_step'] / 1e3:.2f} ms/step vs eager "
-            f"{report['eager_op_us_per_step'] / 1e3:.2f} ms/step "
-            f"({entry['extra_op_us_per_step'] / 1e3:+.2f} ms)"
+            f"\nprofile of {name!r} against eager, medians of {report['steps']} interleaved "
+            f"steps: ops {entry['op_us_per_step'] / 1e3:.2f} ms/step (eager "
+            f"{eager['op_us_per_step'] / 1e3:.2f}), Python outside ops "
+            f"{entry['python_us_per_step'] / 1e3:.2f} ms/step under cProfile (eager "
+            f"{eager['python_us_per_step'] / 1e3:.2f})"
         )
-        print(
-            _util.format_table(
-                ["op", "calls", "eager calls", "self ms", "eager ms", "extra ms"],
-                [
+        for title, key in (
+            ("torch ops (torch.profiler self CPU time)", "ops_with_most_extra_time"),
+            ("Python functions (cProfile own time)", "python_functions_with_most_extra_time"),
+        ):
+            print(f"{title}, most extra time per step first:")
+            print(
+                _util.format_table(
+                    ["name", "calls", "eager calls", "ms", "eager ms", "extra ms"],
                     [
-                        row["op"],
-                        row["calls"],
-                        row["eager_calls"],
-                        row["self_us"] / 1e3,
-                        row["eager_self_us"] / 1e3,
-                        row["extra_us"] / 1e3,
-                    ]
-                    for row in entry["ops_with_most_extra_time"]
-                ],
-                float_format="{:.2f}",
+                        [
+                            row["name"],
+                            row["calls"],
+                            row["eager_calls"],
+                            row["us"] / 1e3,
+                            row["eager_us"] / 1e3,
+                            row["extra_us"] / 1e3,
+                        ]
+                        for row in entry[key]
+                    ],
+                    float_format="{:.3f}",
+                )
             )
-        )
-        print(f"Python functions with the most own time per step in {name!r} (cProfile):")
-        print(
-            _util.format_table(
-                ["function", "calls", "own ms", "cumulative ms"],
-                [
-                    [
-                        row["function"],
-                        row["calls_per_step"],
-                        row["own_us_per_step"] / 1e3,
-                        row["cumulative_us_per_step"] / 1e3,
-                    ]
-                    for row in entry["python_hotspots"]
-                ],
-                float_format="{:.3f}",
-            )
-        )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -241,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (20 if args.quick else 60)
     warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
-    profile_steps = args.profile_steps or (3 if args.quick else 5)
+    profile_steps = args.profile_steps or (5 if args.quick else 10)
     if steps < 1 or warmup < 0 or profile_steps < 1:
         parser.error("--steps and --profile-steps must be >= 1 and --warmup >= 0")
     torch.set_num_threads(args.threads)
@@ -271,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     params_equal = {name: bitwise_equal(v.params(), eager.params()) for name, v in variants.items()}
     memory = {name: step_memory(v) for name, v in variants.items()}
+    faults = {name: page_faults(v) for name, v in variants.items()}
 
     summaries = {name: _util.summarize(samples) for name, samples in times.items()}
     eager_median = summaries["eager"].median
@@ -287,12 +324,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "loss_bitwise_equal_to_eager": losses_equal[name],
                 "params_bitwise_equal_to_eager": params_equal[name],
                 "step_peak_rss_above_resident_bytes": memory[name],
+                "minor_page_faults_per_step": faults[name],
             }
         )
     print(
         _util.format_table(
             ["variant", "median ms", "IQR ms", "x eager", "paired x (IQR)", "final loss",
-             "loss ==", "params ==", "step MiB"],
+             "loss ==", "params ==", "step MiB", "faults"],
             [
                 [
                     row["variant"],
@@ -306,6 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     None
                     if row["step_peak_rss_above_resident_bytes"] is None
                     else row["step_peak_rss_above_resident_bytes"] / 2**20,
+                    int(row["minor_page_faults_per_step"]),
                 ]
                 for row in rows
             ],

@@ -29,13 +29,27 @@ result depends only on its arguments:
 ``params`` and ``buffers`` share memory with the module (they are detached views, not copies).
 ``apply`` works under ``torch.autograd.grad`` (give the ``params`` leaves ``requires_grad``),
 ``torch.func.grad`` and ``torch.func.vjp``.
+
+Parameters materialized at their point of use
+---------------------------------------------
+``params`` may also be a `UnitParams`: a mapping whose parameters are held in *units* that
+exist only while they are needed (fully sharded training keeps each unit as a 1/N shard and
+all-gathers it just before use). ``apply`` then runs the module with the ``eager`` parameters
+swapped in as usual, and for each unit whose name is the path of a submodule holding all of
+the unit's parameters (``"blocks.3"``), it installs for the duration of the call a forward
+on that submodule which hands the submodule's computation to the unit (`ParamUnit.call`), so
+the unit decides when its parameters are materialized and whether backward recomputes them.
+The installed forwards are instance attributes, removed when the call returns or raises; the
+module is left as it was. Until a unit's submodule runs, its parameter slots hold
+placeholders that raise a clear error if something outside the submodule reads them. A unit
+that is not a submodule (a grouping by predicate) is materialized before the call.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -43,7 +57,7 @@ from torch import nn
 from fscale import random as fsrandom
 from fscale import tree
 
-__all__ = ["FunctionalModule", "functionalize"]
+__all__ = ["FunctionalModule", "ParamUnit", "UnitCall", "UnitParams", "functionalize"]
 
 Tensors = dict[str, torch.Tensor]
 
