@@ -188,7 +188,12 @@ class FunctionalModule:
                 "apply: `key` must be an fscale.random key (an int64 tensor of shape (2,) made "
                 f"by `fscale.random.key(seed)`) or None, got {_describe(key)}"
             )
-        self._check_names("params", params, self.param_names)
+        module_units: dict[str, ParamUnit] = {}
+        if isinstance(params, UnitParams):
+            module_units = self._module_units(params)
+            params = self._unit_tensors(params, module_units)
+        else:
+            self._check_names("params", params, self.param_names)
         self._check_names("buffers", buffers, self.buffer_names + self.frozen_names)
 
         # Mutable state is passed as clones in training mode, so in-place updates (BatchNorm's
@@ -210,6 +215,7 @@ class FunctionalModule:
             _mode(self.module, mode),
             _capture_buffers(self.module, self.buffer_names, captured),
             _rng_seeded_by(key, lambda: [*tensors.values(), *tree.leaves((args, kwargs))]),
+            _unit_forwards(self.module, module_units),
         ):
             # The aliases are mapped above, so tying by functional_call itself is not needed;
             # strict=True turns any name this wrapper failed to map into an error.
@@ -219,6 +225,106 @@ class FunctionalModule:
 
         new_buffers = self._new_buffers(buffers, passed_buffers, versions_before, captured, mode)
         return output, new_buffers
+
+    def _module_units(self, params: UnitParams) -> dict[str, ParamUnit]:
+        """The units of `params` that run as a submodule, after checking names and tied weights."""
+        self._check_unit_names(params)
+        module_units: dict[str, ParamUnit] = {}
+        for unit in params.units.values():
+            if self._is_submodule_unit(unit):
+                module_units[unit.name] = unit
+        nested = [
+            (outer, inner)
+            for outer in module_units
+            for inner in module_units
+            if inner.startswith(outer + ".")
+        ]
+        if nested:
+            outer, inner = nested[0]
+            raise ValueError(
+                f"apply: units {outer!r} and {inner!r} nest (the submodule {inner!r} is inside "
+                f"{outer!r}); a parameter unit's submodule may not contain another unit's. "
+                "Choose units that do not overlap, e.g. one per block."
+            )
+        self._check_tied_weights(params, module_units)
+        return module_units
+
+    def _check_unit_names(self, params: UnitParams) -> None:
+        given = list(params)
+        expected_set = set(self.param_names)
+        missing = [name for name in self.param_names if name not in params]
+        unknown = [name for name in given if name not in expected_set]
+        if missing or unknown:
+            lines = [f"apply: `params` does not match the module {type(self.module).__name__}:"]
+            if missing:
+                lines.append(f"  - missing: {missing}")
+            lines.extend(f"  - unknown: {name!r}{self._hint(name)}" for name in unknown)
+            lines.append("  Every unit together must hold exactly the names functionalize returned.")
+            raise ValueError("\n".join(lines))
+        for name, tensor in params.eager.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(
+                    f"apply: `params[{name!r}]` must be a tensor, got {type(tensor).__name__}"
+                )
+
+    def _is_submodule_unit(self, unit: ParamUnit) -> bool:
+        """Whether `unit` is a submodule's path and every name of its parameters lies inside it."""
+        if not unit.name:
+            return False
+        try:
+            self.module.get_submodule(unit.name)
+        except AttributeError:
+            return False
+        prefix = unit.name + "."
+        return all(
+            alias.startswith(prefix)
+            for name in unit.names
+            for alias in self.aliases.get(name, (name,))
+        )
+
+    def _check_tied_weights(self, params: UnitParams, module_units: dict[str, ParamUnit]) -> None:
+        """Every name of a tied tensor must be used in the same place: one unit, or outside all.
+
+        A unit's parameters exist only while its submodule runs, so a tied tensor whose names
+        lie in two units (or in a unit and outside it) would be needed where it does not exist.
+        """
+
+        def place(path: str) -> str | None:
+            return next((unit for unit in module_units if path.startswith(unit + ".")), None)
+
+        for leaf, names in self.aliases.items():
+            if leaf not in self.param_names:
+                continue
+            places = {name: place(name) for name in names}
+            if len(set(places.values())) > 1:
+                described = ", ".join(
+                    f"{name!r} ({'unit ' + repr(unit) if unit else 'outside every unit: root'})"
+                    for name, unit in places.items()
+                )
+                owner = params.unit_of(leaf)
+                raise ValueError(
+                    f"apply: the tied parameter {leaf!r} (one tensor registered under several "
+                    f"names) is used in more than one parameter unit: {described}; it is held "
+                    f"by {'unit ' + repr(owner.name) if owner else 'the root unit'}. All uses of "
+                    "a tied weight must be in ONE unit: leave them all in the root unit (e.g. a "
+                    "GPT's token embedding and output layer), or pick units whose submodule "
+                    "contains every name."
+                )
+
+    def _unit_tensors(self, params: UnitParams, module_units: dict[str, ParamUnit]) -> Tensors:
+        """What `functional_call` gets per parameter: a placeholder for submodule units' ones.
+
+        Other units (not a submodule) are materialized here, before the call.
+        """
+        tensors: Tensors = {}
+        for name in self.param_names:
+            unit = params.unit_of(name)
+            if unit is not None and unit.name in module_units:
+                like = self.module.get_parameter(name)
+                tensors[name] = _Placeholder(like, name, unit.name)
+            else:
+                tensors[name] = params[name]
+        return tensors
 
     def _new_buffers(
         self,
@@ -297,6 +403,251 @@ class FunctionalModule:
         if name in self.buffer_names:
             return " (a buffer: it belongs in `buffers`)"
         return ""
+
+
+class UnitCall(NamedTuple):
+    """One call of a unit's submodule, handed to `ParamUnit.call`.
+
+    ``run(params, state, args, kwargs)`` runs the submodule's own forward with `params` (the
+    unit's parameters by name, as `ParamUnit.materialize` returns them) and `state` (tensors
+    for every other parameter and buffer slot of the submodule, in the order of `state`)
+    swapped in, and the submodule's training flags as they were at this call. It reads
+    nothing else from the module, so it may be run again later (in backward) with the same
+    result.
+
+    Attributes:
+        run: the submodule's computation, a pure function of its arguments (see above).
+        state: the submodule's other parameters and its buffers at this call.
+        mutable: indexes into `state` of buffers, which `run` may update in place
+            (BatchNorm's running statistics): a unit that runs `run` again must pass copies
+            of their values as they were before the first run.
+        args: the positional arguments of the call.
+        kwargs: its keyword arguments.
+    """
+
+    run: Callable[[Mapping[str, torch.Tensor], Sequence[torch.Tensor], tuple, dict], Any]
+    state: list[torch.Tensor]
+    mutable: frozenset[int]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class ParamUnit(Protocol):
+    """A group of parameters that exists only where it is used (see `UnitParams`).
+
+    Attributes:
+        name: the unit's name; when it is the path of a submodule holding all of the unit's
+            parameters (``"blocks.3"``), `FunctionalModule` hands that submodule's calls to
+            `call`.
+        names: the parameter names the unit holds.
+    """
+
+    name: str
+    names: tuple[str, ...]
+
+    def materialize(self) -> Mapping[str, torch.Tensor]:
+        """The unit's parameters by name, differentiable (the fallback: no recompute)."""
+        ...
+
+    def call(self, call: UnitCall) -> Any:
+        """Run ``call.run(params, call.state, call.args, call.kwargs)`` with the unit's params."""
+        ...
+
+
+class UnitParams(Mapping[str, torch.Tensor]):
+    """Parameters held in units that are materialized at their point of use.
+
+    What a sharded strategy hands to ``loss_fn`` in place of the params dict. As a mapping it
+    holds every parameter name: reading ``params[name]`` of a unit's parameter materializes the
+    whole unit (`ParamUnit.materialize`, once per `UnitParams`) — the fallback for a loss_fn
+    that indexes parameters by hand. Passed to a `FunctionalModule`, each unit that is a
+    submodule is instead materialized inside that submodule's call (see the module docstring).
+
+    Args:
+        eager: name -> tensor of the parameters that are available at once.
+        units: the units, in the order the model uses them.
+
+    Raises:
+        ValueError: a name held twice (by two units, or by a unit and `eager`).
+    """
+
+    def __init__(self, eager: Mapping[str, torch.Tensor], units: Sequence[ParamUnit]) -> None:
+        self.eager: Tensors = dict(eager)
+        self.units: dict[str, ParamUnit] = {}
+        self._unit_of: dict[str, ParamUnit] = {}
+        for unit in units:
+            if unit.name in self.units:
+                raise ValueError(f"UnitParams: two units are named {unit.name!r}")
+            self.units[unit.name] = unit
+            for name in unit.names:
+                if name in self.eager or name in self._unit_of:
+                    raise ValueError(
+                        f"UnitParams: parameter {name!r} is held twice (unit {unit.name!r} and "
+                        f"{'eager' if name in self.eager else repr(self._unit_of[name].name)})"
+                    )
+                self._unit_of[name] = unit
+        self._materialized: dict[str, Mapping[str, torch.Tensor]] = {}
+
+    def unit_of(self, name: str) -> ParamUnit | None:
+        """The unit holding `name`, or None for an eager parameter (or an unknown name)."""
+        return self._unit_of.get(name)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.eager:
+            return self.eager[name]
+        unit = self._unit_of.get(name)
+        if unit is None:
+            raise KeyError(name)
+        values = self._materialized.get(unit.name)
+        if values is None:
+            values = self._materialized[unit.name] = unit.materialize()
+        return values[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.eager or name in self._unit_of
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.eager
+        for unit in self.units.values():
+            yield from unit.names
+
+    def __len__(self) -> int:
+        return len(self.eager) + len(self._unit_of)
+
+    def __repr__(self) -> str:
+        return f"UnitParams(eager={len(self.eager)}, units={list(self.units)})"
+
+
+class _Placeholder(torch.Tensor):
+    """Stands in a parameter slot for a unit's parameter until the unit's submodule runs.
+
+    Metadata (shape, dtype, ...) reads work; any computation raises, so a parameter used
+    outside its unit's submodule is an error instead of a silent use of stale values.
+    """
+
+    _METADATA = frozenset(
+        {"shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout", "grad_fn"}
+    )
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, name: str, unit: str) -> _Placeholder:
+        empty = torch.empty(like.shape, dtype=like.dtype, device="meta")
+        placeholder = torch.Tensor._make_subclass(cls, empty)
+        placeholder.param_name = name
+        placeholder.unit = unit
+        return placeholder
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        owner = getattr(func, "__self__", None)
+        if getattr(func, "__name__", "") == "__get__" and getattr(owner, "__name__", "") in (
+            cls._METADATA
+        ) or func in (torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        placeholder = next(a for a in tree.leaves((args, kwargs)) if isinstance(a, _Placeholder))
+        raise RuntimeError(
+            f"apply: parameter {placeholder.param_name!r} of unit {placeholder.unit!r} was used "
+            f"outside that unit's submodule (by {getattr(func, '__name__', func)}); a unit's "
+            f"parameters exist only while the submodule {placeholder.unit!r} runs. Use it inside "
+            "that submodule, or put it in another unit (fscale.parallel.fully_shard(units=...))."
+        )
+
+
+_Slot = tuple[nn.Module, str, str]  # (owner module, "_parameters" or "_buffers", attribute)
+
+
+def _state_slots(module: nn.Module) -> list[tuple[torch.Tensor, list[_Slot]]]:
+    """Each distinct tensor in `module`'s parameter and buffer slots, with every slot holding it."""
+    found: dict[int, tuple[torch.Tensor, list[_Slot]]] = {}
+    for kind in ("_parameters", "_buffers"):
+        for owner in module.modules():
+            for attr, value in getattr(owner, kind).items():
+                if value is not None:
+                    found.setdefault(id(value), (value, []))[1].append((owner, kind, attr))
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def _slots_holding(slots: list[list[_Slot]], values: Sequence[torch.Tensor]) -> Iterator[None]:
+    # Writing the slot dicts directly, as functional_call does: the values are plain tensors.
+    originals = [[getattr(owner, kind)[attr] for owner, kind, attr in group] for group in slots]
+    try:
+        for group, value in zip(slots, values):
+            for owner, kind, attr in group:
+                getattr(owner, kind)[attr] = value
+        yield
+    finally:
+        for group, previous in zip(slots, originals):
+            for (owner, kind, attr), value in zip(group, previous):
+                getattr(owner, kind)[attr] = value
+
+
+@contextlib.contextmanager
+def _training_flags(flags: list[tuple[nn.Module, bool]]) -> Iterator[None]:
+    saved = [(module, module.training) for module, _ in flags]
+    try:
+        for module, flag in flags:
+            module.training = flag
+        yield
+    finally:
+        for module, flag in saved:
+            module.training = flag
+
+
+def _unit_forward(submodule: nn.Module, unit: ParamUnit) -> Callable[..., Any]:
+    """A forward for `submodule` that hands its computation to `unit`."""
+    original = submodule.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        unit_slots: dict[str, list[_Slot]] = {}
+        state: list[torch.Tensor] = []
+        state_slots: list[list[_Slot]] = []
+        mutable: set[int] = set()
+        for tensor, slots in _state_slots(submodule):
+            if isinstance(tensor, _Placeholder) and tensor.unit == unit.name:
+                unit_slots.setdefault(tensor.param_name, []).extend(slots)
+                continue
+            if slots[0][1] == "_buffers":
+                mutable.add(len(state))
+            state.append(tensor)
+            state_slots.append(slots)
+        # The flags are read now: a recompute in backward runs after `apply` restored them.
+        flags = [(module, module.training) for module in submodule.modules()]
+        names = list(unit_slots)
+
+        def run(params: Mapping[str, torch.Tensor], values: Sequence[torch.Tensor],
+                call_args: tuple, call_kwargs: dict) -> Any:
+            slots = [unit_slots[name] for name in names] + state_slots
+            with _training_flags(flags), _slots_holding(
+                slots, [params[name] for name in names] + list(values)
+            ):
+                return original(*call_args, **call_kwargs)
+
+        return unit.call(UnitCall(run, state, frozenset(mutable), args, kwargs))
+
+    return forward
+
+
+_NO_FORWARD = object()
+
+
+@contextlib.contextmanager
+def _unit_forwards(module: nn.Module, units: Mapping[str, ParamUnit]) -> Iterator[None]:
+    """Install `_unit_forward` on each unit's submodule for the block; always removed after."""
+    installed: list[tuple[nn.Module, Any]] = []
+    try:
+        for name, unit in units.items():
+            submodule = module.get_submodule(name)
+            installed.append((submodule, submodule.__dict__.get("forward", _NO_FORWARD)))
+            submodule.__dict__["forward"] = _unit_forward(submodule, unit)
+        yield
+    finally:
+        for submodule, previous in reversed(installed):
+            if previous is _NO_FORWARD:
+                submodule.__dict__.pop("forward", None)
+            else:
+                submodule.__dict__["forward"] = previous
 
 
 def _aliases(module: nn.Module) -> dict[str, tuple[str, ...]]:

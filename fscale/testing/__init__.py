@@ -5,6 +5,8 @@
   the pool itself, for callers that want their own. A failure on any rank raises `RankError`
   with the rank's traceback. See `fscale.testing.pool` for how to property-test a strategy
   with hypothesis (draw the case in the test, pass it to every rank as arguments).
+- `fscale.testing.strategies`: hypothesis strategies for random models (MLP, GPT-style, CNN with
+  BatchNorm), their batches, and optimizers with the torch.optim twin each equals bit for bit.
 - `assert_trees_equal` / `assert_trees_close` compare pytrees leaf by leaf and name the leaf
   path, the largest errors and the worst element when they differ.
 """
@@ -15,6 +17,7 @@ from fscale.testing.assertions import assert_trees_close as assert_trees_close
 from fscale.testing.assertions import assert_trees_equal as assert_trees_equal
 from fscale.testing.pool import RankPool as RankPool
 from fscale.testing.pool import run_spmd as run_spmd
+from fscale.testing import strategies as strategies
 
 __all__ = [
     "RankError",
@@ -23,4 +26,5 @@ __all__ = [
     "assert_trees_close",
     "assert_trees_equal",
     "run_spmd",
+    "strategies",
 ]

@@ -1,0 +1,320 @@
+"""Parameter units for fully sharded training: which parameters are gathered together, and how
+each unit is laid out as a flat buffer split into equal shards.
+
+A *unit* is a group of parameters that is all-gathered as one collective, used, and released.
+`assign_units` turns a user's unit spec into ``{unit name: [parameter names]}``:
+
+- ``None`` (the default): one unit per element of the first list-like level of the module
+  tree: a parameter's unit is its dotted path up to and including the first integer component
+  (``"blocks.3.mlp.fc.weight"`` -> ``"blocks.3"``, ``"0.weight"`` -> ``"0"``). Parameters
+  without an integer component (embeddings, final norm, output layer) form the root unit.
+- a list of path prefixes (``["blocks.0", "blocks.1"]``): a parameter belongs to the longest
+  prefix its path starts with (at a dot boundary); the rest form the root unit.
+- a function ``path -> unit name or None``: None puts the parameter in the root unit.
+
+`ShardLayout` is the static description of the result (names, shapes, dtype per unit, and the
+number of shards). It travels inside the sharded parameter pytree, `UnitShards`, as optree
+metadata, so a sharded state is self-describing: it can be consolidated, resharded or stepped
+without the model at hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from fscale.tree import FlatBuffer, Fragment
+
+__all__ = ["ROOT", "ShardLayout", "UnitLayout", "UnitShards", "UnitSpec", "assign_units"]
+
+# The name of the unit of every parameter no other unit claims. Angle brackets keep it from
+# colliding with a submodule path.
+ROOT = "<root>"
+
+UnitSpec = None | Sequence[str] | Callable[[str], "str | None"]
+
+
+def assign_units(names: Sequence[str], spec: UnitSpec, caller: str) -> dict[str, list[str]]:
+    """``{unit name: parameter names}`` for `spec` (see the module docstring), root unit last.
+
+    Units are ordered by their first parameter in `names` (the model's registration order,
+    which for sequential models is the order of use); within a unit, names keep that order.
+
+    Raises:
+        TypeError: `spec` is not None, a list of strings or a callable; or the callable returns
+            something other than a string or None.
+        ValueError: a prefix matches no parameter, or no parameter falls in any unit (the
+            available paths are listed).
+    """
+    names = list(names)
+    if spec is None:
+        unit_of = _default_unit
+    elif callable(spec):
+        unit_of = _checked_function(spec, caller)
+    elif isinstance(spec, (list, tuple)) and all(isinstance(p, str) for p in spec):
+        unit_of = _prefix_units(list(spec), names, caller)
+    else:
+        raise TypeError(
+            f"{caller}: `units` must be None, a list of path prefixes (e.g. ['blocks.0', "
+            f"'blocks.1']) or a function path -> unit name, got {type(spec).__name__}"
+        )
+    units: dict[str, list[str]] = {}
+    root: list[str] = []
+    for name in names:
+        unit = unit_of(name)
+        (root if unit is None else units.setdefault(unit, [])).append(name)
+    if not units and spec is not None:
+        raise ValueError(
+            f"{caller}: `units` put every parameter in the root unit, so nothing would be "
+            f"gathered at its point of use. Parameters: {_listing(names)}"
+        )
+    if root:
+        units[ROOT] = root
+    return units
+
+
+def _default_unit(path: str) -> str | None:
+    parts = path.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def _checked_function(spec: Callable[[str], Any], caller: str) -> Callable[[str], str | None]:
+    def unit_of(path: str) -> str | None:
+        unit = spec(path)
+        if unit is None or unit == ROOT:
+            return None
+        if not isinstance(unit, str) or not unit:
+            raise TypeError(
+                f"{caller}: the `units` function returned {unit!r} for {path!r}; it must return "
+                "a non-empty unit name (str) or None for the root unit"
+            )
+        return unit
+
+    return unit_of
+
+
+def _prefix_units(prefixes: list[str], names: list[str], caller: str) -> Callable[[str], str | None]:
+    def matches(prefix: str, path: str) -> bool:
+        return path == prefix or path.startswith(prefix + ".")
+
+    unmatched = [p for p in prefixes if not any(matches(p, n) for n in names)]
+    if unmatched:
+        raise ValueError(
+            f"{caller}: `units` prefixes {unmatched} match no parameter. A prefix is a dotted "
+            f"module path such as 'blocks.0'. Parameters: {_listing(names)}"
+        )
+    by_length = sorted(set(prefixes), key=len, reverse=True)
+
+    def unit_of(path: str) -> str | None:
+        return next((p for p in by_length if matches(p, path)), None)
+
+    return unit_of
+
+
+def _listing(names: Sequence[str], limit: int = 40) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitLayout:
+    """One unit: its parameters packed back to back in a flat buffer of `num_shards` shards.
+
+    Attributes:
+        name: the unit's name (`ROOT` for the root unit).
+        names: the parameter names, in packing order.
+        shapes: their shapes.
+        dtype: their common dtype.
+        num_shards: the number of ranks the buffer is split over (the buffer is zero-padded to a
+            multiple of it; a unit smaller than `num_shards` leaves some ranks only padding).
+    """
+
+    name: str
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    num_shards: int
+
+    @functools.cached_property
+    def flat(self) -> FlatBuffer:
+        """The packing, on the meta device (shapes and offsets only)."""
+        return _meta_flat_buffer(self.shapes, self.dtype, self.num_shards)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the padded flat buffer: what one all-gather of the unit moves."""
+        return self.flat.numel
+
+    @property
+    def shard_size(self) -> int:
+        return self.flat.shard_size
+
+    def fragments(self, rank: int) -> list[Fragment]:
+        """For each parameter, the element range of it that shard `rank` holds."""
+        return self.flat.fragments(rank)
+
+
+@functools.lru_cache(maxsize=256)
+def _meta_flat_buffer(
+    shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype, num_shards: int
+) -> FlatBuffer:
+    tensors = [torch.empty(shape, dtype=dtype, device="meta") for shape in shapes]
+    return FlatBuffer(tensors, num_shards, data=_meta_data(tensors, dtype, num_shards))
+
+
+def _meta_data(tensors: list[torch.Tensor], dtype: torch.dtype, num_shards: int) -> torch.Tensor:
+    total = sum(t.numel() for t in tensors)
+    padded = -(-total // num_shards) * num_shards if total else num_shards
+    return torch.empty(padded, dtype=dtype, device="meta")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """The units of a model, in order of use (root last), sharded `num_shards` ways."""
+
+    units: tuple[UnitLayout, ...]
+    num_shards: int
+
+    @classmethod
+    def build(
+        cls, params: dict[str, torch.Tensor], units: dict[str, list[str]], num_shards: int,
+        caller: str,
+    ) -> ShardLayout:
+        layouts = []
+        for unit, names in units.items():
+            dtypes = {params[n].dtype for n in names}
+            devices = {params[n].device for n in names}
+            if len(dtypes) > 1 or len(devices) > 1:
+                found = sorted({f"{params[n].dtype} on {params[n].device}" for n in names})
+                raise ValueError(
+                    f"{caller}: unit {unit!r} mixes {found}; a unit is gathered as one flat "
+                    "buffer, so its parameters need one dtype and device. Put the others in "
+                    "their own unit (`units=`)."
+                )
+            layouts.append(
+                UnitLayout(
+                    unit,
+                    tuple(names),
+                    tuple(tuple(params[n].shape) for n in names),
+                    params[names[0]].dtype,
+                    num_shards,
+                )
+            )
+        return cls(tuple(layouts), num_shards)
+
+    def __getitem__(self, unit: str) -> UnitLayout:
+        for layout in self.units:
+            if layout.name == unit:
+                return layout
+        raise KeyError(unit)
+
+    @property
+    def names(self) -> list[str]:
+        """Every parameter name, unit by unit."""
+        return [name for unit in self.units for name in unit.names]
+
+    def describe(self) -> list[str]:
+        """One line per unit (what ranks must agree on)."""
+        return [
+            f"unit {u.name}: {len(u.names)} params, {u.flat.numel_unpadded} {u.dtype} elements, "
+            f"first {u.names[0]!r}"
+            for u in self.units
+        ]
+
+    def shard(self, params: dict[str, torch.Tensor], rank: int) -> UnitShards:
+        """This rank's shard of every unit of the full `params`, each in its own storage."""
+        shards = {}
+        for unit in self.units:
+            flat = FlatBuffer([params[n].detach() for n in unit.names], self.num_shards)
+            shards[unit.name] = flat.shard(rank).clone()
+        return UnitShards(shards, self)
+
+    def unshard(self, gathered: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{name: tensor}`` from each unit's full flat buffer (views into it)."""
+        params: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            params.update(zip(unit.names, unit.flat.views(gathered[unit.name])))
+        return params
+
+    def fragments(self, rank: int) -> dict[str, Fragment]:
+        """``{name: the fragment of it that shard `rank` holds}``."""
+        return {
+            name: fragment
+            for unit in self.units
+            for name, fragment in zip(unit.names, unit.fragments(rank))
+        }
+
+    def fragment_views(self, shards: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        """``{name: 1-D view of its fragment in this rank's shard}``: what the optimizer steps."""
+        views: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            views.update(zip(unit.names, unit.flat.fragment_views(rank, shards[unit.name])))
+        return views
+
+    def pack(
+        self, fragments: dict[str, torch.Tensor], previous: dict[str, torch.Tensor], rank: int
+    ) -> UnitShards:
+        """Shards holding `fragments`; a previous shard is reused when they already live in it.
+
+        An optimizer that updated the fragment views in place (donation) leaves them inside the
+        previous shards, which are then returned as they are; otherwise each unit's fragments
+        are copied into a new zero-padded shard.
+        """
+        shards = {}
+        for unit in self.units:
+            values = [fragments[n] for n in unit.names]
+            old = previous[unit.name]
+            in_place = unit.flat.fragment_views(rank, old)
+            if all(
+                v.numel() == 0 or (v.data_ptr() == o.data_ptr() and v.shape == o.shape)
+                for v, o in zip(values, in_place)
+            ):
+                shards[unit.name] = old
+                continue
+            shard = torch.zeros(unit.shard_size, dtype=unit.dtype, device=old.device)
+            for view, value in zip(unit.flat.fragment_views(rank, shard), values):
+                view.copy_(value.reshape(-1))
+            shards[unit.name] = shard
+        return UnitShards(shards, self)
+
+
+class UnitShards(dict):
+    """``{unit name: this rank's 1-D shard}``, carrying its `ShardLayout` (``.layout``).
+
+    A dict for every reader; to optree a node whose metadata is the layout, so tree maps keep
+    it and two states with different layouts do not compare as the same structure.
+    """
+
+    def __init__(self, shards: dict[str, torch.Tensor], layout: ShardLayout) -> None:
+        super().__init__(shards)
+        self.layout = layout
+
+    def __repr__(self) -> str:
+        return f"UnitShards({dict.__repr__(self)})"
+
+
+def _flatten_shards(shards: UnitShards) -> tuple[list[Any], tuple[Any, ...], list[str]]:
+    keys = list(shards)
+    return [shards[k] for k in keys], (tuple(keys), shards.layout), keys
+
+
+def _unflatten_shards(metadata: tuple[Any, ...], children: Sequence[Any]) -> UnitShards:
+    keys, layout = metadata
+    return UnitShards(dict(zip(keys, children)), layout)
+
+
+optree.register_pytree_node(
+    UnitShards,
+    _flatten_shards,
+    _unflatten_shards,
+    path_entry_type=optree.MappingEntry,
+    namespace="",
+)

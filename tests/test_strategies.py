@@ -1,0 +1,48 @@
+"""fscale.testing.strategies: every drawn case builds, trains, and matches its torch twin."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import fscale as fs
+from fscale.testing import strategies as fst
+
+
+@settings(max_examples=6)
+@given(case=fst.model_cases())
+def test_model_cases_build_and_give_a_scalar_loss(case):
+    apply, params, buffers = fs.functionalize(case.module())
+    batch = case.batch(4, seed=0)
+    loss, new_buffers = case.loss_fn(apply)(params, buffers, batch, fs.random.key(0))
+    assert loss.shape == () and torch.isfinite(loss)
+    assert set(new_buffers) == set(buffers)
+    split = fs.data.split_batch(batch, 1, 2)
+    assert fs.tree.leaves(split)[0].shape[0] == 2
+
+
+@settings(max_examples=8)
+@given(opt=fst.optimizer_cases())
+def test_optimizer_cases_match_their_torch_counterpart_for_a_step(opt):
+    params = {"w": torch.linspace(-1, 1, 7), "b": torch.ones(3)}
+    grads = {"w": torch.linspace(0.5, -0.3, 7), "b": torch.full((3,), 0.2)}
+    fs_opt = opt.fscale()
+    new_params, _ = fs.optim.step(fs_opt, grads, fs_opt.init(params), params)
+    torch_params = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    torch_opt = opt.torch(list(torch_params.values()))
+    for k, p in torch_params.items():
+        p.grad = grads[k].clone()
+    torch_opt.step()
+    for k in params:
+        assert torch.equal(new_params[k], torch_params[k].detach()), k
+
+
+def test_frozen_parameters_and_errors():
+    case = fst.ModelCase("mlp", freeze=("0.bias",))
+    apply, params, buffers = fs.functionalize(case.module())
+    assert "0.bias" in buffers and "0.bias" not in params
+    with pytest.raises(ValueError, match="cannot freeze"):
+        fst.ModelCase("mlp", freeze=("nope",)).module()
+    with pytest.raises(ValueError, match="unknown kind"):
+        fst.ModelCase("rnn").module()
+    with pytest.raises(ValueError, match="no counterpart"):
+        fst.OptimizerCase("lamb").torch([])
