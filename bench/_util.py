@@ -21,16 +21,21 @@ Memory: `peak_rss_bytes` is the process's high-water mark of resident memory (``
 `reset_peak_rss` lowers to the current RSS, so the peak of one phase can be read on its own.
 `MachineLoad` measures how busy the machine was with other processes while a benchmark ran.
 
+Profiling: `profile_against` explains where variants spend time a reference does not (per
+torch op and per Python function, medians over alternating profiled calls).
+
 Workload: `gpt_config` and `lm_batch` give the GPT benchmarks one model shape and one stream of
 batches, so their figures can be read side by side.
 """
 
 from __future__ import annotations
 
+import cProfile
 import json
 import math
 import os
 import platform
+import pstats
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,12 +48,14 @@ __all__ = [
     "MachineLoad",
     "Summary",
     "environment",
+    "format_profile",
     "format_table",
     "gpt_config",
     "interleave",
     "lm_batch",
     "paired_ratios",
     "peak_rss_bytes",
+    "profile_against",
     "quantile",
     "reset_peak_rss",
     "rss_bytes",
@@ -334,7 +341,8 @@ class MachineLoad:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        assert self._start is not None  # __enter__ ran
+        if self._start is None:
+            raise RuntimeError("MachineLoad: the block was left without being entered")
         wall_start, own_start, jiffies_start = self._start
         wall = max(time.monotonic() - wall_start, 1e-9)
         own_cores = (_own_cpu_seconds() - own_start) / wall
@@ -440,11 +448,207 @@ def lm_batch(cfg: Any, batch_size: int, index: int, *, seed: int = 0) -> Any:
     from fscale import random as fsrandom
     from fscale.data import LMBatch
 
-    generator = torch.Generator().manual_seed(fsrandom.seed(fsrandom.fold_in(fsrandom.key(seed), index)))
+    batch_key = fsrandom.fold_in(fsrandom.key(seed), index)
+    generator = torch.Generator().manual_seed(fsrandom.seed(batch_key))
     tokens = torch.randint(
         0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=generator
     )
     return LMBatch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+# --------------------------------------------------------------------------------------------
+# Profiling against a reference
+
+
+def _op_times(fn: Callable[[], Any]) -> dict[str, tuple[int, float]]:
+    """Per torch op: (calls, self CPU µs) of one call of `fn` under torch.profiler."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {event.key: (event.count, event.self_cpu_time_total) for event in prof.key_averages()}
+
+
+def _python_times(fn: Callable[[], Any]) -> dict[str, tuple[int, float]]:
+    """Per Python function: (calls, own µs) of one call of `fn` under cProfile.
+
+    Built-ins (torch ops, the autograd engine) are left out, their time is in `_op_times`;
+    what remains is the interpreter's own overhead (module calls, hooks, pytree handling,
+    checks) plus the freeing of tensors whose last reference a function drops.
+    """
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, calls, own, cumulative, _)
+    return {
+        f"{_short_path(file)}:{line}({name})": (calls, own * 1e6)
+        for (file, line, name), (_, calls, own, _, _) in stats.items()
+        if file != "~"  # cProfile's file name for built-in functions
+    }
+
+
+def _short_path(file: str) -> str:
+    """A file name relative to site-packages or to the repository, for a readable table."""
+    if "/site-packages/" in file:
+        return file.split("/site-packages/", 1)[1]
+    for folder in ("fscale", "bench"):
+        if f"/{folder}/" in file:
+            return folder + "/" + file.rsplit(f"/{folder}/", 1)[1]
+    return file
+
+
+def _median_table(tables: list[dict[str, tuple[int, float]]]) -> dict[str, tuple[float, float]]:
+    """Per key, the median over calls of (count, µs); a key missing from a call counts as 0."""
+    keys = set().union(*tables)
+    return {
+        key: (
+            quantile([t.get(key, (0, 0.0))[0] for t in tables], 0.5),
+            quantile([t.get(key, (0, 0.0))[1] for t in tables], 0.5),
+        )
+        for key in keys
+    }
+
+
+def _most_extra(
+    ours: dict[str, tuple[float, float]], reference: dict[str, tuple[float, float]], top: int
+) -> list[dict[str, Any]]:
+    rows = []
+    for key in set(ours) | set(reference):
+        calls, us = ours.get(key, (0.0, 0.0))
+        reference_calls, reference_us = reference.get(key, (0.0, 0.0))
+        rows.append(
+            {
+                "name": key,
+                "calls": calls,
+                "reference_calls": reference_calls,
+                "us": us,
+                "reference_us": reference_us,
+                "extra_us": us - reference_us,
+            }
+        )
+    rows.sort(key=lambda row: row["extra_us"], reverse=True)
+    return rows[:top]
+
+
+def profile_against(
+    variants: Mapping[str, Callable[[], Any]],
+    reference: str,
+    names: Sequence[str],
+    rounds: int,
+    *,
+    top: int = 12,
+    record: bool = True,
+    before_each: Callable[[], Any] | None = None,
+) -> dict[str, Any] | None:
+    """Where the variants `names` spend time that the `reference` variant does not.
+
+    Each round profiles one call of the reference and of each named variant under
+    torch.profiler (self CPU time per op), then one call of each under cProfile (own time per
+    Python function); per-op and per-function medians over the rounds are compared. Profiling
+    one call at a time in alternation exposes all variants to the same load, as `interleave`
+    does. Profilers slow the code down, so compare the variants with each other, not with the
+    timings of `interleave`.
+
+    Args:
+        variants: name -> a callable running one step (as for `interleave`).
+        reference: the name of the variant to compare against.
+        names: the variants to explain.
+        rounds: calls of each variant under each profiler.
+        top: rows kept per table.
+        record: False runs exactly the same calls without profiling and returns None (the
+            other ranks of a multi-process benchmark, which must take part in every step).
+        before_each: called before each call, outside the profile (e.g. a barrier).
+
+    Returns:
+        ``{"rounds", "reference", reference: totals, name: totals and tables, ...}`` where the
+        totals are ``op_us`` (median over rounds of the summed self CPU time of all ops) and
+        ``python_us`` (the same for Python functions), and each name also has
+        ``ops_with_most_extra_time`` and ``python_with_most_extra_time``: rows of ``name,
+        calls, reference_calls, us, reference_us, extra_us``, most extra time first. None when
+        `record` is False.
+
+    Raises:
+        ValueError: `reference` or a name is not a variant, or `rounds` < 1.
+    """
+    unknown = [name for name in [reference, *names] if name not in variants]
+    if unknown:
+        raise ValueError(f"profile_against: no variants named {unknown}; have {list(variants)}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"profile_against: `rounds` must be an int >= 1, got {rounds!r}")
+    profiled = [reference, *names]
+    op_tables: dict[str, list[dict[str, tuple[int, float]]]] = {name: [] for name in profiled}
+    python_tables: dict[str, list[dict[str, tuple[int, float]]]] = {name: [] for name in profiled}
+    for _ in range(rounds):
+        for profiler, tables in ((_op_times, op_tables), (_python_times, python_tables)):
+            for name in profiled:
+                if before_each is not None:
+                    before_each()
+                if record:
+                    tables[name].append(profiler(variants[name]))
+                else:
+                    variants[name]()
+    if not record:
+        return None
+
+    def total(tables: list[dict[str, tuple[int, float]]]) -> float:
+        return quantile([sum(us for _, us in table.values()) for table in tables], 0.5)
+
+    ops = {name: _median_table(tables) for name, tables in op_tables.items()}
+    python = {name: _median_table(tables) for name, tables in python_tables.items()}
+    report: dict[str, Any] = {
+        "rounds": rounds,
+        "reference": reference,
+        reference: {
+            "op_us": total(op_tables[reference]),
+            "python_us": total(python_tables[reference]),
+        },
+    }
+    for name in names:
+        report[name] = {
+            "op_us": total(op_tables[name]),
+            "python_us": total(python_tables[name]),
+            "ops_with_most_extra_time": _most_extra(ops[name], ops[reference], top),
+            "python_with_most_extra_time": _most_extra(python[name], python[reference], top),
+        }
+    return report
+
+
+def format_profile(report: Mapping[str, Any]) -> str:
+    """The tables of a `profile_against` report, as text."""
+    reference = report["reference"]
+    totals = report[reference]
+    sections = []
+    for name, entry in report.items():
+        if name in ("rounds", "reference", reference):
+            continue
+        sections.append(
+            f"profile of {name!r} against {reference!r}, medians of {report['rounds']} "
+            f"alternating calls: torch ops {entry['op_us'] / 1e3:.2f} ms/step ("
+            f"{reference}: {totals['op_us'] / 1e3:.2f}); Python own time "
+            f"{entry['python_us'] / 1e3:.2f} ms/step under cProfile ({reference}: "
+            f"{totals['python_us'] / 1e3:.2f})"
+        )
+        for title, key in (
+            ("torch ops, self CPU time (torch.profiler)", "ops_with_most_extra_time"),
+            ("Python functions, own time (cProfile)", "python_with_most_extra_time"),
+        ):
+            table = format_table(
+                ["name", "calls", f"{reference} calls", "ms", f"{reference} ms", "extra ms"],
+                [
+                    [
+                        row["name"],
+                        row["calls"],
+                        row["reference_calls"],
+                        row["us"] / 1e3,
+                        row["reference_us"] / 1e3,
+                        row["extra_us"] / 1e3,
+                    ]
+                    for row in entry[key]
+                ],
+            )
+            sections.append(f"{title}, most extra time first:\n{table}")
+    return "\n\n".join(sections)
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,8 +28,6 @@ Writes ``bench/results/step.json``.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 import resource
 from collections.abc import Callable
 from typing import Any
@@ -157,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     with _util.MachineLoad() as load:
         times = _util.interleave(variants, rounds=steps, warmup=warmup)
+    peak_rss = _util.peak_rss_bytes()
     print(load.describe())
 
     # The losses and parameters after the same number of steps on the same batches.
@@ -210,16 +209,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ],
         )
     )
-    print(f"process peak RSS: {_util.peak_rss_bytes() / 2**20:.1f} MiB (after the last reset)")
+    print(f"process peak RSS over the timed rounds (all variants live): {peak_rss / 2**20:.0f} MiB")
 
-    slow = [row["variant"] for row in rows if row["variant"] != "eager" and row["ratio_of_medians"] > GOAL]
+    slow = [
+        row["variant"]
+        for row in rows
+        if row["variant"] != "eager" and row["ratio_of_medians"] > GOAL
+    ]
     verdict = "all fscale variants within" if not slow else f"slower than the goal: {slow}"
     print(f"goal: fscale step <= {GOAL}x eager; {verdict}")
     profile = None
     to_profile = [name for name in variants if name != "eager"] if args.profile else slow
     if to_profile:
-        profile = profile_against_eager(variants, to_profile, profile_steps)
-        print_profile(profile, to_profile)
+        profile = _util.profile_against(variants, "eager", to_profile, profile_steps)
+        print()
+        print(_util.format_profile(profile))
 
     result = {
         "config": {**cfg.__dict__, "batch": BATCH_SIZE, "params": numel, "lr": LEARNING_RATE},
@@ -227,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "warmup": warmup,
         "goal_ratio": GOAL,
         "machine_load": load.as_dict(),
+        "peak_rss_bytes": peak_rss,
         "rows": rows,
         "profile": profile,
     }

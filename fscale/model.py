@@ -35,14 +35,15 @@ Parameters materialized at their point of use
 ``params`` may also be a `UnitParams`: a mapping whose parameters are held in *units* that
 exist only while they are needed (fully sharded training keeps each unit as a 1/N shard and
 all-gathers it just before use). ``apply`` then runs the module with the ``eager`` parameters
-swapped in as usual, and for each unit whose name is the path of a submodule holding all of
-the unit's parameters (``"blocks.3"``), it installs for the duration of the call a forward
+swapped in as usual, and for each unit whose name is the path of a submodule that has a forward and holds
+all of the unit's parameters (``"blocks.3"``), it installs for the duration of the call a forward
 on that submodule which hands the submodule's computation to the unit (`ParamUnit.call`), so
 the unit decides when its parameters are materialized and whether backward recomputes them.
 The installed forwards are instance attributes, removed when the call returns or raises; the
 module is left as it was. Until a unit's submodule runs, its parameter slots hold
-placeholders that raise a clear error if something outside the submodule reads them. A unit
-that is not a submodule (a grouping by predicate) is materialized before the call.
+placeholders that raise a clear error if something outside the submodule reads them. Any other
+unit (a grouping by predicate, a ``ModuleList`` that is iterated rather than called) is
+materialized before the call.
 """
 
 from __future__ import annotations
@@ -229,6 +230,7 @@ class FunctionalModule:
     def _module_units(self, params: UnitParams) -> dict[str, ParamUnit]:
         """The units of `params` that run as a submodule, after checking names and tied weights."""
         self._check_unit_names(params)
+        self._check_tied_weights(params)
         module_units: dict[str, ParamUnit] = {}
         for unit in params.units.values():
             if self._is_submodule_unit(unit):
@@ -246,7 +248,6 @@ class FunctionalModule:
                 f"{outer!r}); a parameter unit's submodule may not contain another unit's. "
                 "Choose units that do not overlap, e.g. one per block."
             )
-        self._check_tied_weights(params, module_units)
         return module_units
 
     def _check_unit_names(self, params: UnitParams) -> None:
@@ -272,9 +273,11 @@ class FunctionalModule:
         if not unit.name:
             return False
         try:
-            self.module.get_submodule(unit.name)
+            submodule = self.module.get_submodule(unit.name)
         except AttributeError:
             return False
+        if type(submodule).forward is nn.Module.forward:
+            return False  # a container (ModuleList, ModuleDict) is never called itself
         prefix = unit.name + "."
         return all(
             alias.startswith(prefix)
@@ -282,7 +285,7 @@ class FunctionalModule:
             for alias in self.aliases.get(name, (name,))
         )
 
-    def _check_tied_weights(self, params: UnitParams, module_units: dict[str, ParamUnit]) -> None:
+    def _check_tied_weights(self, params: UnitParams) -> None:
         """Every name of a tied tensor must be used in the same place: one unit, or outside all.
 
         A unit's parameters exist only while its submodule runs, so a tied tensor whose names
@@ -290,18 +293,21 @@ class FunctionalModule:
         """
 
         def place(path: str) -> str | None:
-            return next((unit for unit in module_units if path.startswith(unit + ".")), None)
+            return next((unit for unit in params.units if path.startswith(unit + ".")), None)
 
         for leaf, names in self.aliases.items():
             if leaf not in self.param_names:
                 continue
-            places = {name: place(name) for name in names}
+            owner = params.unit_of(leaf)
+            # The leaf is where its unit holds it; another name is in the unit whose submodule
+            # path contains it, if any.
+            places = {leaf: None if owner is None else owner.name}
+            places.update({name: place(name) for name in names[1:]})
             if len(set(places.values())) > 1:
                 described = ", ".join(
                     f"{name!r} ({'unit ' + repr(unit) if unit else 'outside every unit: root'})"
                     for name, unit in places.items()
                 )
-                owner = params.unit_of(leaf)
                 raise ValueError(
                     f"apply: the tied parameter {leaf!r} (one tensor registered under several "
                     f"names) is used in more than one parameter unit: {described}; it is held "
@@ -536,6 +542,9 @@ class _Placeholder(torch.Tensor):
         placeholder.param_name = name
         placeholder.unit = unit
         return placeholder
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"<placeholder of {self.param_name!r}, unit {self.unit!r}>"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]

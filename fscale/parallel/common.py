@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import pickle
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from fscale.dist import collectives
 from fscale.dist.mesh import Mesh
 
 __all__ = [
+    "all_gather_objects",
     "broadcast_tree",
     "check_axis",
     "check_same_on_all_ranks",
@@ -58,12 +60,9 @@ def check_same_on_all_ranks(mesh: Mesh, axis: str, lines: list[str], what: str, 
     if group is None:
         return
     digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
-    digests: list[Any] = [None] * mesh.size(axis)
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) == 1:
+    if len(set(all_gather_objects(digest, mesh, axis))) == 1:
         return
-    all_lines: list[Any] = [None] * mesh.size(axis)
-    dist.all_gather_object(all_lines, lines, group=group)
+    all_lines = all_gather_objects(lines, mesh, axis)
     reference = all_lines[0]
     for index, other in enumerate(all_lines):
         if other == reference:
@@ -74,6 +73,32 @@ def check_same_on_all_ranks(mesh: Mesh, axis: str, lines: list[str], what: str, 
             f"{index} of the axis differ — {detail}. Every rank must build the same model "
             "(same shapes, dtypes and pytree structure)."
         )
+
+
+def all_gather_objects(value: Any, mesh: Mesh, axis: str) -> list[Any]:
+    """Every rank's picklable `value`, in axis order (for metadata, not for tensors in a step).
+
+    torch's ``all_gather_object`` needs numpy, which fscale does not require; this moves the
+    pickled bytes as a uint8 tensor instead: one all-gather of the lengths, one of the padded
+    payloads. Not recorded in the comm ledger: it is set-up traffic, not a training step's.
+    """
+    group = mesh.group(axis)
+    if group is None:
+        return [value]
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+    size = mesh.size(axis)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([payload.numel()], device=device), group=group)
+    longest = max(int(n.item()) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(size)]
+    dist.all_gather(gathered, padded, group=group)
+    return [
+        pickle.loads(bytes(chunk[: int(n.item())].cpu().tolist()))
+        for chunk, n in zip(gathered, lengths)
+    ]
 
 
 def _first_difference(a: list[str], b: list[str]) -> str:

@@ -13,9 +13,7 @@ A *unit* is a group of parameters that is all-gathered as one collective, used, 
 - a function ``path -> unit name or None``: None puts the parameter in the root unit.
 
 `ShardLayout` is the static description of the result (names, shapes, dtype per unit, and the
-number of shards). It travels inside the sharded parameter pytree, `UnitShards`, as optree
-metadata, so a sharded state is self-describing: it can be consolidated, resharded or stepped
-without the model at hand.
+number of shards): what turns ``{unit name: shard}`` back into named parameters.
 """
 
 from __future__ import annotations
@@ -25,12 +23,11 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import optree
 import torch
 
 from fscale.tree import FlatBuffer, Fragment
 
-__all__ = ["ROOT", "ShardLayout", "UnitLayout", "UnitShards", "UnitSpec", "assign_units"]
+__all__ = ["ROOT", "ShardLayout", "UnitLayout", "UnitSpec", "assign_units"]
 
 # The name of the unit of every parameter no other unit claims. Angle brackets keep it from
 # colliding with a submodule path.
@@ -182,6 +179,7 @@ class ShardLayout:
 
     units: tuple[UnitLayout, ...]
     num_shards: int
+    param_order: tuple[str, ...]  # the names in the order of the params dict given to init
 
     @classmethod
     def build(
@@ -208,7 +206,7 @@ class ShardLayout:
                     num_shards,
                 )
             )
-        return cls(tuple(layouts), num_shards)
+        return cls(tuple(layouts), num_shards, tuple(params))
 
     def __getitem__(self, unit: str) -> UnitLayout:
         for layout in self.units:
@@ -229,20 +227,38 @@ class ShardLayout:
             for u in self.units
         ]
 
-    def shard(self, params: dict[str, torch.Tensor], rank: int) -> UnitShards:
+    def shard(self, params: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
         """This rank's shard of every unit of the full `params`, each in its own storage."""
         shards = {}
         for unit in self.units:
             flat = FlatBuffer([params[n].detach() for n in unit.names], self.num_shards)
             shards[unit.name] = flat.shard(rank).clone()
-        return UnitShards(shards, self)
+        return shards
 
     def unshard(self, gathered: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``{name: tensor}`` from each unit's full flat buffer (views into it)."""
+        """``{name: tensor}`` in `param_order` from each unit's full flat buffer (copies)."""
         params: dict[str, torch.Tensor] = {}
         for unit in self.units:
             params.update(zip(unit.names, unit.flat.views(gathered[unit.name])))
-        return params
+        return {name: params[name].clone() for name in self.param_order}
+
+    def meta_params(self) -> dict[str, torch.Tensor]:
+        """Full-shape meta tensors in `param_order` (structure and shapes, no memory)."""
+        params = {
+            name: torch.empty(shape, dtype=unit.dtype, device="meta")
+            for unit in self.units
+            for name, shape in zip(unit.names, unit.shapes)
+        }
+        return {name: params[name] for name in self.param_order}
+
+    def meta_fragments(self, rank: int) -> dict[str, torch.Tensor]:
+        """1-D meta tensors shaped like the fragments shard `rank` holds, in `param_order`."""
+        fragments = self.fragments(rank)
+        dtypes = {name: unit.dtype for unit in self.units for name in unit.names}
+        return {
+            name: torch.empty(fragments[name].numel, dtype=dtypes[name], device="meta")
+            for name in self.param_order
+        }
 
     def fragments(self, rank: int) -> dict[str, Fragment]:
         """``{name: the fragment of it that shard `rank` holds}``."""
@@ -261,7 +277,7 @@ class ShardLayout:
 
     def pack(
         self, fragments: dict[str, torch.Tensor], previous: dict[str, torch.Tensor], rank: int
-    ) -> UnitShards:
+    ) -> dict[str, torch.Tensor]:
         """Shards holding `fragments`; a previous shard is reused when they already live in it.
 
         An optimizer that updated the fragment views in place (donation) leaves them inside the
@@ -283,38 +299,4 @@ class ShardLayout:
             for view, value in zip(unit.flat.fragment_views(rank, shard), values):
                 view.copy_(value.reshape(-1))
             shards[unit.name] = shard
-        return UnitShards(shards, self)
-
-
-class UnitShards(dict):
-    """``{unit name: this rank's 1-D shard}``, carrying its `ShardLayout` (``.layout``).
-
-    A dict for every reader; to optree a node whose metadata is the layout, so tree maps keep
-    it and two states with different layouts do not compare as the same structure.
-    """
-
-    def __init__(self, shards: dict[str, torch.Tensor], layout: ShardLayout) -> None:
-        super().__init__(shards)
-        self.layout = layout
-
-    def __repr__(self) -> str:
-        return f"UnitShards({dict.__repr__(self)})"
-
-
-def _flatten_shards(shards: UnitShards) -> tuple[list[Any], tuple[Any, ...], list[str]]:
-    keys = list(shards)
-    return [shards[k] for k in keys], (tuple(keys), shards.layout), keys
-
-
-def _unflatten_shards(metadata: tuple[Any, ...], children: Sequence[Any]) -> UnitShards:
-    keys, layout = metadata
-    return UnitShards(dict(zip(keys, children)), layout)
-
-
-optree.register_pytree_node(
-    UnitShards,
-    _flatten_shards,
-    _unflatten_shards,
-    path_entry_type=optree.MappingEntry,
-    namespace="",
-)
+        return shards

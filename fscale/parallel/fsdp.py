@@ -1,0 +1,560 @@
+"""`fully_shard(step, mesh)`: ZeRO-3 / FSDP as a transformation of a Step.
+
+FSDP here is not a wrapper with hooks and a state machine; it is three ideas from the rest of
+the library placed around the user's loss:
+
+1. **At rest, every rank holds 1/N of everything.** Parameters are grouped into *units*
+   (`fscale.parallel.units`: by default one per block of the first module list, plus a root
+   unit); each unit is a flat buffer zero-padded to a multiple of N, and rank r keeps only
+   slice r of it: ``state.params == {unit name: 1-D shard}`` (a `Shards`). Gradients and
+   optimizer state are sharded the same way, so fp32 Adam holds
+   (4 params + 4 grads + 8 moments)·Ψ/N bytes per rank (Ψ with each unit's padding).
+2. **A unit's parameters are all-gathered at their point of use.** The step hands ``loss_fn`` a
+   `fscale.model.UnitParams` instead of the params dict. A `FunctionalModule` given one runs
+   each unit's submodule through the unit: ``all_gather(shard, axis, op="mean")``, the views of
+   the gathered buffer swapped in, the submodule's forward, and the buffer released when the
+   submodule returns. The gradient of ``all_gather`` is its dual, a reduce-scatter (mean), so
+   each unit's gradient arrives already reduced and sharded the moment that unit's backward is
+   done; nobody writes the gradient collective.
+3. **A remat policy re-gathers in backward.** With ``reshard_after_forward=True`` the unit runs
+   under `fscale.remat` (the same mechanism as `fscale.checkpoint`) and keeps only its shard and
+   its inputs for backward: backward all-gathers the unit again, recomputes it, and
+   reduce-scatters its gradient. Peak gathered parameters: the unit being computed plus
+   `prefetch` units in flight (the root unit aside: it is gathered before the forward and kept
+   until its gradient, like torch FSDP's root). With ``reshard_after_forward=False`` the
+   gathered parameters stay alive until backward (one all-gather less per unit, ZeRO-2-like
+   traffic, all units resident).
+
+Prefetch: when unit i is called, the all-gathers of the next `prefetch` units (in parameter
+registration order, the order of use for sequential models) are issued with
+``all_gather_start`` before unit i's own gather is waited on, so communication overlaps the
+compute of unit i. Backward re-gathers are not prefetched (each is issued at the start of its
+unit's backward). A model that calls its units in another order stays correct; a unit
+prefetched but never called is gathered for nothing and released at the end of the forward.
+
+Communication per rank per step, ring model, units' padded sizes Ψ_u, N ranks on `axis`:
+3·Ψ_u·(N−1)/N per non-root unit with reshard_after_forward (forward gather, backward re-gather,
+gradient reduce-scatter), 2·Ψ_u·(N−1)/N without it and for the root unit; plus one all-reduce
+of the scalar metrics (and of the floating-point buffers, if any). With `replicate_axis`
+(HSDP) each unit's gradient shard is also all-reduced (mean) over that axis: 2·(Ψ_u/N)·(R−1)/R.
+
+The optimizer runs on the shards: each parameter's fragment in this rank's shard is one leaf
+(``{name: 1-D fragment}``), and a `fscale.optim.Layout` built from the units' fragments lets
+non-pointwise optimizers (LAMB, Adafactor, clip_by_global_norm) complete their per-tensor
+statistics with an all-reduce over `axis`, so they stay exact.
+
+Fallback: a ``loss_fn`` that does not use `functionalize` (it indexes ``params[name]``) gets
+each unit gathered lazily on the first access of one of its names, with no recompute (the
+gathered unit lives until backward; its gradient is still reduce-scattered).
+
+Buffers (BatchNorm statistics) are replicated, and averaged over the data axes after every step
+as `data_parallel` does; frozen parameters are buffers, never sharded. Randomness: the key is
+folded with the step and this rank's data-parallel index, as under `data_parallel`.
+
+Mixed precision is not implemented yet. The intended rule: gather in the compute dtype (the
+unit's shard cast before the all-gather), reduce gradients in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from fscale import optim as optim_lib
+from fscale import random as fsrandom
+from fscale import remat
+from fscale.dist import collectives
+from fscale.dist.collectives import Pending
+from fscale.dist.mesh import Mesh
+from fscale.memory import tree_bytes
+from fscale.model import UnitCall, UnitParams
+from fscale.parallel import common
+from fscale.parallel.fsdp_state import consolidate, reshard
+from fscale.parallel.units import ROOT, ShardLayout, UnitLayout, UnitSpec, assign_units
+from fscale.train import LocalPlan, Step, TrainState, value_and_grad
+
+__all__ = [
+    "FullyShardPlan",
+    "GatherStats",
+    "consolidate",
+    "fully_shard",
+    "reshard",
+    "track_gathers",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Accounting of gathered parameters
+
+
+@dataclasses.dataclass
+class GatherStats:
+    """What unit all-gathers did while a `track_gathers()` block was open (root unit aside).
+
+    Attributes:
+        gathers: all-gathers of non-root units (forward, prefetch and backward re-gathers).
+        live_units: non-root units gathered (or in flight) and not yet released, now.
+        peak_units: the most non-root units gathered or in flight at once.
+        peak_bytes: the most bytes of gathered non-root parameters held at once.
+    """
+
+    gathers: int = 0
+    live_units: int = 0
+    live_bytes: int = 0
+    peak_units: int = 0
+    peak_bytes: int = 0
+
+    def _add(self, units: int, nbytes: int) -> None:
+        self.live_units += units
+        self.live_bytes += nbytes
+        self.peak_units = max(self.peak_units, self.live_units)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+
+_TRACKERS: list[GatherStats] = []
+
+
+class track_gathers:  # noqa: N801 - a context manager used like a function
+    """Count unit all-gathers and the peak of gathered parameters inside the block.
+
+    Yields a `GatherStats`. A gathered unit counts from the moment its all-gather is issued
+    until the last tensor viewing it is freed (tracked by reference, so it measures what the
+    program really keeps alive: autograd's saved tensors included). The communication library
+    may hold a finished buffer a moment after the wait returned (gloo releases it from its
+    worker thread), so an instant's peak can exceed the policy's by one unit.
+    """
+
+    def __enter__(self) -> GatherStats:
+        self.stats = GatherStats()
+        _TRACKERS.append(self.stats)
+        return self.stats
+
+    def __exit__(self, *exc_info: object) -> None:
+        _TRACKERS.remove(self.stats)
+
+
+def _track(unit: UnitLayout, gathered: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
+    """Count one gather of `unit` as live now; the returned callback ties it to a tensor."""
+    if unit.name == ROOT or not _TRACKERS:
+        return lambda tensor: None
+    nbytes = unit.numel * unit.dtype.itemsize
+    trackers = list(_TRACKERS)
+    for stats in trackers:
+        stats.gathers += 1
+        stats._add(1, nbytes)
+
+    def release() -> None:
+        for stats in trackers:
+            stats._add(-1, -nbytes)
+
+    def tie(tensor: torch.Tensor) -> None:
+        # Views keep their base alive, so the base's lifetime is the gathered buffer's.
+        base = tensor._base if tensor._base is not None else tensor
+        weakref.finalize(base, release)
+
+    return tie
+
+
+# ---------------------------------------------------------------------------------------------
+# Gathering units in one forward pass
+
+
+class _Gatherer:
+    """Issues one step's unit all-gathers: in order of use, `prefetch` units ahead."""
+
+    def __init__(self, plan: FullyShardPlan, units: list[_ShardedUnit]) -> None:
+        self.plan = plan
+        self.order = [u for u in units if u.layout.name != ROOT]
+        self.position = {u.layout.name: i for i, u in enumerate(self.order)}
+        # unit name -> (in-flight gather, its tracking tie, whether it records a graph)
+        self.pending: dict[str, tuple[Pending, Callable[[torch.Tensor], None], bool]] = {}
+        self.started: set[str] = set()
+
+    def _start(self, unit: _ShardedUnit, shard: torch.Tensor):
+        tie = _track(unit.layout, None)
+        plan = self.plan
+        if plan.replicate_axis is not None:
+            # HSDP: the dual of `replicate` all-reduces the gradient shard over the replicas.
+            shard = collectives.replicate(shard, plan.replicate_axis, "mean", mesh=plan.mesh)
+        return collectives.all_gather_start(shard, plan.axis, 0, "mean", mesh=plan.mesh), tie
+
+    def now(self, unit: _ShardedUnit, shard: torch.Tensor) -> torch.Tensor:
+        """Gather `shard` (differentiable) and wait for it."""
+        pending, tie = self._start(unit, shard)
+        gathered = pending.wait()
+        tie(gathered)
+        return gathered
+
+    def _start_recorded(self, unit: _ShardedUnit, grad: bool):
+        with torch.set_grad_enabled(grad):
+            pending, tie = self._start(unit, unit.shard)
+        return pending, tie, grad
+
+    def prefetch(self, after: int, grad: bool) -> None:
+        """Start the gathers of the `prefetch` units after position `after` not started yet."""
+        for unit in self.order[after + 1 : after + 1 + self.plan.prefetch]:
+            name = unit.layout.name
+            if name not in self.started:
+                self.started.add(name)
+                self.pending[name] = self._start_recorded(unit, grad)
+
+    def in_forward(self, unit: _ShardedUnit, grad: bool) -> torch.Tensor:
+        """`unit`'s gathered buffer for its forward use, issuing the next units' gathers first.
+
+        `grad`: whether the use needs the gather's graph (its gradient is the reduce-scatter);
+        a use inside a remat forward records no graph and does not.
+        """
+        name = unit.layout.name
+        self.started.add(name)
+        entry = self.pending.pop(name, None)
+        if entry is not None and grad and not entry[2]:
+            # Prefetched without a graph but needed with one: gather again rather than lose
+            # the gradient (only when a unit is used both ways in one forward).
+            entry[1](entry[0].wait())
+            entry = None
+        if entry is None:
+            entry = self._start_recorded(unit, grad)
+        # Issued before this unit's gather is waited on, so they overlap its compute.
+        self.prefetch(self.position[name], grad)
+        pending, tie, _ = entry
+        gathered = pending.wait()
+        tie(gathered)
+        return gathered
+
+    def drain(self) -> None:
+        """Wait for (and drop) gathers prefetched for units the forward did not call."""
+        for pending, tie, _ in self.pending.values():
+            tie(pending.wait())
+        self.pending.clear()
+
+
+class _ShardedUnit:
+    """A `fscale.model.ParamUnit` over this rank's shard of one unit."""
+
+    def __init__(self, layout: UnitLayout, shard: torch.Tensor, remat: bool) -> None:
+        self.layout = layout
+        self.name = layout.name
+        self.names = layout.names
+        self.shard = shard
+        self.remat = remat
+        self.gatherer: _Gatherer  # set once the step's gatherer exists
+
+    def _views(self, gathered: torch.Tensor) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.layout.flat.views(gathered)))
+
+    def materialize(self) -> Mapping[str, torch.Tensor]:
+        # The fallback: differentiable, kept until backward; prefetches the next units.
+        return self._views(self.gatherer.in_forward(self, grad=torch.is_grad_enabled()))
+
+    def call(self, call: UnitCall) -> Any:
+        if not self.remat:
+            gathered = self.gatherer.in_forward(self, grad=torch.is_grad_enabled())
+            return call.run(self._views(gathered), call.state, call.args, call.kwargs)
+        runs = 0
+
+        def gathered_call(inputs: Any) -> Any:
+            nonlocal runs
+            shard, state, args, kwargs = inputs
+            runs += 1
+            if runs == 1:
+                # The forward: no graph is recorded here, so the prefetched buffer serves.
+                gathered = self.gatherer.in_forward(self, grad=False)
+            else:
+                # The recompute in backward: a differentiable gather of the saved shard, whose
+                # gradient is the reduce-scatter of this unit's gradient.
+                gathered = self.gatherer.now(self, shard)
+            return call.run(self._views(gathered), state, args, kwargs)
+
+        # The shard and the submodule's other state are the remat's "module state" inputs, so
+        # buffers updated in place (BatchNorm) are snapshotted and updated once.
+        state = list(call.state)
+        return remat._checkpointed_call(
+            gathered_call,
+            (self.shard, state, call.args, call.kwargs),
+            _NO_OFFLOAD,
+            module_state=1 + len(state),
+            buffer_indexes=frozenset(1 + i for i in call.mutable),
+        )
+
+    def __repr__(self) -> str:
+        return f"_ShardedUnit({self.name!r}, {len(self.names)} params)"
+
+
+_NO_OFFLOAD = remat._Options(offload=False, policy=None)
+
+Shards = dict[str, torch.Tensor]  # {unit name: this rank's 1-D shard}
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclasses.dataclass(frozen=True)
+class FullyShardPlan:
+    """Parameters, gradients and optimizer state sharded over `axis`; see the module docstring."""
+
+    mesh: Mesh
+    axis: str
+    units: UnitSpec
+    reshard_after_forward: bool
+    prefetch: int
+    replicate_axis: str | None
+    # The model's units, recorded by `init` (or `reshard`): what turns a state's shards back
+    # into named parameters. One entry; a new init replaces it.
+    _layout: list[ShardLayout] = dataclasses.field(
+        default_factory=list, compare=False, repr=False
+    )
+
+    @property
+    def layout(self) -> ShardLayout:
+        """The unit layout of the model this step was initialised with."""
+        if not self._layout:
+            raise ValueError(
+                "fully_shard: the step has no model yet; build its state with step.init(params, "
+                "buffers) or fscale.parallel.fsdp.reshard(step, full_state) first"
+            )
+        return self._layout[0]
+
+    def record_layout(self, layout: ShardLayout) -> None:
+        self._layout[:] = [layout]
+
+    @property
+    def data_axes(self) -> str | tuple[str, ...]:
+        """The axes the batch is split over (and metrics and buffers averaged over)."""
+        return self.axis if self.replicate_axis is None else (self.replicate_axis, self.axis)
+
+    @property
+    def num_shards(self) -> int:
+        return self.mesh.size(self.axis)
+
+    def layout_for(self, params: Any) -> ShardLayout:
+        """The units of the full `params` dict under this plan."""
+        if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
+            raise TypeError(
+                "fully_shard: `params` must be a flat dict name -> tensor (the params returned "
+                f"by fscale.functionalize), got {type(params).__name__}"
+            )
+        units = assign_units(list(params), self.units, "fully_shard")
+        return ShardLayout.build(params, units, self.num_shards, "fully_shard")
+
+    def init(self, step: Step, params: Any, buffers: Any, key: torch.Tensor) -> TrainState:
+        layout = self.layout_for(params)
+        lines = (
+            common.describe_tree(params) + ["buffers:"] + common.describe_tree(buffers)
+            + ["units:"] + layout.describe()
+        )
+        for axis in self._axes():
+            common.check_same_on_all_ranks(
+                self.mesh, axis, lines, "the parameters, buffers and units", "fully_shard"
+            )
+            params = common.broadcast_tree(params, self.mesh, axis)
+            buffers = common.broadcast_tree(buffers, self.mesh, axis)
+            key = common.broadcast_tree(key, self.mesh, axis)
+        shards = layout.shard(params, self.mesh.rank(self.axis))
+        self.record_layout(layout)
+        opt_state = step.optimizer.init(
+            self._fragments(shards), layout=self.optimizer_layout(layout)
+        )
+        return TrainState(shards, buffers, opt_state, torch.zeros((), dtype=torch.int64), key)
+
+    def _axes(self) -> tuple[str, ...]:
+        return (self.axis,) if self.replicate_axis is None else (self.axis, self.replicate_axis)
+
+    def optimizer_layout(self, layout: ShardLayout) -> optim_lib.Layout:
+        """The `fscale.optim.Layout` of this rank's fragments: sums complete over `axis`."""
+        mesh, axis = self.mesh, self.axis
+        return optim_lib.Layout(
+            fragments=layout.fragments(mesh.rank(axis)),
+            all_reduce=lambda t: collectives.all_reduce(t, axis, "sum", mesh=mesh),
+        )
+
+    def _fragments(self, shards: Shards) -> dict[str, torch.Tensor]:
+        return self.layout.fragment_views(shards, self.mesh.rank(self.axis))
+
+    def run(self, step: Step, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        shards = self._checked_shards(state.params)
+        out, grads = self.value_and_grad(step, state, batch)
+        layout = self.layout
+        rank = self.mesh.rank(self.axis)
+        new_fragments, opt_state = optim_lib.step(
+            step.optimizer,
+            self._fragments(grads),
+            state.opt_state,
+            self._fragments(shards),
+            layout=self.optimizer_layout(layout),
+            donate=step.donate,
+        )
+        params = layout.pack(new_fragments, shards, rank)
+        buffers = common.mean_floating_leaves(out.buffers, self.mesh, self.data_axes)
+        metrics = common.reduce_metrics(
+            {"loss": out.loss, **out.metrics}, self.mesh, self.data_axes
+        )
+        metrics["grad_bytes"] = tree_bytes(grads)
+        return TrainState(params, buffers, opt_state, state.step + 1, state.key), metrics
+
+    def value_and_grad(self, step: Step, state: TrainState, batch: Any) -> tuple[Any, Shards]:
+        """The loss outputs and this rank's gradient shards (reduced over the data axes).
+
+        The gradient of each unit's shard is the reduce-scatter (mean) of the unit's full
+        gradient: ``{unit name: 1-D gradient shard}``, the only gradient memory the step holds.
+        """
+        shards = self._checked_shards(state.params)
+        key = fsrandom.fold_in(
+            fsrandom.fold_in(state.key, int(state.step)), self.mesh.rank(self.data_axes)
+        )
+        gatherers: list[_Gatherer] = []
+
+        def prepare(live: Shards) -> UnitParams:
+            return self._unit_params(live, gatherers)
+
+        def loss_fn(params: Any, buffers: Any, batch: Any, key: torch.Tensor) -> Any:
+            out = step.loss_fn(params, buffers, batch, key)
+            for gatherer in gatherers:
+                gatherer.drain()
+            return out
+
+        return value_and_grad(
+            loss_fn, shards, state.buffers, batch, key, grad_mode=step.grad_mode, prepare=prepare
+        )
+
+    def _unit_params(self, live: Shards, gatherers: list[_Gatherer]) -> UnitParams:
+        remat_units = self.reshard_after_forward
+        units = [
+            _ShardedUnit(layout, live[layout.name], remat_units) for layout in self.layout.units
+        ]
+        gatherer = _Gatherer(self, units)
+        for unit in units:
+            unit.gatherer = gatherer
+        gatherers.append(gatherer)
+        eager: dict[str, torch.Tensor] = {}
+        root = next((u for u in units if u.name == ROOT), None)
+        if root is not None:
+            eager = root._views(gatherer.now(root, root.shard))
+        return UnitParams(eager, [u for u in units if u.name != ROOT])
+
+    def _checked_shards(self, params: Any) -> Shards:
+        layout = self.layout
+        expected = {unit.name: unit.shard_size for unit in layout.units}
+        found = (
+            {name: tuple(shard.shape) for name, shard in params.items()}
+            if isinstance(params, dict)
+            else type(params).__name__
+        )
+        if found != {name: (size,) for name, size in expected.items()}:
+            raise ValueError(
+                f"fully_shard: `state.params` is not a sharded state of this step: expected "
+                f"{{unit: 1-D shard}} with shard sizes {expected} ({layout.num_shards} ranks), "
+                f"got {found}. Build the state with this step's init, or consolidate a state "
+                "from another step or world size and reshard it "
+                "(fscale.parallel.fsdp.consolidate / reshard)."
+            )
+        return params
+
+    def __repr__(self) -> str:
+        hsdp = f", replicate_axis={self.replicate_axis!r}" if self.replicate_axis else ""
+        return (
+            f"fully_shard(axis={self.axis!r} of size {self.num_shards}, units={self.units!r}, "
+            f"reshard_after_forward={self.reshard_after_forward}, prefetch={self.prefetch}{hsdp})"
+        )
+
+
+def fully_shard(
+    step: Step,
+    mesh: Mesh,
+    axis: str = "dp",
+    *,
+    units: UnitSpec = None,
+    reshard_after_forward: bool = True,
+    prefetch: int = 1,
+    replicate_axis: str | None = None,
+) -> Step:
+    """ZeRO-3 / FSDP: shard parameters, gradients and optimizer state over `axis`.
+
+    Forward collective: ``all_gather`` of each unit at its point of use. Backward collective:
+    its dual, a ``reduce_scatter`` (mean) of the unit's gradient, plus (with
+    `reshard_after_forward`) the re-gather of the unit before its recompute. Resident per rank:
+    1/N of parameters, gradients and optimizer state, plus the units in use. See the module
+    docstring for the exact traffic and memory.
+
+    Args:
+        step: a single-process Step from `fscale.train_step`. Its ``loss_fn`` receives a
+            `fscale.model.UnitParams`: pass it to a `FunctionalModule` (gather at the point of
+            use) or index it by name (each unit gathered on first access).
+        mesh: the mesh; `axis` (and `replicate_axis`) must be among its axes.
+        axis: the axis to shard over. Each rank along it (and along `replicate_axis`) reads its
+            own slice of the global batch.
+        units: which parameters are gathered together: None (one unit per element of the
+            first module list, e.g. per GPT block, the rest in the root unit), a list of path
+            prefixes, or a function ``path -> unit name`` (None for the root unit). See
+            `fscale.parallel.units`. A unit is padded to a multiple of N; a unit smaller than
+            N leaves some ranks holding only padding. All names of a tied weight must be in
+            one unit (for a GPT's embedding and output layer: the root unit).
+        reshard_after_forward: release each unit's gathered parameters after its forward and
+            gather them again in backward (3 transfers of the unit per step, at most
+            ``prefetch + 1`` units resident); False keeps them until backward (2 transfers,
+            every unit resident at the end of the forward).
+        prefetch: how many units ahead to issue all-gathers in the forward (0: none).
+        replicate_axis: an outer axis to replicate over (HSDP): parameters are sharded over
+            `axis` within each replica, and each gradient shard is also averaged over the
+            replicas.
+
+    Returns:
+        A Step whose state holds ``{unit name: 1-D shard}`` as its params and whose metrics
+        (the loss and scalar extras) are means over the data axes, equal on every rank.
+
+    Raises:
+        TypeError / ValueError: `step` is not an untransformed Step, `mesh` lacks an axis, bad
+            `units`, `prefetch` or flags. At init: a unit spec matching nothing, a unit mixing
+            dtypes, a tied weight split across units (at the first step), or ranks that
+            disagree on the parameters or units.
+
+    Example:
+        >>> import fscale as fs
+        >>> model = fs.models.mlp([4, 8, 2])
+        >>> apply, params, buffers = fs.functionalize(model)
+        >>> def loss_fn(p, b, batch, key):
+        ...     out, b = apply(p, b, batch)
+        ...     return out.square().mean(), b
+        >>> step = fully_shard(fs.train_step(loss_fn, fs.optim.adam(1e-3)), fs.Mesh(dp=1))
+        >>> state = step.init(params, buffers)
+        >>> sorted(state.params)
+        ['0', '2']
+        >>> state, metrics = step(state, torch.ones(3, 4))
+    """
+    if not isinstance(step, Step):
+        raise TypeError(
+            f"fully_shard: `step` must be a Step from fscale.train_step, got {type(step).__name__}"
+        )
+    common.check_axis(mesh, axis, "fully_shard")
+    if replicate_axis is not None:
+        common.check_axis(mesh, replicate_axis, "fully_shard")
+        if replicate_axis == axis:
+            raise ValueError(
+                f"fully_shard: `replicate_axis` must differ from `axis`, both are {axis!r}"
+            )
+    if not isinstance(step.plan, LocalPlan):
+        raise ValueError(
+            f"fully_shard: the step is already transformed ({step.plan!r}); apply fully_shard "
+            "to a single-process step from fscale.train_step (for HSDP pass replicate_axis=...)"
+        )
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"fully_shard: `reshard_after_forward` must be a bool, got {reshard_after_forward!r}"
+        )
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"fully_shard: `prefetch` must be an int >= 0, got {prefetch!r}")
+    if units is not None and not callable(units):
+        if isinstance(units, str) or not isinstance(units, (list, tuple)) or not all(
+            isinstance(p, str) for p in units
+        ):
+            raise TypeError(
+                "fully_shard: `units` must be None, a list of path prefixes (e.g. ['blocks.0', "
+                f"'blocks.1']) or a function path -> unit name, got {units!r}"
+            )
+        units = tuple(units)
+    plan = FullyShardPlan(mesh, axis, units, reshard_after_forward, prefetch, replicate_axis)
+    return step.replace(plan=plan)

@@ -1,0 +1,263 @@
+"""bench/_util.py: statistics, interleaved timing, tables, result files, memory and profiling."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+_PATH = Path(__file__).resolve().parents[1] / "bench" / "_util.py"
+_spec = importlib.util.spec_from_file_location("bench_util", _PATH)
+util = importlib.util.module_from_spec(_spec)
+sys.modules["bench_util"] = util  # dataclasses resolve their module by name
+_spec.loader.exec_module(util)
+
+finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
+
+
+# ---------------------------------------------------------------------------------- statistics
+
+
+@given(values=st.lists(finite, min_size=1, max_size=30), q=st.floats(0.0, 1.0))
+def test_quantile_equals_the_linear_quantile(values, q):
+    # torch.quantile's default "linear" interpolation is numpy's default definition.
+    expected = float(torch.tensor(values, dtype=torch.float64).quantile(q))
+    assert util.quantile(values, q) == pytest.approx(expected, rel=1e-12, abs=1e-9)
+
+
+def test_quantile_interpolates_between_order_statistics():
+    assert util.quantile([4.0, 1.0, 3.0, 2.0], 0.25) == 1.75
+    assert util.quantile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5
+    assert util.quantile([7.0], 0.9) == 7.0
+    assert util.quantile([1, 2, 3], 1.0) == 3.0
+
+
+def test_quantile_rejects_bad_input():
+    with pytest.raises(ValueError, match="`values` is empty"):
+        util.quantile([], 0.5)
+    with pytest.raises(ValueError, match=r"`q` must be in \[0, 1\], got 1.5"):
+        util.quantile([1.0], 1.5)
+
+
+def test_summarize_gives_quartiles_extremes_and_count():
+    summary = util.summarize([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert (summary.median, summary.q1, summary.q3) == (3.0, 2.0, 4.0)
+    assert (summary.minimum, summary.maximum, summary.n) == (1.0, 5.0, 5)
+    assert summary.iqr == 2.0
+    assert summary.as_dict() == {
+        "median": 3.0, "q1": 2.0, "q3": 4.0, "iqr": 2.0, "min": 1.0, "max": 5.0, "n": 5
+    }
+    with pytest.raises(ValueError, match="`samples` is empty"):
+        util.summarize([])
+
+
+def test_summary_scaled_multiplies_every_statistic_but_the_count():
+    scaled = util.summarize([0.001, 0.002, 0.004]).scaled(1e3)
+    assert scaled.as_dict() == pytest.approx(
+        {"median": 2.0, "q1": 1.5, "q3": 3.0, "iqr": 1.5, "min": 1.0, "max": 4.0, "n": 3}
+    )
+    with pytest.raises(ValueError, match="`factor` must be positive"):
+        scaled.scaled(0.0)
+
+
+def test_paired_ratios_divide_round_by_round():
+    assert util.paired_ratios([2.0, 3.0, 1.0], [1.0, 2.0, 4.0]) == [2.0, 1.5, 0.25]
+    with pytest.raises(ValueError, match="2 numerators and 1 denominators"):
+        util.paired_ratios([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="no samples"):
+        util.paired_ratios([], [])
+    with pytest.raises(ValueError, match="denominator must be positive"):
+        util.paired_ratios([1.0], [0.0])
+
+
+# ---------------------------------------------------------------------------------- timing
+
+
+class FakeClock:
+    """A clock that only moves when a variant (or the barrier) says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_interleave_times_each_variant_per_round_and_drops_warmup():
+    clock = FakeClock()
+    calls: list[str] = []
+    counters = {"a": itertools.count(), "b": itertools.count()}
+
+    def variant(name: str, base: float):
+        def run() -> None:
+            calls.append(name)
+            clock.advance(base + next(counters[name]))  # the i-th call takes base + i seconds
+
+        return run
+
+    times = util.interleave(
+        {"a": variant("a", 10.0), "b": variant("b", 100.0)},
+        rounds=3,
+        warmup=2,
+        before_each=lambda: clock.advance(1000.0),  # outside the timed interval
+        clock=clock,
+    )
+    assert times == {"a": [12.0, 13.0, 14.0], "b": [102.0, 103.0, 104.0]}
+    # The order rotates each round: a first in even rounds, b first in odd ones.
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+
+
+def test_interleave_keeps_the_order_without_rotation():
+    calls: list[str] = []
+    util.interleave(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+        rounds=2,
+        warmup=0,
+        rotate=False,
+    )
+    assert calls == ["a", "b", "a", "b"]
+
+
+def test_interleave_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="`variants` is empty"):
+        util.interleave({}, rounds=1)
+    with pytest.raises(ValueError, match="`rounds` must be an int >= 1, got 0"):
+        util.interleave({"a": lambda: None}, rounds=0)
+    with pytest.raises(ValueError, match="`warmup` must be an int >= 0, got -1"):
+        util.interleave({"a": lambda: None}, rounds=1, warmup=-1)
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def test_format_table_aligns_numbers_right_and_text_left():
+    table = util.format_table(
+        ["variant", "ms", "ok", "extra"],
+        [["eager", 1.5, True, None], ["fscale long", 12.25, False, 3]],
+        float_format="{:.2f}",
+    )
+    assert table == (
+        "variant         ms  ok   extra\n"
+        "------------------------------\n"
+        "eager         1.50  yes  -\n"
+        "fscale long  12.25  no   3"
+    )
+
+
+def test_format_table_of_no_rows_is_the_header():
+    assert util.format_table(["a", "bb"], []) == "a  bb\n-----"
+
+
+def test_format_table_rejects_ragged_rows():
+    with pytest.raises(ValueError, match="row 1 has 1 cells but the header has 2 columns"):
+        util.format_table(["a", "b"], [[1, 2], [3]])
+
+
+def test_write_results_adds_the_environment(tmp_path):
+    summary = util.summarize([1.0, 2.0, 3.0])
+    path = util.write_results("demo-1", {"rows": [{"s": summary}]}, directory=tmp_path)
+    assert path == tmp_path / "demo-1.json"
+    document = json.loads(path.read_text())
+    assert document["rows"] == [{"s": summary.as_dict()}]
+    assert document["environment"]["torch"] == torch.__version__
+    assert document["environment"]["threads"] == torch.get_num_threads()
+
+
+def test_write_results_rejects_a_name_that_is_not_a_file_name(tmp_path):
+    with pytest.raises(ValueError, match="`name` must be letters, digits"):
+        util.write_results("../escape", {}, directory=tmp_path)
+    with pytest.raises(TypeError, match="cannot store a object"):
+        util.write_results("bad", {"x": object()}, directory=tmp_path)
+
+
+# ---------------------------------------------------------------------------------- machine
+
+
+linux_only = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+
+
+@linux_only
+def test_peak_rss_follows_an_allocation_and_resets():
+    if not util.reset_peak_rss():
+        pytest.skip("the kernel does not allow resetting the peak RSS")
+    before = util.rss_bytes()
+    assert 0 < before <= util.peak_rss_bytes()
+    block = torch.ones(16 * 2**20, dtype=torch.uint8)  # 16 MiB, every page touched
+    assert util.peak_rss_bytes() >= before + 15 * 2**20
+    del block
+    assert util.reset_peak_rss()
+    assert util.peak_rss_bytes() <= util.rss_bytes() + 2**20
+
+
+@linux_only
+def test_machine_load_reports_this_process_and_the_others():
+    load = util.MachineLoad()
+    with pytest.raises(RuntimeError, match="after the `with` block"):
+        load.as_dict()
+    with load:
+        sum(i * i for i in range(200_000))  # some CPU time of our own
+    result = load.as_dict()
+    assert result["own_cores"] > 0
+    assert result["other_cores"] >= 0
+    assert result["cpus"] >= 1 and result["seconds"] > 0
+    assert "CPUs" in load.describe()
+
+
+def test_environment_names_versions_and_threads():
+    env = util.environment()
+    assert env["torch"] == torch.__version__
+    assert env["threads"] == torch.get_num_threads()
+    assert len(env["loadavg"]) == 3
+
+
+# ---------------------------------------------------------------------------------- workload
+
+
+def test_lm_batch_is_reproducible_and_shifted():
+    cfg = util.gpt_config(quick=True)
+    batch = util.lm_batch(cfg, 3, index=5)
+    assert batch.inputs.shape == batch.targets.shape == (3, cfg.seq_len)
+    assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1])
+    assert torch.equal(util.lm_batch(cfg, 3, index=5).inputs, batch.inputs)
+    assert not torch.equal(util.lm_batch(cfg, 3, index=6).inputs, batch.inputs)
+    assert int(batch.inputs.max()) < cfg.vocab_size
+    full = util.gpt_config()
+    assert (full.vocab_size, full.d_model, full.n_layers, full.seq_len) == (8192, 256, 4, 128)
+
+
+# ---------------------------------------------------------------------------------- profiling
+
+
+def test_profile_against_names_the_extra_op():
+    x = torch.ones(64, 64)
+    calls = {"plain": 0, "more": 0}
+
+    def plain() -> None:
+        calls["plain"] += 1
+        torch.add(x, x)
+
+    def more() -> None:
+        calls["more"] += 1
+        torch.mul(torch.add(x, x), x)
+
+    variants = {"plain": plain, "more": more}
+    report = util.profile_against(variants, "plain", ["more"], rounds=2)
+    extra = {row["name"]: row for row in report["more"]["ops_with_most_extra_time"]}
+    assert extra["aten::mul"]["calls"] == 1 and extra["aten::mul"]["reference_calls"] == 0
+    assert calls == {"plain": 4, "more": 4}  # two profilers x two rounds
+    assert "profile of 'more' against 'plain'" in util.format_profile(report)
+
+    assert util.profile_against(variants, "plain", ["more"], rounds=2, record=False) is None
+    assert calls == {"plain": 8, "more": 8}  # the same calls, unprofiled
+    with pytest.raises(ValueError, match=r"no variants named \['missing'\]"):
+        util.profile_against(variants, "plain", ["missing"], rounds=1)
