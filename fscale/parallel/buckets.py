@@ -21,6 +21,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import optree
 import torch
 
 from fscale import tree
@@ -57,6 +58,7 @@ def assign_buckets(
     bucket_bytes: int,
     num_shards: int = 1,
     order: Sequence[int] | None = None,
+    first_bucket_bytes: int | None = None,
 ) -> list[Bucket]:
     """Group `leaves` into buckets of at most `bucket_bytes`, last-used leaves first.
 
@@ -70,6 +72,9 @@ def assign_buckets(
         num_shards: each bucket is padded to a multiple of this.
         order: leaf indices in the order the forward pass uses them (default: leaf order);
             see `forward_order`.
+        first_bucket_bytes: a smaller cap for the first bucket, so the first collective starts
+            early in backward instead of after a whole `bucket_bytes` of gradients (torch DDP
+            uses 1 MiB); default `bucket_bytes`.
 
     Returns:
         Buckets in the order backward completes them.
@@ -80,7 +85,10 @@ def assign_buckets(
     order = tuple(range(len(leaves))) if order is None else tuple(order)
     if sorted(order) != list(range(len(leaves))):
         raise ValueError("assign_buckets: `order` must be a permutation of the leaf indices")
-    return _assign_buckets(signature, bucket_bytes, num_shards, order)
+    first = bucket_bytes if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
+    if first <= 0:
+        raise ValueError(f"`first_bucket_bytes` must be positive, got {first_bucket_bytes}")
+    return _assign_buckets(signature, bucket_bytes, num_shards, order, first)
 
 
 def forward_order(params: Any) -> list[int]:
@@ -91,16 +99,13 @@ def forward_order(params: Any) -> list[int]:
     reverse of that order complete earliest in backward. For a dict, this returns the leaf
     indices in key insertion order; for any other tree, leaf order.
     """
-    paths = tree.paths(params)
+    raw_paths = optree.tree_paths(params, none_is_leaf=False)
     if not isinstance(params, dict):
-        return list(range(len(paths)))
-    position = {path: i for i, path in enumerate(paths)}
-    ordered: list[int] = []
-    for key in params:
-        prefix = str(key)
-        ordered.extend(i for p, i in position.items() if p == prefix or p.startswith(prefix + "."))
-    seen = set()
-    return [i for i in ordered if not (i in seen or seen.add(i))]
+        return list(range(len(raw_paths)))
+    by_key: dict[Any, list[int]] = {}
+    for index, path in enumerate(raw_paths):
+        by_key.setdefault(path[0], []).append(index)
+    return [index for key in params for index in by_key.get(key, [])]
 
 
 @functools.lru_cache(maxsize=64)
@@ -109,6 +114,7 @@ def _assign_buckets(
     bucket_bytes: int,
     num_shards: int,
     order: tuple[int, ...],
+    first_bucket_bytes: int,
 ) -> list[Bucket]:
     groups: list[list[int]] = []
     current: list[int] = []
@@ -118,7 +124,8 @@ def _assign_buckets(
         shape, dtype, device = signature[i]
         kind = (dtype, device)
         size = torch.Size(shape).numel() * dtype.itemsize
-        if current and (kind != current_kind or current_bytes + size > bucket_bytes):
+        cap = first_bucket_bytes if not groups else bucket_bytes
+        if current and (kind != current_kind or current_bytes + size > cap):
             groups.append(current)
             current, current_bytes = [], 0
         current.append(i)

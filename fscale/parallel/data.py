@@ -47,6 +47,10 @@ from fscale.train import LocalPlan, Step, TrainState, value_and_grad
 
 __all__ = ["DataParallelPlan", "data_parallel"]
 
+# As torch DDP: the first bucket (the last layers' gradients) is small, so the first all-reduce
+# starts early in backward; later buckets use `bucket_mb`.
+FIRST_BUCKET_BYTES = 1 << 20
+
 
 @dataclasses.dataclass(frozen=True)
 class DataParallelPlan:
@@ -82,7 +86,12 @@ class DataParallelPlan:
 
     def _grads_by_buckets(self, step: Step, state: TrainState, batch: Any, key: torch.Tensor):
         leaves, treedef = tree.flatten(state.params)
-        buckets = assign_buckets(leaves, self.bucket_bytes, order=forward_order(state.params))
+        buckets = assign_buckets(
+            leaves,
+            self.bucket_bytes,
+            order=forward_order(state.params),
+            first_bucket_bytes=FIRST_BUCKET_BYTES,
+        )
         in_flight: dict[int, collectives.Pending] = {}
 
         def start_reduce(bucket, flat_grad):
