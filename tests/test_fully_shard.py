@@ -11,7 +11,8 @@ from torch import nn
 
 import fscale as fs
 from fscale.model import UnitParams
-from fscale.parallel.fsdp import consolidate, fully_shard, reshard, track_gathers
+from fscale.parallel.fsdp import fully_shard, track_gathers
+from fscale.parallel.zero import consolidate, shard_state
 from fscale.testing import RankError, assert_trees_close, assert_trees_equal, run_spmd
 from fscale.testing import strategies as fst
 
@@ -336,7 +337,7 @@ def _round_trip_in(opt, full_state):
     apply, _, _ = fs.functionalize(case.module())
     world = dist.get_world_size()
     step = fully_shard(fs.train_step(case.loss_fn(apply), _optimizer(opt)), fs.Mesh(dp=world))
-    return consolidate(step, reshard(step, full_state))
+    return consolidate(step, shard_state(step, full_state))
 
 
 @pytest.mark.parametrize("opt", [fst.OptimizerCase("adam", (("amsgrad", True),)), "adafactor"])
@@ -530,6 +531,32 @@ def test_bad_arguments():
     state = sharded.init({"w": torch.ones(3)})
     with pytest.raises(ValueError, match="not a sharded state of this step"):
         sharded(state._replace(params={"w": torch.ones(3)}), 0)
+    from fscale.parallel.fsdp_state import consolidate_fully_sharded
+
     with pytest.raises(TypeError, match="made by fscale.parallel.fully_shard"):
-        consolidate(step, state)
+        consolidate_fully_sharded(step, state)
     assert "fully_shard(axis='dp' of size 1" in repr(sharded)
+
+
+def _func_mode_equals_autograd_mode(reshard_after_forward):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = fst.ModelCase("gpt", width=8, depth=2)
+    apply, params, buffers = fs.functionalize(case.module())
+    results = []
+    for grad_mode in ("autograd", "func"):
+        step = fully_shard(
+            fs.train_step(case.loss_fn(apply), fs.optim.adam(1e-2), grad_mode=grad_mode),
+            fs.Mesh(dp=world),
+            reshard_after_forward=reshard_after_forward,
+        )
+        state = step.init(params, buffers)
+        for i in range(2):
+            state, _ = step(state, _local(case, i, rank, world))
+        results.append(consolidate(step, state).params)
+    return results
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_torch_func_grad_mode_agrees(reshard_after_forward):
+    for by_autograd, by_func in run_spmd(_func_mode_equals_autograd_mode, 2, reshard_after_forward):
+        assert_trees_equal(by_autograd, by_func)

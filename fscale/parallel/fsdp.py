@@ -6,7 +6,7 @@ the library placed around the user's loss:
 1. **At rest, every rank holds 1/N of everything.** Parameters are grouped into *units*
    (`fscale.parallel.units`: by default one per block of the first module list, plus a root
    unit); each unit is a flat buffer zero-padded to a multiple of N, and rank r keeps only
-   slice r of it: ``state.params == {unit name: 1-D shard}`` (a `Shards`). Gradients and
+   slice r of it: ``state.params == {unit name: 1-D shard}``. Gradients and
    optimizer state are sharded the same way, so fp32 Adam holds
    (4 params + 4 grads + 8 moments)·Ψ/N bytes per rank (Ψ with each unit's padding).
 2. **A unit's parameters are all-gathered at their point of use.** The step hands ``loss_fn`` a
@@ -51,6 +51,11 @@ Buffers (BatchNorm statistics) are replicated, and averaged over the data axes a
 as `data_parallel` does; frozen parameters are buffers, never sharded. Randomness: the key is
 folded with the step and this rank's data-parallel index, as under `data_parallel`.
 
+State in and out: `fscale.parallel.zero.consolidate(step, state)` gathers the full TrainState
+(params as the dict given to init, optimizer state as the optimizer makes it on full tensors)
+on every rank, and `fscale.parallel.zero.shard_state(step, full_state)` shards a full state for
+this step at any world size; both dispatch to this plan (`fscale.parallel.fsdp_state`).
+
 Mixed precision is not implemented yet. The intended rule: gather in the compute dtype (the
 unit's shard cast before the all-gather), reduce gradients in fp32.
 """
@@ -73,18 +78,11 @@ from fscale.dist.mesh import Mesh
 from fscale.memory import tree_bytes
 from fscale.model import UnitCall, UnitParams
 from fscale.parallel import common
-from fscale.parallel.fsdp_state import consolidate, reshard
+from fscale.parallel import fsdp_state
 from fscale.parallel.units import ROOT, ShardLayout, UnitLayout, UnitSpec, assign_units
 from fscale.train import LocalPlan, Step, TrainState, value_and_grad
 
-__all__ = [
-    "FullyShardPlan",
-    "GatherStats",
-    "consolidate",
-    "fully_shard",
-    "reshard",
-    "track_gathers",
-]
+__all__ = ["FullyShardPlan", "GatherStats", "fully_shard", "track_gathers"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +135,7 @@ class track_gathers:  # noqa: N801 - a context manager used like a function
         _TRACKERS.remove(self.stats)
 
 
-def _track(unit: UnitLayout, gathered: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
+def _track(unit: UnitLayout) -> Callable[[torch.Tensor], None]:
     """Count one gather of `unit` as live now; the returned callback ties it to a tensor."""
     if unit.name == ROOT or not _TRACKERS:
         return lambda tensor: None
@@ -175,7 +173,7 @@ class _Gatherer:
         self.started: set[str] = set()
 
     def _start(self, unit: _ShardedUnit, shard: torch.Tensor):
-        tie = _track(unit.layout, None)
+        tie = _track(unit.layout)
         plan = self.plan
         if plan.replicate_axis is not None:
             # HSDP: the dual of `replicate` all-reduces the gradient shard over the replicas.
@@ -303,7 +301,7 @@ class FullyShardPlan:
     reshard_after_forward: bool
     prefetch: int
     replicate_axis: str | None
-    # The model's units, recorded by `init` (or `reshard`): what turns a state's shards back
+    # The model's units, recorded by `init` (or `shard_state`): what turns a state's shards back
     # into named parameters. One entry; a new init replaces it.
     _layout: list[ShardLayout] = dataclasses.field(
         default_factory=list, compare=False, repr=False
@@ -315,7 +313,7 @@ class FullyShardPlan:
         if not self._layout:
             raise ValueError(
                 "fully_shard: the step has no model yet; build its state with step.init(params, "
-                "buffers) or fscale.parallel.fsdp.reshard(step, full_state) first"
+                "buffers) or fscale.parallel.zero.shard_state(step, full_state) first"
             )
         return self._layout[0]
 
@@ -436,6 +434,14 @@ class FullyShardPlan:
             eager = root._views(gatherer.now(root, root.shard))
         return UnitParams(eager, [u for u in units if u.name != ROOT])
 
+    def consolidate(self, step: Step, state: TrainState) -> TrainState:
+        """The full state (see `fscale.parallel.zero.consolidate`, which calls this)."""
+        return fsdp_state.consolidate_fully_sharded(step, state)
+
+    def shard_state(self, step: Step, full_state: TrainState) -> TrainState:
+        """This rank's state from a full one (see `fscale.parallel.zero.shard_state`)."""
+        return fsdp_state.shard_fully_sharded(step, full_state)
+
     def _checked_shards(self, params: Any) -> Shards:
         layout = self.layout
         expected = {unit.name: unit.shard_size for unit in layout.units}
@@ -450,7 +456,7 @@ class FullyShardPlan:
                 f"{{unit: 1-D shard}} with shard sizes {expected} ({layout.num_shards} ranks), "
                 f"got {found}. Build the state with this step's init, or consolidate a state "
                 "from another step or world size and reshard it "
-                "(fscale.parallel.fsdp.consolidate / reshard)."
+                "(fscale.parallel.zero.consolidate / shard_state)."
             )
         return params
 

@@ -1,5 +1,9 @@
 """Fully sharded state in and out: consolidate shards into full tensors, reshard full ones.
 
+The public entry points are `fscale.parallel.zero.consolidate` and `shard_state`, which call
+the plan's ``consolidate`` / ``shard_state`` methods; for a `fully_shard` step those are the two
+functions here.
+
 Parameters are easy: a unit's shards over ranks 0..N-1 are its flat buffer in rank order.
 Optimizer state is handled by one generic rule, so every optimizer (and chain) works without
 knowing its state type. Initialise the optimizer on full-shape meta tensors (structure and
@@ -23,10 +27,10 @@ from fscale.dist import collectives
 from fscale.parallel.units import ShardLayout
 from fscale.train import Step, TrainState
 
-__all__ = ["consolidate", "reshard"]
+__all__ = ["consolidate_fully_sharded", "shard_fully_sharded"]
 
 
-def consolidate(step: Step, state: TrainState) -> TrainState:
+def consolidate_fully_sharded(step: Step, state: TrainState) -> TrainState:
     """The full, unsharded TrainState of a `fully_shard` step, on every rank.
 
     A collective over the step's shard axis: every rank must call it. Parameters come back as
@@ -39,7 +43,7 @@ def consolidate(step: Step, state: TrainState) -> TrainState:
         state: this rank's sharded state.
 
     Returns:
-        A TrainState a single-process step (or `reshard` at any world size) can continue from.
+        A TrainState a single-process step (or `shard_state` at any world size) can continue from.
 
     Raises:
         TypeError: `step` is not a fully_shard step or `state` is not its state.
@@ -60,7 +64,7 @@ def consolidate(step: Step, state: TrainState) -> TrainState:
     return TrainState(params, state.buffers, opt_state, state.step, state.key)
 
 
-def reshard(step: Step, full_state: TrainState) -> TrainState:
+def shard_fully_sharded(step: Step, full_state: TrainState) -> TrainState:
     """This rank's sharded state for `step` from a full state (from `consolidate` or a run).
 
     Works at any world size: the full state does not remember how it was sharded. Every rank
@@ -78,16 +82,16 @@ def reshard(step: Step, full_state: TrainState) -> TrainState:
         TypeError / ValueError: `step` is not a fully_shard step, or the state's optimizer
             state has another structure than the step's optimizer makes.
     """
-    plan = _plan(step, "reshard")
+    plan = _plan(step, "shard_state")
     if not isinstance(full_state, TrainState):
-        raise TypeError(f"reshard: `full_state` must be a TrainState, got {type(full_state).__name__}")
+        raise TypeError(f"shard_state: `full_state` must be a TrainState, got {type(full_state).__name__}")
     layout = plan.layout_for(full_state.params)
     plan.record_layout(layout)
     rank = plan.mesh.rank(plan.axis)
     shards = layout.shard(full_state.params, rank)
     roles = _state_roles(step.optimizer, layout)
     full_leaves, treedef = tree.flatten(full_state.opt_state)
-    _check_structure(treedef, roles.treedef, "reshard", "full_state.opt_state")
+    _check_structure(treedef, roles.treedef, "shard_state", "full_state.opt_state")
     leaves = []
     for i, leaf in enumerate(full_leaves):
         if i in roles.fragment_leaves:
