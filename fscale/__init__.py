@@ -18,7 +18,11 @@ from fscale.model import functionalize as functionalize
 from fscale.offload import offload_optimizer as offload_optimizer
 from fscale.offload import offload_params as offload_params
 from fscale.parallel import data_parallel as data_parallel
+from fscale.parallel import ShardedOptState as ShardedOptState
+from fscale.parallel import consolidate as consolidate
 from fscale.parallel import fully_shard as fully_shard
+from fscale.parallel import shard_optimizer as shard_optimizer
+from fscale.parallel import shard_state as shard_state
 from fscale.remat import checkpoint as checkpoint
 from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +14,7 @@ from torch import nn
 import fscale as fs
 from fscale.model import UnitParams
 from fscale.parallel.fsdp import fully_shard, track_gathers
-from fscale.parallel.zero import consolidate, shard_state
+from fscale.parallel import consolidate, shard_state
 from fscale.testing import RankError, assert_trees_close, assert_trees_equal, run_spmd
 from fscale.testing import strategies as fst
 
@@ -55,7 +57,7 @@ def _fsdp_and_data_parallel(case, opt, steps, options):
     case=fst.model_cases(),
     opt=fst.optimizer_cases(),
     world=st.sampled_from([1, 2, 4]),
-    reshard_after_forward=st.booleans(),
+    reshard_after_forward=st.sampled_from([True, False, "remat"]),
     prefetch=st.sampled_from([0, 1, 2]),
 )
 def test_fully_shard_equals_data_parallel(case, opt, world, reshard_after_forward, prefetch):
@@ -137,14 +139,19 @@ def _ledger_one_step(kind, reshard_after_forward, units):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize("reshard_after_forward", [True, "remat", False])
 def test_traffic_is_three_or_two_transfers_of_the_padded_units(world, reshard_after_forward):
     sizes, records = run_spmd(_ledger_one_step, world, "mlp", reshard_after_forward, None)[0]
     assert "<root>" not in sizes  # an MLP's layers are all units: "0", "2", "4"
     psi = sum(sizes.values())  # Ψ with each unit padded to a multiple of N
-    transfers = 3 if reshard_after_forward else 2
     unit_records = [r for r in records if r[0] != "all_reduce"]
-    assert sum(e for _, _, e in unit_records) == transfers * psi * (world - 1) / world
+    if reshard_after_forward is True:
+        # Gathered again only where backward reads the parameters: not for the first layer,
+        # whose input needs no gradient (its weight gradient reads the input only).
+        expected = 3 * psi - sizes["0"]
+    else:
+        expected = (3 if reshard_after_forward == "remat" else 2) * psi
+    assert sum(e for _, _, e in unit_records) == expected * (world - 1) / world
     assert sorted(n for op, n, _ in unit_records if op == "reduce_scatter") == sorted(sizes.values())
     assert [r for r in records if r[0] == "all_reduce"] == [("all_reduce", 1, 2 * (world - 1) / world)]
 
@@ -209,7 +216,7 @@ def _peak_gathered(reshard_after_forward, prefetch):
 
 @pytest.mark.parametrize(
     "reshard_after_forward, prefetch, expected_peak",
-    [(True, 0, 1), (True, 1, 2), (True, 2, 3), (False, 1, "all")],
+    [(True, 0, 1), (True, 1, 2), (True, 2, 3), ("remat", 1, 2), (False, 1, "all")],
 )
 def test_peak_gathered_units(reshard_after_forward, prefetch, expected_peak):
     stats, num_units = run_spmd(_peak_gathered, 2, reshard_after_forward, prefetch)[0]
@@ -222,8 +229,104 @@ def test_peak_gathered_units(reshard_after_forward, prefetch, expected_peak):
         # gloo's worker thread may drop its reference to a finished gather a moment after
         # wait() returned, so the next gather can start while it is still counted: + 1 at most.
         assert expected_peak <= stats.peak_units <= expected_peak + 1
-    assert stats.gathers == num_units * (2 if reshard_after_forward else 1)
+    # The first layer is not gathered again: its backward does not read its weight.
+    gathers = {True: 2 * num_units - 1, "remat": 2 * num_units, False: num_units}
+    assert stats.gathers == gathers[reshard_after_forward]
     assert stats.live_units == 0  # everything released by the end of the step
+
+
+def _settled(read, expected, timeout=2.0):
+    """`read()` once it equals `expected`, or after `timeout` seconds.
+
+    gloo's worker thread may hold a finished gather's buffer a moment after wait() returned.
+    """
+    deadline = time.monotonic() + timeout
+    while read() != expected and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return read()
+
+
+def _forward_and_backward_counts(reshard_after_forward, checkpoint_blocks):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = fst.ModelCase("gpt", width=8, depth=3, seed=4)
+    module = case.module()
+    calls = []
+    for block in module.blocks:
+        block.attn_norm.register_forward_pre_hook(lambda *_: calls.append(1))
+    if checkpoint_blocks:
+        for i, block in enumerate(module.blocks):
+            module.blocks[i] = fs.checkpoint(block)
+    apply, params, buffers = fs.functionalize(module)
+    after_forward = []
+
+    def loss_fn(p, b, batch, key):
+        out = case.loss_fn(apply)(p, b, batch, key)
+        kept = case.depth if reshard_after_forward is False else 0
+        after_forward.append((_settled(lambda: gathered.live_units, kept), gathered.live_bytes))
+        return out
+
+    step = fully_shard(
+        fs.train_step(loss_fn, fs.optim.sgd(0.1)), fs.Mesh(dp=world),
+        reshard_after_forward=reshard_after_forward,
+    )
+    state = step.init(params, buffers)
+    with track_gathers() as gathered, fs.remat.track() as remat_stats:
+        step(state, _local(case, 0, rank, world))
+    block_bytes = sum(u.numel * 4 for u in step.plan.layout.units if u.name != "<root>")
+    live_at_end = _settled(lambda: gathered.live_units, 0)
+    return len(calls), remat_stats.recomputations, after_forward[0], block_bytes, live_at_end
+
+
+@pytest.mark.parametrize("checkpoint_blocks", [False, True])
+@pytest.mark.parametrize("reshard_after_forward", [True, "remat", False])
+def test_resharding_frees_gathered_parameters_after_forward_without_recompute(
+    reshard_after_forward, checkpoint_blocks
+):
+    results = run_spmd(_forward_and_backward_counts, 2, reshard_after_forward, checkpoint_blocks)
+    for calls, recomputations, (live_units, live_bytes), block_bytes, live_at_end in results:
+        blocks = 3
+        # A block runs again only where something recomputes it: the unit's remat, or the
+        # block's own checkpoint (inside the unit's recompute once more under "remat").
+        expected_recomputations = {
+            (True, False): 0, (False, False): 0, ("remat", False): blocks,
+            (True, True): blocks, (False, True): blocks, ("remat", True): 2 * blocks,
+        }[reshard_after_forward, checkpoint_blocks]
+        assert recomputations == expected_recomputations
+        assert calls == blocks + recomputations
+        if reshard_after_forward is False:
+            assert (live_units, live_bytes) == (blocks, block_bytes)  # kept for backward
+        else:
+            assert (live_units, live_bytes) == (0, 0)  # the blocks' parameters are freed
+        assert live_at_end == 0
+
+
+def _backward_collectives(prefetch):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = fst.ModelCase("gpt", width=8, depth=3)
+    apply, params, buffers = fs.functionalize(case.module())
+    step = fully_shard(
+        fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=world), prefetch=prefetch
+    )
+    state = step.init(params, buffers)
+    with fs.dist.comm_ledger() as ledger:
+        step(state, _local(case, 0, rank, world))
+    ops = [{"all_gather": "AG", "reduce_scatter": "RS"}.get(r.op, r.op) for r in ledger.records]
+    assert ops[:4] == ["AG"] * 4 and ops[-1] == "all_reduce"  # root + 3 blocks; the metrics
+    return " ".join(ops[4:-1])
+
+
+@pytest.mark.parametrize(
+    "prefetch, expected",
+    [
+        (0, "AG RS AG RS AG RS RS"),
+        # Block 2's re-gather, then block 1's (prefetched) before block 2's reduce-scatter...
+        (1, "AG AG RS AG RS RS RS"),
+        (2, "AG AG AG RS RS RS RS"),
+    ],
+)
+def test_backward_prefetch_regathers_earlier_units_before_reduce_scattering(prefetch, expected):
+    # Backward runs blocks 2, 1, 0 and ends with the root unit's reduce-scatter.
+    assert run_spmd(_backward_collectives, 2, prefetch)[0] == expected
 
 
 def _gathers_seen_by_each_block(prefetch):
@@ -233,17 +336,14 @@ def _gathers_seen_by_each_block(prefetch):
     apply, params, buffers = fs.functionalize(module)
     seen = []
     for block in module.blocks:
-        block.attn_norm.register_forward_pre_hook(
-            lambda *_: seen.append(ledger.count("all_gather")) if torch.is_grad_enabled() is False
-            else None
-        )
+        block.attn_norm.register_forward_pre_hook(lambda *_: seen.append(ledger.count("all_gather")))
     step = fully_shard(
         fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=world), prefetch=prefetch
     )
     state = step.init(params, buffers)
     with fs.dist.comm_ledger() as ledger:
         step(state, _local(case, 0, rank, world))
-    return seen[:3]  # the forward's calls (the remat forward runs without grad)
+    return seen  # no recompute: the forward's three calls only
 
 
 def test_prefetch_issues_the_next_units_gather_before_a_unit_computes():
@@ -280,9 +380,9 @@ def _with_activation_checkpoint(reshard_after_forward):
 def test_composes_with_activation_checkpointing(reshard_after_forward):
     for ours, theirs, recomputations in run_spmd(_with_activation_checkpoint, 2, reshard_after_forward):
         assert_trees_equal(ours, theirs)
-        # Two blocks, two steps: the unit's re-gather and the block's recompute are one remat
-        # (the checkpointed block only runs its own remat inside the unit's recompute).
-        assert recomputations >= 4
+        # Two blocks, two steps: only the checkpoints recompute; the units' parameters that a
+        # checkpoint keeps for its recompute are gathered again, not kept.
+        assert recomputations == 4
 
 
 def _hsdp(steps):
@@ -523,7 +623,7 @@ def test_bad_arguments():
         fully_shard(step, mesh, units="blocks")
     with pytest.raises(ValueError, match="`replicate_axis` must differ"):
         fully_shard(step, mesh, replicate_axis="dp")
-    with pytest.raises(TypeError, match="`reshard_after_forward` must be a bool"):
+    with pytest.raises(ValueError, match="`reshard_after_forward` must be True, False or 'remat'"):
         fully_shard(step, mesh, reshard_after_forward=1)
     sharded = fully_shard(step, mesh)
     with pytest.raises(ValueError, match="no model yet"):
@@ -556,7 +656,7 @@ def _func_mode_equals_autograd_mode(reshard_after_forward):
     return results
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize("reshard_after_forward", [True, "remat", False])
 def test_torch_func_grad_mode_agrees(reshard_after_forward):
     for by_autograd, by_func in run_spmd(_func_mode_equals_autograd_mode, 2, reshard_after_forward):
         assert_trees_equal(by_autograd, by_func)

@@ -15,6 +15,7 @@ from fscale.dist.mesh import Mesh
 
 __all__ = [
     "all_gather_objects",
+    "average_updated_buffers",
     "broadcast_tree",
     "check_axis",
     "check_same_on_all_ranks",
@@ -149,6 +150,24 @@ def mean_floating_leaves(values: Any, mesh: Mesh, axis: str) -> Any:
             out[i] = flat[offset : offset + n].view(leaves[i].shape)
             offset += n
     return tree.unflatten(treedef, out)
+
+
+def average_updated_buffers(old: Any, new: Any, mesh: Mesh, axis: str) -> Any:
+    """Average over `axis` the floating-point buffers the loss returned anew.
+
+    BatchNorm statistics differ across ranks and are averaged, so every rank holds the same
+    buffers. A buffer returned as the very tensor it was given (a frozen parameter:
+    `functionalize` passes those through) is the same on every rank already and is not sent.
+    """
+    new_leaves, treedef = tree.flatten(new)
+    old_leaves, old_def = tree.flatten(old)
+    if old_def != treedef:
+        return mean_floating_leaves(new, mesh, axis)
+    updated = [i for i, (n, o) in enumerate(zip(new_leaves, old_leaves)) if n is not o]
+    averaged = mean_floating_leaves([new_leaves[i] for i in updated], mesh, axis)
+    for i, value in zip(updated, averaged):
+        new_leaves[i] = value
+    return tree.unflatten(treedef, new_leaves)
 
 
 def reduce_metrics(metrics: dict[str, Any], mesh: Mesh, axis: str) -> dict[str, Any]:

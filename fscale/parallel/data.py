@@ -79,7 +79,7 @@ class DataParallelPlan:
         params, opt_state = optim_lib.step(
             step.optimizer, grads, state.opt_state, state.params, donate=step.donate
         )
-        buffers = common.mean_floating_leaves(out.buffers, self.mesh, self.axis)
+        buffers = common.average_updated_buffers(state.buffers, out.buffers, self.mesh, self.axis)
         metrics = common.reduce_metrics({"loss": out.loss, **out.metrics}, self.mesh, self.axis)
         metrics["grad_bytes"] = tree_bytes(grads)
         return TrainState(params, buffers, opt_state, state.step + 1, state.key), metrics

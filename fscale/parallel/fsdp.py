@@ -1,7 +1,7 @@
 """`fully_shard(step, mesh)`: ZeRO-3 / FSDP as a transformation of a Step.
 
-FSDP here is not a wrapper with hooks and a state machine; it is three ideas from the rest of
-the library placed around the user's loss:
+FSDP here is not a module wrapper with a state machine; it is three ideas placed around the
+user's loss:
 
 1. **At rest, every rank holds 1/N of everything.** Parameters are grouped into *units*
    (`fscale.parallel.units`: by default one per block of the first module list, plus a root
@@ -16,25 +16,46 @@ the library placed around the user's loss:
    submodule returns. The gradient of ``all_gather`` is its dual, a reduce-scatter (mean), so
    each unit's gradient arrives already reduced and sharded the moment that unit's backward is
    done; nobody writes the gradient collective.
-3. **A remat policy re-gathers in backward.** With ``reshard_after_forward=True`` the unit runs
-   under `fscale.remat` (the same mechanism as `fscale.checkpoint`) and keeps only its shard and
-   its inputs for backward: backward all-gathers the unit again, recomputes it, and
-   reduce-scatters its gradient. Peak gathered parameters: the unit being computed plus
-   `prefetch` units in flight (the root unit aside: it is gathered before the forward and kept
-   until its gradient, like torch FSDP's root). With ``reshard_after_forward=False`` the
-   gathered parameters stay alive until backward (one all-gather less per unit, ZeRO-2-like
-   traffic, all units resident).
+3. **Backward gathers a unit again instead of recomputing it.** With
+   ``reshard_after_forward=True`` (on the default ``grad_mode="autograd"`` path) a unit's
+   forward runs normally and autograd keeps its activations, but every tensor it saves that
+   views the gathered buffer (a weight for a matmul's input gradient, a norm's scale) is saved
+   as a *place* in the unit (offset, shape, strides) through saved-tensor hooks, so nothing
+   holds the buffer and it is freed when the submodule returns. The first backward node of the
+   unit that unpacks one of those places all-gathers the shard again (no graph: the all-gather
+   of the forward already carries the gradient) and reads the view out of the new buffer; the
+   buffer is dropped when the gradient of the forward's gathered buffer is complete, right
+   before that gather's dual reduce-scatters it. This is torch FSDP2's resharding (free after
+   forward, gather before backward, keep activations), with no recompute. A unit whose
+   backward reads none of its parameters (the first layer when the model's input needs no
+   gradient) is not gathered again.
+   ``reshard_after_forward="remat"`` runs each unit under `fscale.remat` instead (the
+   mechanism of `fscale.checkpoint`): the unit keeps only its shard and its inputs, and
+   backward gathers it again and recomputes it, which also discards its activations; this is
+   what ``True`` means under ``grad_mode="func"``, where torch.func transforms refuse
+   saved-tensor hooks. To discard activations inside a unit only, wrap blocks (or parts of
+   them) in `fscale.checkpoint`: it composes with either mode (its saved parameters are
+   places too). Saved-tensor hooks opened by the caller around the step (e.g.
+   ``torch.autograd.graph.save_on_cpu``) do not reach inside a resharded unit: the unit's own
+   hooks are innermost there. ``reshard_after_forward=False`` keeps the gathered parameters until backward
+   (one all-gather less per unit, every unit resident at the end of the forward). Peak
+   gathered parameters when resharding: the unit being computed plus `prefetch` units in
+   flight, in forward and in backward (the root unit aside: it is gathered before the forward
+   and kept until its gradient, like torch FSDP's root).
 
 Prefetch: when unit i is called, the all-gathers of the next `prefetch` units (in parameter
 registration order, the order of use for sequential models) are issued with
 ``all_gather_start`` before unit i's own gather is waited on, so communication overlaps the
-compute of unit i. Backward re-gathers are not prefetched (each is issued at the start of its
-unit's backward). A model that calls its units in another order stays correct; a unit
-prefetched but never called is gathered for nothing and released at the end of the forward.
+compute of unit i. In backward, when unit i is gathered again, the re-gathers of the
+`prefetch` units called before it are issued too, before unit i's gradient is reduce-scattered,
+so they overlap unit i's backward. A model that calls its units in another order stays correct;
+a unit prefetched but never called is gathered for nothing and released at the end of the
+forward (or of the backward).
 
 Communication per rank per step, ring model, units' padded sizes Ψ_u, N ranks on `axis`:
 3·Ψ_u·(N−1)/N per non-root unit with reshard_after_forward (forward gather, backward re-gather,
-gradient reduce-scatter), 2·Ψ_u·(N−1)/N without it and for the root unit; plus one all-reduce
+gradient reduce-scatter), 2·Ψ_u·(N−1)/N without it, for the root unit, and for a unit whose
+backward reads none of its parameters; plus one all-reduce
 of the scalar metrics (and of the floating-point buffers, if any). With `replicate_axis`
 (HSDP) each unit's gradient shard is also all-reduced (mean) over that axis: 2·(Ψ_u/N)·(R−1)/R.
 
@@ -51,9 +72,9 @@ Buffers (BatchNorm statistics) are replicated, and averaged over the data axes a
 as `data_parallel` does; frozen parameters are buffers, never sharded. Randomness: the key is
 folded with the step and this rank's data-parallel index, as under `data_parallel`.
 
-State in and out: `fscale.parallel.zero.consolidate(step, state)` gathers the full TrainState
+State in and out: `fscale.consolidate(step, state)` gathers the full TrainState
 (params as the dict given to init, optimizer state as the optimizer makes it on full tensors)
-on every rank, and `fscale.parallel.zero.shard_state(step, full_state)` shards a full state for
+on every rank, and `fscale.shard_state(step, full_state)` shards a full state for
 this step at any world size; both dispatch to this plan (`fscale.parallel.fsdp_state`).
 
 Mixed precision is not implemented yet. The intended rule: gather in the compute dtype (the
@@ -65,7 +86,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -162,43 +183,68 @@ def _track(unit: UnitLayout) -> Callable[[torch.Tensor], None]:
 
 
 class _Gatherer:
-    """Issues one step's unit all-gathers: in order of use, `prefetch` units ahead."""
+    """Issues one step's unit all-gathers: in order of use, `prefetch` units ahead.
+
+    In forward, units are gathered in the order they are called; in backward, the units whose
+    gathered parameters were released after their forward are gathered again in the reverse
+    of that order (`_Regather`).
+    """
 
     def __init__(self, plan: FullyShardPlan, units: list[_ShardedUnit]) -> None:
         self.plan = plan
         self.order = [u for u in units if u.layout.name != ROOT]
         self.position = {u.layout.name: i for i, u in enumerate(self.order)}
-        # unit name -> (in-flight gather, its tracking tie, whether it records a graph)
-        self.pending: dict[str, tuple[Pending, Callable[[torch.Tensor], None], bool]] = {}
+        # unit name -> its prefetched gather (values only) and the gather's tracking tie
+        self.pending: dict[str, tuple[Pending, Callable[[torch.Tensor], None]]] = {}
         self.started: set[str] = set()
-
-    def _start(self, unit: _ShardedUnit, shard: torch.Tensor):
-        tie = _track(unit.layout)
-        plan = self.plan
-        if plan.replicate_axis is not None:
-            # HSDP: the dual of `replicate` all-reduces the gradient shard over the replicas.
-            shard = collectives.replicate(shard, plan.replicate_axis, "mean", mesh=plan.mesh)
-        return collectives.all_gather_start(shard, plan.axis, 0, "mean", mesh=plan.mesh), tie
+        # The resharded forward calls, in call order: backward re-gathers walk it backwards.
+        self.regathers: list[_Regather] = []
 
     def now(self, unit: _ShardedUnit, shard: torch.Tensor) -> torch.Tensor:
-        """Gather `shard` (differentiable) and wait for it."""
-        pending, tie = self._start(unit, shard)
-        gathered = pending.wait()
+        """Gather `shard` (differentiable: its gradient is reduce-scattered) and wait for it."""
+        tie = _track(unit.layout)
+        gathered = collectives.all_gather(self._replicated(shard), self.plan.axis, 0, "mean",
+                                          mesh=self.plan.mesh)
         tie(gathered)
         return gathered
 
-    def _start_recorded(self, unit: _ShardedUnit, grad: bool):
-        with torch.set_grad_enabled(grad):
-            pending, tie = self._start(unit, unit.shard)
-        return pending, tie, grad
+    def start(self, unit: _ShardedUnit) -> tuple[Pending, Callable[[torch.Tensor], None]]:
+        """Start gathering `unit`'s shard: values only, no graph (see `_differentiable`)."""
+        plan = self.plan
+        tie = _track(unit.layout)
+        with torch.no_grad():
+            pending = collectives.all_gather_start(
+                unit.shard.detach(), plan.axis, 0, "mean", mesh=plan.mesh
+            )
+        return pending, tie
 
-    def prefetch(self, after: int, grad: bool) -> None:
+    def _replicated(self, shard: torch.Tensor) -> torch.Tensor:
+        plan = self.plan
+        if plan.replicate_axis is None:
+            return shard
+        # HSDP: the dual of `replicate` all-reduces the gradient shard over the replicas.
+        return collectives.replicate(shard, plan.replicate_axis, "mean", mesh=plan.mesh)
+
+    def _differentiable(self, unit: _ShardedUnit, gathered: torch.Tensor) -> torch.Tensor:
+        """`gathered` as the all-gather of `unit.shard`, for autograd, from the point of use.
+
+        Prefetched gathers are issued without a graph and joined to it here, when the unit is
+        used: autograd runs a node's backward in reverse order of creation, so a gradient
+        node created at the prefetch (one unit early) would hold this unit's reduce-scatter
+        back until the previous unit's backward had run too.
+        """
+        plan = self.plan
+        return _GatheredFrom.apply(
+            self._replicated(unit.shard), gathered, plan.axis, plan.mesh
+        )
+
+    def prefetch(self, after: int) -> None:
         """Start the gathers of the `prefetch` units after position `after` not started yet."""
         for unit in self.order[after + 1 : after + 1 + self.plan.prefetch]:
             name = unit.layout.name
             if name not in self.started:
                 self.started.add(name)
-                self.pending[name] = self._start_recorded(unit, grad)
+                self.pending[name] = self.start(unit)
 
     def in_forward(self, unit: _ShardedUnit, grad: bool) -> torch.Tensor:
         """`unit`'s gathered buffer for its forward use, issuing the next units' gathers first.
@@ -208,37 +254,170 @@ class _Gatherer:
         """
         name = unit.layout.name
         self.started.add(name)
-        entry = self.pending.pop(name, None)
-        if entry is not None and grad and not entry[2]:
-            # Prefetched without a graph but needed with one: gather again rather than lose
-            # the gradient (only when a unit is used both ways in one forward).
-            entry[1](entry[0].wait())
-            entry = None
-        if entry is None:
-            entry = self._start_recorded(unit, grad)
+        pending, tie = self.pending.pop(name, None) or self.start(unit)
         # Issued before this unit's gather is waited on, so they overlap its compute.
-        self.prefetch(self.position[name], grad)
-        pending, tie, _ = entry
+        self.prefetch(self.position[name])
         gathered = pending.wait()
         tie(gathered)
-        return gathered
+        return self._differentiable(unit, gathered) if grad else gathered
+
+    def resharded_call(self, unit: _ShardedUnit, gathered: torch.Tensor) -> _Regather:
+        """Record a forward call of `unit` whose `gathered` buffer is released after it."""
+        regather = _Regather(self, unit, len(self.regathers), gathered)
+        self.regathers.append(regather)
+        return regather
+
+    def prefetch_backward(self, before: int) -> None:
+        """Start the re-gathers of the `prefetch` resharded calls before position `before`."""
+        started = 0
+        for regather in reversed(self.regathers[:before]):
+            if started == self.plan.prefetch:
+                break
+            if regather.needed:
+                regather.start()
+                started += 1
 
     def drain(self) -> None:
         """Wait for (and drop) gathers prefetched for units the forward did not call."""
-        for pending, tie, _ in self.pending.values():
+        for pending, tie in self.pending.values():
             tie(pending.wait())
         self.pending.clear()
 
+    def drain_backward(self) -> None:
+        """Wait for (and drop) re-gathers a backward prefetched but did not use."""
+        for regather in self.regathers:
+            regather.release()
+
+
+class _GatheredFrom(torch.autograd.Function):
+    """Identity on an already gathered buffer, differentiated as the all-gather of `shard`.
+
+    The backward is the all-gather's dual, a reduce-scatter (mean) of the buffer's gradient.
+    """
+
+    @staticmethod
+    def forward(shard: torch.Tensor, gathered: torch.Tensor, axis: str, mesh: Mesh) -> torch.Tensor:
+        return gathered.view_as(gathered)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, _, ctx.axis, ctx.mesh = inputs
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        shard_grad = collectives.reduce_scatter(grad, ctx.axis, 0, "mean", mesh=ctx.mesh)
+        return shard_grad, None, None, None
+
+
+class _Place(NamedTuple):
+    """Where a tensor autograd saved lies in its unit's gathered buffer."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # elements from the start of the gathered buffer
+
+
+class _Regather:
+    """One forward call of a unit whose gathered parameters are freed after it.
+
+    During the call, saved-tensor hooks turn every tensor autograd saves that views the
+    gathered buffer into a `_Place`; the call's other saved tensors (activations) are kept as
+    they are. In backward, the first unpacked place gathers the shard again (`fetch`) and
+    starts the re-gathers of the calls before it; the new buffer is dropped once the gradient
+    of the forward's buffer is complete, just before the forward gather's dual reduce-scatters
+    it.
+    """
+
+    def __init__(
+        self, gatherer: _Gatherer, unit: _ShardedUnit, index: int, gathered: torch.Tensor
+    ) -> None:
+        self.gatherer = gatherer
+        self.unit = unit
+        self.index = index
+        # The forward buffer is identified by address only while it is certainly alive (the
+        # call): holding the tensor would keep it alive, which is what this class avoids.
+        self._address: int | None = gathered.untyped_storage().data_ptr()
+        self._start_offset = gathered.storage_offset()
+        self.needed = False  # whether autograd saved a view of the buffer
+        self._pending: tuple[Pending, Callable[[torch.Tensor], None]] | None = None
+        self._gathered: torch.Tensor | None = None
+        self._done = False
+        gathered.register_hook(self._gradient_complete)
+
+    def run(self, call: UnitCall, params: Mapping[str, torch.Tensor]) -> Any:
+        """Run the unit's call with its saved parameter views turned into places."""
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return call.run(params, call.state, call.args, call.kwargs)
+        finally:
+            self._address = None
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Place:
+        if (
+            self._address is None
+            or type(tensor) is not torch.Tensor
+            or tensor.layout != torch.strided
+            or tensor.dtype != self.unit.layout.dtype
+            or tensor.untyped_storage().data_ptr() != self._address
+        ):
+            return tensor
+        self.needed = True
+        offset = tensor.storage_offset() - self._start_offset
+        return _Place(tensor.size(), tensor.stride(), offset)
+
+    def _unpack(self, packed: torch.Tensor | _Place) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        gathered = self.fetch()
+        return gathered.as_strided(
+            packed.size, packed.stride, gathered.storage_offset() + packed.offset
+        )
+
+    def start(self) -> None:
+        """Issue the re-gather (once; not after the unit's backward is done)."""
+        if self._pending is None and self._gathered is None and not self._done:
+            self._pending = self.gatherer.start(self.unit)
+
+    def fetch(self) -> torch.Tensor:
+        """The gathered buffer for backward: waits for the re-gather, issuing it if needed."""
+        if self._gathered is None:
+            self._done = False  # read after its gradient: a (rare) second re-gather
+            self.start()
+            assert self._pending is not None
+            pending, tie = self._pending
+            # The calls before this one are gathered while this unit's backward computes.
+            self.gatherer.prefetch_backward(self.index)
+            self._gathered = pending.wait()
+            self._pending = None
+            tie(self._gathered)
+        return self._gathered
+
+    def _gradient_complete(self, grad: torch.Tensor) -> None:
+        self.release()
+        self._done = True
+
+    def release(self) -> None:
+        """Drop the re-gathered buffer (waiting for a re-gather still in flight)."""
+        if self._pending is not None:
+            pending, tie = self._pending
+            tie(pending.wait())
+            self._pending = None
+        self._gathered = None
+
 
 class _ShardedUnit:
-    """A `fscale.model.ParamUnit` over this rank's shard of one unit."""
+    """A `fscale.model.ParamUnit` over this rank's shard of one unit.
 
-    def __init__(self, layout: UnitLayout, shard: torch.Tensor, remat: bool) -> None:
+    `reshard`: "regather" (free after forward, gather again in backward), "remat" (recompute
+    the unit in backward) or "keep" (gathered until backward).
+    """
+
+    def __init__(self, layout: UnitLayout, shard: torch.Tensor, reshard: str) -> None:
         self.layout = layout
         self.name = layout.name
         self.names = layout.names
         self.shard = shard
-        self.remat = remat
+        self.reshard = reshard
         self.gatherer: _Gatherer  # set once the step's gatherer exists
 
     def _views(self, gathered: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -249,9 +428,16 @@ class _ShardedUnit:
         return self._views(self.gatherer.in_forward(self, grad=torch.is_grad_enabled()))
 
     def call(self, call: UnitCall) -> Any:
-        if not self.remat:
-            gathered = self.gatherer.in_forward(self, grad=torch.is_grad_enabled())
+        if self.reshard == "remat":
+            return self._remat_call(call)
+        grad = torch.is_grad_enabled()
+        gathered = self.gatherer.in_forward(self, grad=grad)
+        if self.reshard == "keep" or not gathered.requires_grad:
             return call.run(self._views(gathered), call.state, call.args, call.kwargs)
+        regather = self.gatherer.resharded_call(self, gathered)
+        return regather.run(call, self._views(gathered))
+
+    def _remat_call(self, call: UnitCall) -> Any:
         runs = 0
 
         def gathered_call(inputs: Any) -> Any:
@@ -298,7 +484,7 @@ class FullyShardPlan:
     mesh: Mesh
     axis: str
     units: UnitSpec
-    reshard_after_forward: bool
+    reshard_after_forward: bool | str
     prefetch: int
     replicate_axis: str | None
     # The model's units, recorded by `init` (or `shard_state`): what turns a state's shards back
@@ -313,7 +499,7 @@ class FullyShardPlan:
         if not self._layout:
             raise ValueError(
                 "fully_shard: the step has no model yet; build its state with step.init(params, "
-                "buffers) or fscale.parallel.zero.shard_state(step, full_state) first"
+                "buffers) or fscale.shard_state(step, full_state) first"
             )
         return self._layout[0]
 
@@ -406,24 +592,34 @@ class FullyShardPlan:
         )
         gatherers: list[_Gatherer] = []
 
-        def prepare(live: Shards) -> UnitParams:
-            return self._unit_params(live, gatherers)
-
         def loss_fn(params: Any, buffers: Any, batch: Any, key: torch.Tensor) -> Any:
             out = step.loss_fn(params, buffers, batch, key)
             for gatherer in gatherers:
                 gatherer.drain()
             return out
 
-        return value_and_grad(
+        def prepare(live: Shards) -> UnitParams:
+            return self._unit_params(live, gatherers, reshard)
+
+        reshard = self._reshard(step.grad_mode)
+        result = value_and_grad(
             loss_fn, shards, state.buffers, batch, key, grad_mode=step.grad_mode, prepare=prepare
         )
+        for gatherer in gatherers:
+            gatherer.drain_backward()
+        return result
 
-    def _unit_params(self, live: Shards, gatherers: list[_Gatherer]) -> UnitParams:
-        remat_units = self.reshard_after_forward
-        units = [
-            _ShardedUnit(layout, live[layout.name], remat_units) for layout in self.layout.units
-        ]
+    def _reshard(self, grad_mode: str) -> str:
+        """How units are resharded after forward on this gradient path (see `_ShardedUnit`)."""
+        if self.reshard_after_forward is False:
+            return "keep"
+        if self.reshard_after_forward == "remat" or grad_mode != "autograd":
+            # torch.func transforms refuse saved-tensor hooks: recompute instead.
+            return "remat"
+        return "regather"
+
+    def _unit_params(self, live: Shards, gatherers: list[_Gatherer], reshard: str) -> UnitParams:
+        units = [_ShardedUnit(layout, live[layout.name], reshard) for layout in self.layout.units]
         gatherer = _Gatherer(self, units)
         for unit in units:
             unit.gatherer = gatherer
@@ -435,11 +631,11 @@ class FullyShardPlan:
         return UnitParams(eager, [u for u in units if u.name != ROOT])
 
     def consolidate(self, step: Step, state: TrainState) -> TrainState:
-        """The full state (see `fscale.parallel.zero.consolidate`, which calls this)."""
+        """The full state (see `fscale.consolidate`, which calls this)."""
         return fsdp_state.consolidate_fully_sharded(step, state)
 
     def shard_state(self, step: Step, full_state: TrainState) -> TrainState:
-        """This rank's state from a full one (see `fscale.parallel.zero.shard_state`)."""
+        """This rank's state from a full one (see `fscale.shard_state`)."""
         return fsdp_state.shard_fully_sharded(step, full_state)
 
     def _checked_shards(self, params: Any) -> Shards:
@@ -456,7 +652,7 @@ class FullyShardPlan:
                 f"{{unit: 1-D shard}} with shard sizes {expected} ({layout.num_shards} ranks), "
                 f"got {found}. Build the state with this step's init, or consolidate a state "
                 "from another step or world size and reshard it "
-                "(fscale.parallel.zero.consolidate / shard_state)."
+                "(fscale.consolidate / shard_state)."
             )
         return params
 
@@ -464,7 +660,7 @@ class FullyShardPlan:
         hsdp = f", replicate_axis={self.replicate_axis!r}" if self.replicate_axis else ""
         return (
             f"fully_shard(axis={self.axis!r} of size {self.num_shards}, units={self.units!r}, "
-            f"reshard_after_forward={self.reshard_after_forward}, prefetch={self.prefetch}{hsdp})"
+            f"reshard_after_forward={self.reshard_after_forward!r}, prefetch={self.prefetch}{hsdp})"
         )
 
 
@@ -474,7 +670,7 @@ def fully_shard(
     axis: str = "dp",
     *,
     units: UnitSpec = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | str = True,
     prefetch: int = 1,
     replicate_axis: str | None = None,
 ) -> Step:
@@ -482,7 +678,7 @@ def fully_shard(
 
     Forward collective: ``all_gather`` of each unit at its point of use. Backward collective:
     its dual, a ``reduce_scatter`` (mean) of the unit's gradient, plus (with
-    `reshard_after_forward`) the re-gather of the unit before its recompute. Resident per rank:
+    `reshard_after_forward`) the re-gather of the unit before its backward. Resident per rank:
     1/N of parameters, gradients and optimizer state, plus the units in use. See the module
     docstring for the exact traffic and memory.
 
@@ -499,11 +695,15 @@ def fully_shard(
             `fscale.parallel.units`. A unit is padded to a multiple of N; a unit smaller than
             N leaves some ranks holding only padding. All names of a tied weight must be in
             one unit (for a GPT's embedding and output layer: the root unit).
-        reshard_after_forward: release each unit's gathered parameters after its forward and
-            gather them again in backward (3 transfers of the unit per step, at most
-            ``prefetch + 1`` units resident); False keeps them until backward (2 transfers,
-            every unit resident at the end of the forward).
-        prefetch: how many units ahead to issue all-gathers in the forward (0: none).
+        reshard_after_forward: True: release each unit's gathered parameters after its
+            forward and gather them again when its backward needs them, keeping its
+            activations (3 transfers of the unit per step, at most ``prefetch + 1`` units
+            resident; under ``grad_mode="func"`` this recomputes, as "remat"). "remat": keep
+            only the unit's inputs and recompute the unit in backward after gathering it
+            again (activation checkpointing per unit, same traffic). False: keep them until
+            backward (2 transfers, every unit resident at the end of the forward).
+        prefetch: how many units ahead to issue all-gathers, in the forward and for the
+            re-gathers of the backward (0: none).
         replicate_axis: an outer axis to replicate over (HSDP): parameters are sharded over
             `axis` within each replica, and each gradient shard is also averaged over the
             replicas.
@@ -547,9 +747,10 @@ def fully_shard(
             f"fully_shard: the step is already transformed ({step.plan!r}); apply fully_shard "
             "to a single-process step from fscale.train_step (for HSDP pass replicate_axis=...)"
         )
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(
-            f"fully_shard: `reshard_after_forward` must be a bool, got {reshard_after_forward!r}"
+    if not isinstance(reshard_after_forward, bool) and reshard_after_forward != "remat":
+        raise ValueError(
+            "fully_shard: `reshard_after_forward` must be True, False or 'remat', got "
+            f"{reshard_after_forward!r}"
         )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fully_shard: `prefetch` must be an int >= 0, got {prefetch!r}")

@@ -1,6 +1,6 @@
 """Fully sharded state in and out: consolidate shards into full tensors, reshard full ones.
 
-The public entry points are `fscale.parallel.zero.consolidate` and `shard_state`, which call
+The public entry points are `fscale.consolidate` and `shard_state`, which call
 the plan's ``consolidate`` / ``shard_state`` methods; for a `fully_shard` step those are the two
 functions here.
 

@@ -420,7 +420,7 @@ class ShardedOptimizerPlan:
         new_flats = self._gather_params(layout, tree.leaves(new_fragments), flats, step.donate)
         params = tree.unflatten(treedef, layout.leaf_views(new_flats))
 
-        buffers = self._average_updated_buffers(state.buffers, out.buffers)
+        buffers = common.average_updated_buffers(state.buffers, out.buffers, self.mesh, self.axis)
         metrics = common.reduce_metrics({"loss": out.loss, **out.metrics}, self.mesh, self.axis)
         metrics["grad_bytes"] = tree_bytes(grad_shards)
         metrics["grad_peak_bytes"] = live.peak
@@ -432,25 +432,6 @@ class ShardedOptimizerPlan:
             state.key,
         )
         return new_state, metrics
-
-    def _average_updated_buffers(self, old: PyTree, new: PyTree) -> PyTree:
-        """Average over the axis the floating-point buffers the loss returned anew.
-
-        BatchNorm statistics differ across ranks and are averaged, as under `data_parallel`.
-        A buffer returned as the very tensor it was given (a frozen parameter: `functionalize`
-        passes those through) is the same on every rank already and is not sent.
-        """
-        new_leaves, treedef = tree.flatten(new)
-        old_leaves, old_def = tree.flatten(old)
-        if old_def != treedef:
-            return common.mean_floating_leaves(new, self.mesh, self.axis)
-        updated = [i for i, (n, o) in enumerate(zip(new_leaves, old_leaves)) if n is not o]
-        averaged = common.mean_floating_leaves(
-            [new_leaves[i] for i in updated], self.mesh, self.axis
-        )
-        for i, value in zip(updated, averaged):
-            new_leaves[i] = value
-        return tree.unflatten(treedef, new_leaves)
 
     # ---- gradients ----------------------------------------------------------------------
 
@@ -854,78 +835,3 @@ def shard_optimizer(
     return step.replace(
         plan=ShardedOptimizerPlan(mesh, axis, int(bucket_mb * 2**20), shard_grads)
     )
-
-
-def consolidate(step: Step, state: TrainState) -> TrainState:
-    """The full (unsharded) TrainState of `state`, on every rank.
-
-    For a `shard_optimizer` step, each per-element optimizer state leaf is gathered from its
-    ranks' pieces (one all-gather per dtype; every rank of the axis must call this) and the
-    result is exactly the state a single-process `train_step` with the same optimizer takes.
-    The parameters, buffers and replicated state leaves are shared with `state`, not copied.
-    For a step whose state is already full (`train_step`, `data_parallel`), returns `state`.
-
-    Args:
-        step: the step that made `state`.
-        state: its state.
-
-    Returns:
-        A TrainState whose ``opt_state`` is the wrapped optimizer's full state.
-
-    Raises:
-        TypeError: `step` is not a Step or `state` is not a TrainState, or the step's plan has
-            no notion of a full state.
-        ValueError: `state` does not belong to `step` (another world size, another optimizer).
-    """
-    _check_step_and_state("consolidate", step, state, "state")
-    if hasattr(step.plan, "consolidate"):  # a plan that shards state knows how to join it
-        return step.plan.consolidate(step, state)
-    if isinstance(step.plan, (LocalPlan, DataParallelPlan)):
-        if isinstance(state.opt_state, ShardedOptState):
-            raise ValueError(
-                "consolidate: `state` is sharded but `step` is not; pass the sharded step that "
-                "made the state"
-            )
-        return state
-    raise TypeError(f"consolidate: steps with plan {step.plan!r} are not supported")
-
-
-def shard_state(step: Step, full_state: TrainState) -> TrainState:
-    """The state `step` takes on this rank, built from a full (unsharded) TrainState.
-
-    Works at any world size: the full state may come from `consolidate` over any number of
-    ranks, or from a single-process `train_step`. Every rank passes the same full state and
-    keeps its own slices (no communication besides a check that the ranks' trees agree). For a
-    step whose state is full (`train_step`, `data_parallel`), returns `full_state`.
-
-    Args:
-        step: the step that will run on the state.
-        full_state: a TrainState with the full parameters and the optimizer's full state.
-
-    Returns:
-        The sharded TrainState for this rank.
-
-    Raises:
-        TypeError: `step` is not a Step or `full_state` is not a TrainState.
-        ValueError: `full_state` is already sharded, or its optimizer state does not have the
-            structure and shapes of `step`'s optimizer on these parameters.
-    """
-    _check_step_and_state("shard_state", step, full_state, "full_state")
-    if hasattr(step.plan, "shard_state"):
-        return step.plan.shard_state(step, full_state)
-    if isinstance(step.plan, (LocalPlan, DataParallelPlan)):
-        if isinstance(full_state.opt_state, ShardedOptState):
-            raise ValueError(
-                "shard_state: `full_state.opt_state` is sharded; consolidate it first with "
-                "fscale.consolidate(old_step, state)"
-            )
-        return full_state
-    raise TypeError(f"shard_state: steps with plan {step.plan!r} are not supported")
-
-
-def _check_step_and_state(caller: str, step: Any, state: Any, name: str) -> None:
-    if not isinstance(step, Step):
-        raise TypeError(f"{caller}: `step` must be a Step, got {type(step).__name__}")
-    if not isinstance(state, TrainState):
-        raise TypeError(f"{caller}: `{name}` must be a TrainState, got {type(state).__name__}")
-
