@@ -138,6 +138,8 @@ class FunctionalModule:
         self.frozen_names = frozen_names
         self.buffer_names = buffer_names
         self.aliases = aliases
+        # The module tree as of functionalize (its parameter names are fixed then too).
+        self._submodules = list(module.modules())
 
     def __repr__(self) -> str:
         return (
@@ -213,7 +215,7 @@ class FunctionalModule:
 
         captured: Tensors = {}
         with (
-            _mode(self.module, mode),
+            _mode(self.module, mode, self._submodules),
             _capture_buffers(self.module, self.buffer_names, captured),
             _rng_seeded_by(key, lambda: [*tensors.values(), *tree.leaves((args, kwargs))]),
             _unit_forwards(self.module, module_units),
@@ -672,9 +674,16 @@ def _aliases(module: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 @contextlib.contextmanager
-def _mode(module: nn.Module, train: bool) -> Iterator[None]:
-    """Put `module` in `train` mode; restore every submodule's own flag on exit."""
-    flags = [(submodule, submodule.training) for submodule in module.modules()]
+def _mode(module: nn.Module, train: bool, submodules: Sequence[nn.Module]) -> Iterator[None]:
+    """Put `module` in `train` mode; restore every submodule's own flag on exit.
+
+    `submodules` is ``list(module.modules())``, computed once by the caller: walking the module
+    tree is most of this context's cost, and it runs on every call.
+    """
+    flags = [(submodule, submodule.training) for submodule in submodules]
+    if all(flag == train for _, flag in flags):
+        yield
+        return
     module.train(train)
     try:
         yield
