@@ -4,8 +4,10 @@ Models: a GPT-style LM (units: one per block plus the root) and a wide MLP (one 
 linear layer). Variants, each trained with Adam for a few steps on 2 ranks started by
 `fscale.launch` (one process group per variant, so each variant's peak RSS is its own):
 
-* ``fscale``: ``fully_shard(step, mesh)`` (reshard after forward, prefetch 1);
+* ``fscale``: ``fully_shard(step, mesh)`` (reshard after forward: freed after each unit's
+  forward, gathered again for its backward, no recompute; prefetch 1);
 * ``fscale prefetch=0``: the same without prefetch;
+* ``fscale remat``: ``reshard_after_forward="remat"`` (each unit recomputed in backward);
 * ``fscale no-reshard``: ``reshard_after_forward=False``;
 * ``torch FSDP2``: ``torch.distributed.fsdp.fully_shard`` on every block (every linear layer
   of the MLP) and on the root module;
@@ -43,7 +45,9 @@ from fscale.parallel.fsdp import fully_shard
 
 RESULTS = Path(__file__).parent / "results" / "fsdp.json"
 WORLD = 2
-VARIANTS = ("fscale", "fscale prefetch=0", "fscale no-reshard", "torch FSDP2", "torch DDP")
+VARIANTS = (
+    "fscale", "fscale prefetch=0", "fscale remat", "fscale no-reshard", "torch FSDP2", "torch DDP"
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,6 +139,7 @@ def _fscale(kind, variant, model, quick, warmup, steps):  # type: ignore[no-unty
     options = {
         "fscale": {},
         "fscale prefetch=0": {"prefetch": 0},
+        "fscale remat": {"reshard_after_forward": "remat"},
         "fscale no-reshard": {"reshard_after_forward": False},
     }[variant]
     step = fully_shard(

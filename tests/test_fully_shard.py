@@ -336,7 +336,9 @@ def _gathers_seen_by_each_block(prefetch):
     apply, params, buffers = fs.functionalize(module)
     seen = []
     for block in module.blocks:
-        block.attn_norm.register_forward_pre_hook(lambda *_: seen.append(ledger.count("all_gather")))
+        block.attn_norm.register_forward_pre_hook(
+            lambda *_: seen.append(ledger.count("all_gather"))
+        )
     step = fully_shard(
         fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=world), prefetch=prefetch
     )

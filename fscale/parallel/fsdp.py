@@ -37,8 +37,9 @@ user's loss:
    them) in `fscale.checkpoint`: it composes with either mode (its saved parameters are
    places too). Saved-tensor hooks opened by the caller around the step (e.g.
    ``torch.autograd.graph.save_on_cpu``) do not reach inside a resharded unit: the unit's own
-   hooks are innermost there. ``reshard_after_forward=False`` keeps the gathered parameters until backward
-   (one all-gather less per unit, every unit resident at the end of the forward). Peak
+   hooks are innermost there. ``reshard_after_forward=False`` keeps the gathered parameters
+   until backward (one all-gather less per unit, every unit resident at the end of the
+   forward). Peak
    gathered parameters when resharding: the unit being computed plus `prefetch` units in
    flight, in forward and in backward (the root unit aside: it is gathered before the forward
    and kept until its gradient, like torch FSDP's root).
@@ -202,9 +203,11 @@ class _Gatherer:
 
     def now(self, unit: _ShardedUnit, shard: torch.Tensor) -> torch.Tensor:
         """Gather `shard` (differentiable: its gradient is reduce-scattered) and wait for it."""
+        plan = self.plan
         tie = _track(unit.layout)
-        gathered = collectives.all_gather(self._replicated(shard), self.plan.axis, 0, "mean",
-                                          mesh=self.plan.mesh)
+        gathered = collectives.all_gather(
+            self._replicated(shard), plan.axis, 0, "mean", mesh=plan.mesh
+        )
         tie(gathered)
         return gathered
 
@@ -234,9 +237,7 @@ class _Gatherer:
         back until the previous unit's backward had run too.
         """
         plan = self.plan
-        return _GatheredFrom.apply(
-            self._replicated(unit.shard), gathered, plan.axis, plan.mesh
-        )
+        return _GatheredFrom.apply(self._replicated(unit.shard), gathered, plan.axis, plan.mesh)
 
     def prefetch(self, after: int) -> None:
         """Start the gathers of the `prefetch` units after position `after` not started yet."""
