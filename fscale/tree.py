@@ -21,8 +21,10 @@ import optree
 import torch
 
 __all__ = [
+    "ALIGN_BYTES",
     "FlatBuffer",
     "Fragment",
+    "aligned_elements",
     "flatten",
     "flatten_with_paths",
     "leaves",
@@ -133,6 +135,11 @@ class FlatBuffer:
             ``i < num_shards`` are equal slices.
         data: an existing 1-D buffer of the right length, dtype and device to use as storage
             instead of copying `tensors` in (the tensors then only give shapes).
+        align: every tensor starts, and every shard boundary falls, on a multiple of this many
+            elements (the gaps are zero). Sharded optimizers need it: torch's fused CPU kernels
+            compute a tensor's last ``numel % vector width`` elements with scalar code that
+            rounds differently, so a shard cut inside a vector would not update exactly as the
+            whole tensor does. `aligned_elements(dtype)` gives the usual value.
 
     The round trip is exact: ``FlatBuffer(ts).views()[i]`` equals ``ts[i]`` bit for bit and has
     its shape; the views share memory with `data`.
@@ -144,9 +151,12 @@ class FlatBuffer:
         num_shards: int = 1,
         *,
         data: torch.Tensor | None = None,
+        align: int = 1,
     ) -> None:
         tensors = list(tensors)
         _check_num_shards(num_shards)
+        if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+            raise ValueError(f"FlatBuffer: `align` must be a positive int, got {align!r}")
         if not tensors:
             raise ValueError(
                 "FlatBuffer: `tensors` is empty; pass at least one tensor "
@@ -172,18 +182,23 @@ class FlatBuffer:
         self.num_shards = num_shards
         self.shapes: list[torch.Size] = [t.shape for t in tensors]
         self.numels: list[int] = [t.numel() for t in tensors]
+        self.align = align
         self.offsets: list[int] = []
-        total = 0
+        end = 0
         for n in self.numels:
-            self.offsets.append(total)
-            total += n
-        self.numel_unpadded = total
-        self.shard_size = -(-total // num_shards) if total else 1
+            offset = -(-end // align) * align
+            self.offsets.append(offset)
+            end = offset + n
+        self.numel_unpadded = end
+        self.shard_size = -(-max(end, 1) // (num_shards * align)) * align
         self.numel = self.shard_size * num_shards
         if data is None:
             data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-            if total:
-                torch.cat([t.reshape(-1) for t in tensors], out=data[:total])
+            if align == 1 and end:
+                torch.cat([t.reshape(-1) for t in tensors], out=data[:end])
+            else:
+                for view, t in zip(self.views(data), tensors):
+                    view.copy_(t)
         else:
             self._check_data(data)
         self.data: torch.Tensor = data
@@ -259,6 +274,15 @@ class FlatBuffer:
         for i, t in enumerate(tensors):
             groups.setdefault(t.dtype, []).append(i)
         return groups
+
+
+ALIGN_BYTES = 64
+"""The widest CPU vector (AVX-512) and a cache line: the alignment sharded buffers use."""
+
+
+def aligned_elements(dtype: torch.dtype) -> int:
+    """Elements of `dtype` in `ALIGN_BYTES` (the `align` argument of a sharded FlatBuffer)."""
+    return max(1, ALIGN_BYTES // dtype.itemsize)
 
 
 def _check_num_shards(num_shards: int) -> None:

@@ -102,3 +102,21 @@ def test_flatbuffer_errors():
 def test_group_by_dtype_keeps_first_seen_order():
     ts = [torch.ones(1), torch.ones(1, dtype=torch.float64), torch.ones(1)]
     assert FlatBuffer.group_by_dtype(ts) == {torch.float32: [0, 2], torch.float64: [1]}
+
+
+def test_aligned_layout_starts_every_tensor_and_shard_on_the_boundary():
+    from fscale.tree import aligned_elements
+
+    tensors = [torch.arange(5.0), torch.arange(3.0), torch.arange(17.0)]
+    flat = FlatBuffer(tensors, num_shards=2, align=aligned_elements(torch.float32))
+    assert flat.offsets == [0, 16, 32] and flat.numel_unpadded == 49
+    assert flat.shard_size % 16 == 0 and flat.numel == 2 * flat.shard_size == 64
+    for original, view in zip(tensors, flat.views()):
+        assert torch.equal(view, original)
+    # The gaps are zero, and fragments still tile every tensor exactly once.
+    assert torch.count_nonzero(flat.data) == sum(torch.count_nonzero(t) for t in tensors)
+    for i, original in enumerate(tensors):
+        pieces = [flat.fragment_views(r, flat.shard(r))[i] for r in range(2)]
+        assert torch.equal(torch.cat(pieces), original)
+    with pytest.raises(ValueError, match="align"):
+        FlatBuffer(tensors, align=0)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fscale.tree import FlatBuffer, Fragment
+from fscale.tree import FlatBuffer, Fragment, aligned_elements
 
 __all__ = ["ROOT", "ShardLayout", "UnitLayout", "UnitSpec", "assign_units"]
 
@@ -163,14 +163,10 @@ class UnitLayout:
 def _meta_flat_buffer(
     shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype, num_shards: int
 ) -> FlatBuffer:
+    # Aligned so that no shard boundary cuts a vector of torch's fused optimizer kernels: a
+    # sharded update is then bit-identical to the whole-tensor one (see FlatBuffer's `align`).
     tensors = [torch.empty(shape, dtype=dtype, device="meta") for shape in shapes]
-    return FlatBuffer(tensors, num_shards, data=_meta_data(tensors, dtype, num_shards))
-
-
-def _meta_data(tensors: list[torch.Tensor], dtype: torch.dtype, num_shards: int) -> torch.Tensor:
-    total = sum(t.numel() for t in tensors)
-    padded = -(-total // num_shards) * num_shards if total else num_shards
-    return torch.empty(padded, dtype=dtype, device="meta")
+    return FlatBuffer(tensors, num_shards, align=aligned_elements(dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +227,11 @@ class ShardLayout:
         """This rank's shard of every unit of the full `params`, each in its own storage."""
         shards = {}
         for unit in self.units:
-            flat = FlatBuffer([params[n].detach() for n in unit.names], self.num_shards)
+            flat = FlatBuffer(
+                [params[n].detach() for n in unit.names],
+                self.num_shards,
+                align=aligned_elements(unit.dtype),
+            )
             shards[unit.name] = flat.shard(rank).clone()
         return shards
 

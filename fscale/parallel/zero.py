@@ -96,7 +96,7 @@ from fscale.parallel import common
 from fscale.parallel.buckets import Bucket, GradBuckets, assign_buckets, forward_order
 from fscale.parallel.data import DataParallelPlan
 from fscale.train import LocalPlan, Step, TrainState, value_and_grad
-from fscale.tree import FlatBuffer, Fragment
+from fscale.tree import FlatBuffer, Fragment, aligned_elements
 
 __all__ = [
     "ShardedOptState",
@@ -108,9 +108,6 @@ __all__ = [
 
 PyTree = Any
 
-# Every leaf starts, and every shard boundary falls, on a multiple of this many bytes: the widest
-# CPU vector (AVX-512) and a cache line. See the module docstring for why.
-_ALIGN_BYTES = 64
 # Reductions (and all-gathers) allowed in flight before the oldest is waited for.
 _MAX_IN_FLIGHT = 2
 
@@ -132,33 +129,19 @@ class ShardedOptState(NamedTuple):
 # ----------------------------------------------------------------------------- layout
 
 
-class _AlignedFlatBuffer(FlatBuffer):
-    """A bucket layout: leaves start on `align`-element boundaries, shards are multiples of it.
+def _aligned_layout(
+    shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device, num_shards: int
+) -> FlatBuffer:
+    """A bucket layout whose leaves and shard boundaries are aligned (see the module docstring).
 
     Only shapes, offsets and sizes are held (``data`` is on the meta device); the real buffers
-    are allocated by the caller on ``device``. The gaps between leaves are zero in every buffer
-    this module allocates and are never read by the optimizer.
+    are allocated by the caller on ``layout.device``. The gaps between leaves are zero in every
+    buffer this module allocates and are never read by the optimizer.
     """
-
-    def __init__(
-        self,
-        shapes: Sequence[torch.Size],
-        dtype: torch.dtype,
-        device: torch.device,
-        num_shards: int,
-    ) -> None:
-        super().__init__([torch.empty(s, dtype=dtype, device="meta") for s in shapes], num_shards)
-        align = max(1, _ALIGN_BYTES // dtype.itemsize)
-        offsets, end = [], 0
-        for n in self.numels:
-            offsets.append(end)
-            end += -(-n // align) * align
-        self.offsets = offsets
-        self.numel_unpadded = offsets[-1] + self.numels[-1]
-        self.shard_size = -(-max(self.numel_unpadded, 1) // (num_shards * align)) * align
-        self.numel = self.shard_size * num_shards
-        self.data = torch.empty(self.numel, dtype=dtype, device="meta")
-        self.device = device
+    tensors = [torch.empty(shape, dtype=dtype, device="meta") for shape in shapes]
+    layout = FlatBuffer(tensors, num_shards, align=aligned_elements(dtype))
+    layout.device = device
+    return layout
 
 
 class _ShardLayout:
@@ -177,7 +160,7 @@ class _ShardLayout:
         for index, leaf_indices in enumerate(groups):
             _, dtype, device = signature[leaf_indices[0]]
             shapes = [signature[i][0] for i in leaf_indices]
-            layout = _AlignedFlatBuffer(shapes, dtype, device, num_shards)
+            layout = _aligned_layout(shapes, dtype, device, num_shards)
             self.buckets.append(Bucket(index, list(leaf_indices), layout))
             for slot, leaf in enumerate(leaf_indices):
                 self.where[leaf] = (index, slot)
