@@ -76,400 +76,37 @@ folded with the step and this rank's data-parallel index, as under `data_paralle
 State in and out: `fscale.consolidate(step, state)` gathers the full TrainState
 (params as the dict given to init, optimizer state as the optimizer makes it on full tensors)
 on every rank, and `fscale.shard_state(step, full_state)` shards a full state for
-this step at any world size; both dispatch to this plan (`fscale.parallel.fsdp_state`).
+this step at any world size; both dispatch to this plan (`fscale.parallel.fsdp_state`), which
+converts the optimizer state by the rule `shard_optimizer` shares (`fscale.parallel.opt_state`).
 
 Mixed precision is not implemented yet. The intended rule: gather in the compute dtype (the
 unit's shard cast before the all-gather), reduce gradients in fp32.
+
+Code: this module holds the transformation and its plan; the gathers, prefetch and their
+accounting are in `fscale.parallel.fsdp_gather`, the backward re-gather in
+`fscale.parallel.fsdp_regather`, the units in `fscale.parallel.units`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import weakref
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from fscale import optim as optim_lib
 from fscale import random as fsrandom
-from fscale import remat
 from fscale.dist import collectives
-from fscale.dist.collectives import Pending
 from fscale.dist.mesh import Mesh
 from fscale.memory import tree_bytes
-from fscale.model import UnitCall, UnitParams
+from fscale.model import UnitParams
 from fscale.parallel import common
 from fscale.parallel import fsdp_state
-from fscale.parallel.units import ROOT, ShardLayout, UnitLayout, UnitSpec, assign_units
+from fscale.parallel.fsdp_gather import Gatherer, GatherStats, ShardedUnit, track_gathers
+from fscale.parallel.units import ROOT, ShardLayout, UnitSpec, assign_units
 from fscale.train import LocalPlan, Step, TrainState, value_and_grad
 
 __all__ = ["FullyShardPlan", "GatherStats", "fully_shard", "track_gathers"]
-
-
-# ---------------------------------------------------------------------------------------------
-# Accounting of gathered parameters
-
-
-@dataclasses.dataclass
-class GatherStats:
-    """What unit all-gathers did while a `track_gathers()` block was open (root unit aside).
-
-    Attributes:
-        gathers: all-gathers of non-root units (forward, prefetch and backward re-gathers).
-        live_units: non-root units gathered (or in flight) and not yet released, now.
-        peak_units: the most non-root units gathered or in flight at once.
-        peak_bytes: the most bytes of gathered non-root parameters held at once.
-    """
-
-    gathers: int = 0
-    live_units: int = 0
-    live_bytes: int = 0
-    peak_units: int = 0
-    peak_bytes: int = 0
-
-    def _add(self, units: int, nbytes: int) -> None:
-        self.live_units += units
-        self.live_bytes += nbytes
-        self.peak_units = max(self.peak_units, self.live_units)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-
-
-_TRACKERS: list[GatherStats] = []
-
-
-class track_gathers:  # noqa: N801 - a context manager used like a function
-    """Count unit all-gathers and the peak of gathered parameters inside the block.
-
-    Yields a `GatherStats`. A gathered unit counts from the moment its all-gather is issued
-    until the last tensor viewing it is freed (tracked by reference, so it measures what the
-    program really keeps alive: autograd's saved tensors included). The communication library
-    may hold a finished buffer a moment after the wait returned (gloo releases it from its
-    worker thread), so an instant's peak can exceed the policy's by one unit.
-    """
-
-    def __enter__(self) -> GatherStats:
-        self.stats = GatherStats()
-        _TRACKERS.append(self.stats)
-        return self.stats
-
-    def __exit__(self, *exc_info: object) -> None:
-        _TRACKERS.remove(self.stats)
-
-
-def _track(unit: UnitLayout) -> Callable[[torch.Tensor], None]:
-    """Count one gather of `unit` as live now; the returned callback ties it to a tensor."""
-    if unit.name == ROOT or not _TRACKERS:
-        return lambda tensor: None
-    nbytes = unit.numel * unit.dtype.itemsize
-    trackers = list(_TRACKERS)
-    for stats in trackers:
-        stats.gathers += 1
-        stats._add(1, nbytes)
-
-    def release() -> None:
-        for stats in trackers:
-            stats._add(-1, -nbytes)
-
-    def tie(tensor: torch.Tensor) -> None:
-        # Views keep their base alive, so the base's lifetime is the gathered buffer's.
-        base = tensor._base if tensor._base is not None else tensor
-        weakref.finalize(base, release)
-
-    return tie
-
-
-# ---------------------------------------------------------------------------------------------
-# Gathering units in one forward pass
-
-
-class _Gatherer:
-    """Issues one step's unit all-gathers: in order of use, `prefetch` units ahead.
-
-    In forward, units are gathered in the order they are called; in backward, the units whose
-    gathered parameters were released after their forward are gathered again in the reverse
-    of that order (`_Regather`).
-    """
-
-    def __init__(self, plan: FullyShardPlan, units: list[_ShardedUnit]) -> None:
-        self.plan = plan
-        self.order = [u for u in units if u.layout.name != ROOT]
-        self.position = {u.layout.name: i for i, u in enumerate(self.order)}
-        # unit name -> its prefetched gather (values only) and the gather's tracking tie
-        self.pending: dict[str, tuple[Pending, Callable[[torch.Tensor], None]]] = {}
-        self.started: set[str] = set()
-        # The resharded forward calls, in call order: backward re-gathers walk it backwards.
-        self.regathers: list[_Regather] = []
-
-    def now(self, unit: _ShardedUnit, shard: torch.Tensor) -> torch.Tensor:
-        """Gather `shard` (differentiable: its gradient is reduce-scattered) and wait for it."""
-        plan = self.plan
-        tie = _track(unit.layout)
-        gathered = collectives.all_gather(
-            self._replicated(shard), plan.axis, 0, "mean", mesh=plan.mesh
-        )
-        tie(gathered)
-        return gathered
-
-    def start(self, unit: _ShardedUnit) -> tuple[Pending, Callable[[torch.Tensor], None]]:
-        """Start gathering `unit`'s shard: values only, no graph (see `_differentiable`)."""
-        plan = self.plan
-        tie = _track(unit.layout)
-        with torch.no_grad():
-            pending = collectives.all_gather_start(
-                unit.shard.detach(), plan.axis, 0, "mean", mesh=plan.mesh
-            )
-        return pending, tie
-
-    def _replicated(self, shard: torch.Tensor) -> torch.Tensor:
-        plan = self.plan
-        if plan.replicate_axis is None:
-            return shard
-        # HSDP: the dual of `replicate` all-reduces the gradient shard over the replicas.
-        return collectives.replicate(shard, plan.replicate_axis, "mean", mesh=plan.mesh)
-
-    def _differentiable(self, unit: _ShardedUnit, gathered: torch.Tensor) -> torch.Tensor:
-        """`gathered` as the all-gather of `unit.shard`, for autograd, from the point of use.
-
-        Prefetched gathers are issued without a graph and joined to it here, when the unit is
-        used: autograd runs a node's backward in reverse order of creation, so a gradient
-        node created at the prefetch (one unit early) would hold this unit's reduce-scatter
-        back until the previous unit's backward had run too.
-        """
-        plan = self.plan
-        return _GatheredFrom.apply(self._replicated(unit.shard), gathered, plan.axis, plan.mesh)
-
-    def prefetch(self, after: int) -> None:
-        """Start the gathers of the `prefetch` units after position `after` not started yet."""
-        for unit in self.order[after + 1 : after + 1 + self.plan.prefetch]:
-            name = unit.layout.name
-            if name not in self.started:
-                self.started.add(name)
-                self.pending[name] = self.start(unit)
-
-    def in_forward(self, unit: _ShardedUnit, grad: bool) -> torch.Tensor:
-        """`unit`'s gathered buffer for its forward use, issuing the next units' gathers first.
-
-        `grad`: whether the use needs the gather's graph (its gradient is the reduce-scatter);
-        a use inside a remat forward records no graph and does not.
-        """
-        name = unit.layout.name
-        self.started.add(name)
-        pending, tie = self.pending.pop(name, None) or self.start(unit)
-        # Issued before this unit's gather is waited on, so they overlap its compute.
-        self.prefetch(self.position[name])
-        gathered = pending.wait()
-        tie(gathered)
-        return self._differentiable(unit, gathered) if grad else gathered
-
-    def resharded_call(self, unit: _ShardedUnit, gathered: torch.Tensor) -> _Regather:
-        """Record a forward call of `unit` whose `gathered` buffer is released after it."""
-        regather = _Regather(self, unit, len(self.regathers), gathered)
-        self.regathers.append(regather)
-        return regather
-
-    def prefetch_backward(self, before: int) -> None:
-        """Start the re-gathers of the `prefetch` resharded calls before position `before`."""
-        started = 0
-        for regather in reversed(self.regathers[:before]):
-            if started == self.plan.prefetch:
-                break
-            if regather.needed:
-                regather.start()
-                started += 1
-
-    def drain(self) -> None:
-        """Wait for (and drop) gathers prefetched for units the forward did not call."""
-        for pending, tie in self.pending.values():
-            tie(pending.wait())
-        self.pending.clear()
-
-    def drain_backward(self) -> None:
-        """Wait for (and drop) re-gathers a backward prefetched but did not use."""
-        for regather in self.regathers:
-            regather.release()
-
-
-class _GatheredFrom(torch.autograd.Function):
-    """Identity on an already gathered buffer, differentiated as the all-gather of `shard`.
-
-    The backward is the all-gather's dual, a reduce-scatter (mean) of the buffer's gradient.
-    """
-
-    @staticmethod
-    def forward(shard: torch.Tensor, gathered: torch.Tensor, axis: str, mesh: Mesh) -> torch.Tensor:
-        return gathered.view_as(gathered)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, _, ctx.axis, ctx.mesh = inputs
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        shard_grad = collectives.reduce_scatter(grad, ctx.axis, 0, "mean", mesh=ctx.mesh)
-        return shard_grad, None, None, None
-
-
-class _Place(NamedTuple):
-    """Where a tensor autograd saved lies in its unit's gathered buffer."""
-
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int  # elements from the start of the gathered buffer
-
-
-class _Regather:
-    """One forward call of a unit whose gathered parameters are freed after it.
-
-    During the call, saved-tensor hooks turn every tensor autograd saves that views the
-    gathered buffer into a `_Place`; the call's other saved tensors (activations) are kept as
-    they are. In backward, the first unpacked place gathers the shard again (`fetch`) and
-    starts the re-gathers of the calls before it; the new buffer is dropped once the gradient
-    of the forward's buffer is complete, just before the forward gather's dual reduce-scatters
-    it.
-    """
-
-    def __init__(
-        self, gatherer: _Gatherer, unit: _ShardedUnit, index: int, gathered: torch.Tensor
-    ) -> None:
-        self.gatherer = gatherer
-        self.unit = unit
-        self.index = index
-        # The forward buffer is identified by address only while it is certainly alive (the
-        # call): holding the tensor would keep it alive, which is what this class avoids.
-        self._address: int | None = gathered.untyped_storage().data_ptr()
-        self._start_offset = gathered.storage_offset()
-        self.needed = False  # whether autograd saved a view of the buffer
-        self._pending: tuple[Pending, Callable[[torch.Tensor], None]] | None = None
-        self._gathered: torch.Tensor | None = None
-        self._done = False
-        gathered.register_hook(self._gradient_complete)
-
-    def run(self, call: UnitCall, params: Mapping[str, torch.Tensor]) -> Any:
-        """Run the unit's call with its saved parameter views turned into places."""
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                return call.run(params, call.state, call.args, call.kwargs)
-        finally:
-            self._address = None
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Place:
-        if (
-            self._address is None
-            or type(tensor) is not torch.Tensor
-            or tensor.layout != torch.strided
-            or tensor.dtype != self.unit.layout.dtype
-            or tensor.untyped_storage().data_ptr() != self._address
-        ):
-            return tensor
-        self.needed = True
-        offset = tensor.storage_offset() - self._start_offset
-        return _Place(tensor.size(), tensor.stride(), offset)
-
-    def _unpack(self, packed: torch.Tensor | _Place) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        gathered = self.fetch()
-        return gathered.as_strided(
-            packed.size, packed.stride, gathered.storage_offset() + packed.offset
-        )
-
-    def start(self) -> None:
-        """Issue the re-gather (once; not after the unit's backward is done)."""
-        if self._pending is None and self._gathered is None and not self._done:
-            self._pending = self.gatherer.start(self.unit)
-
-    def fetch(self) -> torch.Tensor:
-        """The gathered buffer for backward: waits for the re-gather, issuing it if needed."""
-        if self._gathered is None:
-            self._done = False  # read after its gradient: a (rare) second re-gather
-            self.start()
-            assert self._pending is not None
-            pending, tie = self._pending
-            # The calls before this one are gathered while this unit's backward computes.
-            self.gatherer.prefetch_backward(self.index)
-            self._gathered = pending.wait()
-            self._pending = None
-            tie(self._gathered)
-        return self._gathered
-
-    def _gradient_complete(self, grad: torch.Tensor) -> None:
-        self.release()
-        self._done = True
-
-    def release(self) -> None:
-        """Drop the re-gathered buffer (waiting for a re-gather still in flight)."""
-        if self._pending is not None:
-            pending, tie = self._pending
-            tie(pending.wait())
-            self._pending = None
-        self._gathered = None
-
-
-class _ShardedUnit:
-    """A `fscale.model.ParamUnit` over this rank's shard of one unit.
-
-    `reshard`: "regather" (free after forward, gather again in backward), "remat" (recompute
-    the unit in backward) or "keep" (gathered until backward).
-    """
-
-    def __init__(self, layout: UnitLayout, shard: torch.Tensor, reshard: str) -> None:
-        self.layout = layout
-        self.name = layout.name
-        self.names = layout.names
-        self.shard = shard
-        self.reshard = reshard
-        self.gatherer: _Gatherer  # set once the step's gatherer exists
-
-    def _views(self, gathered: torch.Tensor) -> dict[str, torch.Tensor]:
-        return dict(zip(self.names, self.layout.flat.views(gathered)))
-
-    def materialize(self) -> Mapping[str, torch.Tensor]:
-        # The fallback: differentiable, kept until backward; prefetches the next units.
-        return self._views(self.gatherer.in_forward(self, grad=torch.is_grad_enabled()))
-
-    def call(self, call: UnitCall) -> Any:
-        if self.reshard == "remat":
-            return self._remat_call(call)
-        grad = torch.is_grad_enabled()
-        gathered = self.gatherer.in_forward(self, grad=grad)
-        if self.reshard == "keep" or not gathered.requires_grad:
-            return call.run(self._views(gathered), call.state, call.args, call.kwargs)
-        regather = self.gatherer.resharded_call(self, gathered)
-        return regather.run(call, self._views(gathered))
-
-    def _remat_call(self, call: UnitCall) -> Any:
-        runs = 0
-
-        def gathered_call(inputs: Any) -> Any:
-            nonlocal runs
-            shard, state, args, kwargs = inputs
-            runs += 1
-            if runs == 1:
-                # The forward: no graph is recorded here, so the prefetched buffer serves.
-                gathered = self.gatherer.in_forward(self, grad=False)
-            else:
-                # The recompute in backward: a differentiable gather of the saved shard, whose
-                # gradient is the reduce-scatter of this unit's gradient.
-                gathered = self.gatherer.now(self, shard)
-            return call.run(self._views(gathered), state, args, kwargs)
-
-        # The shard and the submodule's other state are the remat's "module state" inputs, so
-        # buffers updated in place (BatchNorm) are snapshotted and updated once.
-        state = list(call.state)
-        return remat._checkpointed_call(
-            gathered_call,
-            (self.shard, state, call.args, call.kwargs),
-            _NO_OFFLOAD,
-            module_state=1 + len(state),
-            buffer_indexes=frozenset(1 + i for i in call.mutable),
-        )
-
-    def __repr__(self) -> str:
-        return f"_ShardedUnit({self.name!r}, {len(self.names)} params)"
-
-
-_NO_OFFLOAD = remat._Options(offload=False, policy=None)
 
 Shards = dict[str, torch.Tensor]  # {unit name: this rank's 1-D shard}
 
@@ -591,7 +228,7 @@ class FullyShardPlan:
         key = fsrandom.fold_in(
             fsrandom.fold_in(state.key, int(state.step)), self.mesh.rank(self.data_axes)
         )
-        gatherers: list[_Gatherer] = []
+        gatherers: list[Gatherer] = []
 
         def loss_fn(params: Any, buffers: Any, batch: Any, key: torch.Tensor) -> Any:
             out = step.loss_fn(params, buffers, batch, key)
@@ -611,7 +248,7 @@ class FullyShardPlan:
         return result
 
     def _reshard(self, grad_mode: str) -> str:
-        """How units are resharded after forward on this gradient path (see `_ShardedUnit`)."""
+        """How units are resharded after forward on this gradient path (see `ShardedUnit`)."""
         if self.reshard_after_forward is False:
             return "keep"
         if self.reshard_after_forward == "remat" or grad_mode != "autograd":
@@ -619,9 +256,9 @@ class FullyShardPlan:
             return "remat"
         return "regather"
 
-    def _unit_params(self, live: Shards, gatherers: list[_Gatherer], reshard: str) -> UnitParams:
-        units = [_ShardedUnit(layout, live[layout.name], reshard) for layout in self.layout.units]
-        gatherer = _Gatherer(self, units)
+    def _unit_params(self, live: Shards, gatherers: list[Gatherer], reshard: str) -> UnitParams:
+        units = [ShardedUnit(layout, live[layout.name], reshard) for layout in self.layout.units]
+        gatherer = Gatherer(self, units)
         for unit in units:
             unit.gatherer = gatherer
         gatherers.append(gatherer)

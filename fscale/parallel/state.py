@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from fscale.parallel.data import DataParallelPlan
-from fscale.parallel.zero import ShardedOptState
+from fscale.parallel.zero_plan import ShardedOptState
 from fscale.train import LocalPlan, Step, TrainState
 
 __all__ = ["consolidate", "shard_state"]
@@ -41,14 +41,10 @@ def consolidate(step: Step, state: TrainState) -> TrainState:
     _check_step_and_state("consolidate", step, state, "state")
     if hasattr(step.plan, "consolidate"):  # a plan that shards state knows how to join it
         return step.plan.consolidate(step, state)
-    if isinstance(step.plan, (LocalPlan, DataParallelPlan)):
-        if isinstance(state.opt_state, ShardedOptState):
-            raise ValueError(
-                "consolidate: `state` is sharded but `step` is not; pass the sharded step that "
-                "made the state"
-            )
-        return state
-    raise TypeError(f"consolidate: steps with plan {step.plan!r} are not supported")
+    return _already_full(
+        "consolidate", step, state,
+        "`state` is sharded but `step` is not; pass the sharded step that made the state",
+    )
 
 
 def shard_state(step: Step, full_state: TrainState) -> TrainState:
@@ -74,14 +70,25 @@ def shard_state(step: Step, full_state: TrainState) -> TrainState:
     _check_step_and_state("shard_state", step, full_state, "full_state")
     if hasattr(step.plan, "shard_state"):
         return step.plan.shard_state(step, full_state)
-    if isinstance(step.plan, (LocalPlan, DataParallelPlan)):
-        if isinstance(full_state.opt_state, ShardedOptState):
-            raise ValueError(
-                "shard_state: `full_state.opt_state` is sharded; consolidate it first with "
-                "fscale.consolidate(old_step, state)"
-            )
-        return full_state
-    raise TypeError(f"shard_state: steps with plan {step.plan!r} are not supported")
+    return _already_full(
+        "shard_state", step, full_state,
+        "`full_state.opt_state` is sharded; consolidate it first with "
+        "fscale.consolidate(old_step, state)",
+    )
+
+
+def _already_full(caller: str, step: Step, state: TrainState, if_sharded: str) -> TrainState:
+    """`state` itself, for a step whose state is full (`train_step`, `data_parallel`).
+
+    Raises:
+        ValueError: `state` holds a sharded optimizer state (`if_sharded` says what to do).
+        TypeError: the step's plan has no notion of a full state.
+    """
+    if not isinstance(step.plan, (LocalPlan, DataParallelPlan)):
+        raise TypeError(f"{caller}: steps with plan {step.plan!r} are not supported")
+    if isinstance(state.opt_state, ShardedOptState):
+        raise ValueError(f"{caller}: {if_sharded}")
+    return state
 
 
 def _check_step_and_state(caller: str, step: Any, state: Any, name: str) -> None:
