@@ -24,3 +24,15 @@ def test_demo_rejects_bad_options():
         cli.main(["demo", "--world-size", "3", "--batch-size", "16"])
     with pytest.raises(SystemExit, match="unknown strategy"):
         cli.run_demo(cli.DemoConfig(strategy="tensor"))
+
+
+def test_the_library_imports_without_test_dependencies():
+    """hypothesis and pytest are test extras: importing fscale must not need them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['hypothesis'] = None; sys.modules['pytest'] = None; "
+        "import fscale, fscale.cli, fscale.testing; fscale.testing.run_spmd"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

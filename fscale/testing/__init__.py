@@ -17,7 +17,6 @@ from fscale.testing.assertions import assert_trees_close as assert_trees_close
 from fscale.testing.assertions import assert_trees_equal as assert_trees_equal
 from fscale.testing.pool import RankPool as RankPool
 from fscale.testing.pool import run_spmd as run_spmd
-from fscale.testing import strategies as strategies
 
 __all__ = [
     "RankError",
@@ -28,3 +27,12 @@ __all__ = [
     "run_spmd",
     "strategies",
 ]
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    # hypothesis is a test dependency, not a runtime one: import the strategies on first use.
+    if name == "strategies":
+        import importlib
+
+        return importlib.import_module("fscale.testing.strategies")
+    raise AttributeError(f"module 'fscale.testing' has no attribute {name!r}")
