@@ -81,3 +81,54 @@ def test_tree_bytes_counts_each_storage_once():
     values = {"a": flat[:5], "b": flat[5:], "c": tied, "d": tied, "e": torch.zeros(()).expand(100)}
     assert memory.tree_bytes(values) == 10 * 4 + 4 * 4 + 4
     assert memory.tree_bytes({"none": None, "empty": torch.zeros(0)}) == 0
+
+
+def test_buckets_are_handed_out_in_index_order_whatever_order_they_complete_in():
+    leaves = [torch.ones(2), torch.ones(2), torch.ones(2)]
+    buckets = assign_buckets(leaves, bucket_bytes=8)  # one leaf each: [2], [1], [0]
+    ready = []
+    collector = GradBuckets(buckets, 3, lambda b, d: ready.append((b.index, d.clone())))
+    hooks = collector.hooks()
+    hooks[0](torch.full((2,), 3.0))  # bucket 2 completes first: it must wait for 0 and 1
+    hooks[1](torch.full((2,), 2.0))
+    assert ready == []
+    hooks[2](torch.full((2,), 1.0))
+    assert [index for index, _ in ready] == [0, 1, 2]
+    assert [data.tolist() for _, data in ready] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+
+
+def test_flush_hands_out_waiting_buckets_in_order_after_the_incomplete_one():
+    leaves = [torch.ones(2), torch.ones(2)]
+    buckets = assign_buckets(leaves, bucket_bytes=8)  # [1], [0]
+    ready = []
+    collector = GradBuckets(buckets, 2, lambda b, d: ready.append((b.index, d.tolist())))
+    collector.hooks()[0](torch.full((2,), 5.0))  # bucket 1 complete; bucket 0 never arrives
+    assert ready == []
+    collector.flush()
+    assert ready == [(0, [0.0, 0.0]), (1, [5.0, 5.0])]
+
+
+def test_a_gradient_delivered_twice_is_an_error_not_a_premature_bucket():
+    collector = GradBuckets(assign_buckets([torch.ones(2), torch.ones(2)], 100), 2,
+                            lambda b, d: None)
+    hook = collector.hooks()[0]
+    hook(torch.ones(2))
+    with pytest.raises(RuntimeError, match="leaf 0 arrived twice"):
+        hook(torch.ones(2))
+
+
+def test_release_drops_a_handed_out_bucket_and_refuses_an_unused_one():
+    leaves = [torch.ones(2), torch.ones(2)]
+    buckets = assign_buckets(leaves, bucket_bytes=8)  # [1], [0]
+    collector = GradBuckets(buckets, 2, lambda b, d: collector.release(b.index))
+    hooks = collector.hooks()
+    with pytest.raises(ValueError, match="bucket 1 has not been handed to `on_ready`"):
+        hooks[0](torch.ones(2))
+        collector.release(1)
+    hooks[1](torch.ones(2))
+    assert collector.bucket_data(0) is None and collector.bucket_data(1) is None
+
+
+def test_assign_buckets_rejects_a_bad_shard_count():
+    with pytest.raises(ValueError, match="`num_shards` must be a positive int"):
+        assign_buckets([torch.ones(2)], 100, num_shards=0)

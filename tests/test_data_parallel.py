@@ -245,3 +245,44 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="Step"):
         fs.data_parallel(lambda s, b: s, fs.Mesh(dp=1))
     assert "data_parallel(axis='dp'" in repr(fs.data_parallel(step, fs.Mesh(dp=1)))
+
+
+def _rank_dependent_loss(params, buffers, batch, key):
+    hidden = torch.tanh(params["a"] * batch)
+    if dist.get_rank() == 1:
+        return hidden.sum()  # "b" unused here: its bucket completes only at flush
+    return (hidden * params["b"]).sum()
+
+
+def _step_with_a_parameter_unused_on_one_rank():
+    rank = dist.get_rank()
+    params = {"a": torch.linspace(-1, 1, 4), "b": torch.linspace(0.5, 2, 4)}
+    batch = torch.arange(4.0) + rank
+    # One leaf per bucket; "b" is used last, so it is bucket 0 and completes first on rank 0.
+    step = fs.data_parallel(
+        fs.train_step(_rank_dependent_loss, fs.optim.sgd(1.0)), fs.Mesh(dp=2), bucket_mb=1e-6
+    )
+    state, _ = step(step.init(params, {}), batch)
+    return state.params
+
+
+def test_buckets_are_reduced_in_the_same_order_on_every_rank():
+    # Rank 1 completes bucket 1 ("a") during backward and bucket 0 ("b") only at flush; the
+    # all-reduces must still be issued in bucket order, or they would pair "a" with "b".
+    params = {"a": torch.linspace(-1, 1, 4), "b": torch.linspace(0.5, 2, 4)}
+    grads = []
+    for rank in range(2):
+        live = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+        loss = _rank_dependent_loss_reference(live, torch.arange(4.0) + rank, rank)
+        grads.append(torch.autograd.grad(loss, list(live.values()), materialize_grads=True,
+                                         allow_unused=True))
+    expected = {
+        name: params[name] - (grads[0][i] / 2 + grads[1][i] / 2) for i, name in enumerate(params)
+    }
+    for result in run_spmd(_step_with_a_parameter_unused_on_one_rank, 2):
+        assert_trees_equal(result, expected)
+
+
+def _rank_dependent_loss_reference(params, batch, rank):
+    hidden = torch.tanh(params["a"] * batch)
+    return hidden.sum() if rank == 1 else (hidden * params["b"]).sum()

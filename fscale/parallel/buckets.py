@@ -11,8 +11,15 @@ so reduce-scatter gives every rank an equal slice.
 
 `GradBuckets.hooks()` returns one hook per leaf for `fscale.train.value_and_grad`: the hook
 copies the leaf's gradient into its bucket's flat buffer (the gradient then lives only there) and
-calls ``on_ready(bucket)`` once every leaf of the bucket has arrived. Autograd runs a leaf's hook
-as soon as that leaf's gradient is final, which is what makes the overlap possible.
+calls ``on_ready(bucket, flat_grad)`` once every leaf of the bucket has arrived. Autograd runs a
+leaf's hook as soon as that leaf's gradient is final, which is what makes the overlap possible.
+
+Buckets are handed to ``on_ready`` strictly in index order, whatever order they complete in: a
+bucket that completes early waits until every bucket before it has been handed out. `on_ready`
+issues a collective, and collectives must be issued in the same order on every rank; the order
+in which buckets complete is not the same on every rank when the graph differs between them
+(a parameter unused on one rank completes its bucket only at `GradBuckets.flush`), and
+collectives issued out of step would silently combine different buckets.
 """
 
 from __future__ import annotations
@@ -81,6 +88,8 @@ def assign_buckets(
     """
     if bucket_bytes <= 0:
         raise ValueError(f"`bucket_bytes` must be positive, got {bucket_bytes}")
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"`num_shards` must be a positive int, got {num_shards!r}")
     signature = tuple((tuple(t.shape), t.dtype, t.device) for t in leaves)
     order = tuple(range(len(leaves))) if order is None else tuple(order)
     if sorted(order) != list(range(len(leaves))):
@@ -150,14 +159,15 @@ class GradBuckets:
     """Per-step collector that writes leaf gradients into bucket buffers.
 
     Args:
-        buckets: from `assign_buckets`.
+        buckets: from `assign_buckets` (``buckets[i].index == i``).
         num_leaves: the number of parameter leaves.
-        on_ready: called as ``on_ready(bucket, flat_grad)`` when every leaf of a bucket has
-            its gradient; `flat_grad` is the bucket's padded flat gradient buffer.
+        on_ready: called as ``on_ready(bucket, flat_grad)`` once per bucket, in bucket index
+            order, when that bucket and every bucket before it have all their gradients;
+            `flat_grad` is the bucket's padded flat gradient buffer.
         keep_grads: when True (the default) each hook returns a view into the bucket buffer,
             so the gradients autograd hands back *are* the bucket contents (no second copy);
             when False it returns a stride-0 zero that holds no memory, for strategies that
-            keep only a reduced shard of each bucket.
+            keep only a reduced copy or shard of each bucket.
     """
 
     def __init__(
@@ -172,12 +182,18 @@ class GradBuckets:
         self.on_ready = on_ready
         self.keep_grads = keep_grads
         self._where: list[tuple[int, int] | None] = [None] * num_leaves
-        for bucket in self.buckets:
+        for position, bucket in enumerate(self.buckets):
+            if bucket.index != position:
+                raise ValueError(
+                    f"GradBuckets: `buckets` must be in index order as `assign_buckets` returns "
+                    f"them; bucket {bucket.index} is at position {position}"
+                )
             for slot, leaf in enumerate(bucket.leaf_indices):
                 self._where[leaf] = (bucket.index, slot)
         self._data: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._delivered = [[False] * len(b.leaf_indices) for b in self.buckets]
         self._pending = [len(b.leaf_indices) for b in self.buckets]
+        self._next_ready = 0  # buckets before this one have been handed to `on_ready`
 
     def hooks(self) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
         """One hook per leaf (None for leaves in no bucket)."""
@@ -192,8 +208,13 @@ class GradBuckets:
         return hook
 
     def _deliver(self, bucket_index: int, slot: int, grad: torch.Tensor) -> torch.Tensor:
-        bucket = self.buckets[bucket_index]
-        layout = bucket.layout
+        if self._delivered[bucket_index][slot]:
+            # A second call would complete the bucket while another leaf is still unwritten.
+            raise RuntimeError(
+                f"GradBuckets: the gradient of leaf {self.buckets[bucket_index].leaf_indices[slot]}"
+                " arrived twice; a collector serves exactly one backward pass"
+            )
+        layout = self.buckets[bucket_index].layout
         data = self._data[bucket_index]
         if data is None:
             # Zero only the padding: every real element is overwritten by a gradient.
@@ -205,35 +226,66 @@ class GradBuckets:
         target.copy_(grad)
         self._delivered[bucket_index][slot] = True
         self._pending[bucket_index] -= 1
-        if self._pending[bucket_index] == 0:
-            self.on_ready(bucket, data)
+        if self._pending[bucket_index] == 0 and bucket_index == self._next_ready:
+            self._hand_out_ready()
         if self.keep_grads:
             return target
         return grad.new_zeros(()).expand(grad.shape)
+
+    def _hand_out_ready(self) -> None:
+        """Pass every complete bucket from `_next_ready` on to `on_ready`, in index order."""
+        while self._next_ready < len(self.buckets) and self._pending[self._next_ready] == 0:
+            index = self._next_ready
+            # Advanced first, so that `on_ready` may call `release` on this bucket.
+            self._next_ready += 1
+            self.on_ready(self.buckets[index], self._data[index])
 
     def flush(self) -> None:
         """Deliver buckets whose leaves got no gradient hook call (unused leaves) as zeros.
 
         Autograd does not run hooks for leaves the loss does not depend on, so a bucket with
         such a leaf would never complete; every rank must still issue the same collectives.
+        After `flush` every bucket has been handed to `on_ready` exactly once.
         """
-        for bucket in self.buckets:
-            if self._pending[bucket.index] == 0:
-                continue
-            data = self._data[bucket.index]
-            if data is None:
-                data = _new_buffer(bucket.layout, torch.zeros)
-                self._data[bucket.index] = data
-            layout = bucket.layout
-            for slot, delivered in enumerate(self._delivered[bucket.index]):
-                if not delivered:  # never written: holds uninitialised memory
-                    offset = layout.offsets[slot]
-                    data[offset : offset + layout.numels[slot]].zero_()
-            self._pending[bucket.index] = 0
-            self.on_ready(bucket, data)
+        for bucket in self.buckets[self._next_ready :]:
+            if self._pending[bucket.index] != 0:
+                data = self._data[bucket.index]
+                if data is None:
+                    data = _new_buffer(bucket.layout, torch.zeros)
+                    self._data[bucket.index] = data
+                layout = bucket.layout
+                for slot, delivered in enumerate(self._delivered[bucket.index]):
+                    if not delivered:  # never written: holds uninitialised memory
+                        offset = layout.offsets[slot]
+                        data[offset : offset + layout.numels[slot]].zero_()
+                self._pending[bucket.index] = 0
+            # Buckets are completed one at a time, so at most one incomplete buffer is
+            # allocated beyond those the hooks already filled.
+            self._hand_out_ready()
 
     def bucket_data(self, bucket_index: int) -> torch.Tensor | None:
+        """The flat gradient buffer of a bucket (None before its first gradient or after
+        `release`)."""
         return self._data[bucket_index]
+
+    def release(self, bucket_index: int) -> None:
+        """Drop this collector's reference to a bucket's buffer once `on_ready` has used it.
+
+        A strategy whose collective keeps its own copy (an all-reduce, a reduce-scatter)
+        releases the bucket in `on_ready`, so the unreduced gradients are freed as soon as
+        nothing else holds them.
+
+        Raises:
+            ValueError: the bucket has not been handed to `on_ready` yet (its gradients
+                would be lost).
+        """
+        if not 0 <= bucket_index < self._next_ready:
+            raise ValueError(
+                f"GradBuckets.release: bucket {bucket_index} has not been handed to `on_ready` "
+                f"yet (buckets 0..{self._next_ready - 1} have); release a bucket only after "
+                "its gradients were used"
+            )
+        self._data[bucket_index] = None
 
 
 def _new_buffer(layout: FlatBuffer, make: Callable[..., torch.Tensor]) -> torch.Tensor:

@@ -98,9 +98,12 @@ class DataParallelPlan:
             in_flight[bucket.index] = collectives.all_reduce_start(
                 flat_grad, self.axis, "mean", mesh=self.mesh
             )
+            # The all-reduce works on its own copy: drop the unreduced buffer now.
+            collector.release(bucket.index)
 
         # The hooks copy each gradient into its bucket and hand autograd a stride-0 zero, so
-        # the only full copy of the gradients is the reduced bucket buffers.
+        # once a bucket's all-reduce has started the only copy of its gradients is the one
+        # being reduced.
         collector = GradBuckets(buckets, len(leaves), start_reduce, keep_grads=False)
         out, _ = value_and_grad(
             step.loss_fn, state.params, state.buffers, batch, key, grad_hooks=collector.hooks()
