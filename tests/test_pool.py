@@ -245,3 +245,26 @@ def test_rank_that_dies_without_a_result_is_reported():
 def test_unpicklable_result_is_reported_as_a_rank_failure():
     with pytest.raises(RankError, match=r"rank 0 of 1 failed(.|\n)*(pickle|Pickl)"):
         run_spmd(_unpicklable_result, 1)
+
+
+def _leave_fscale_state_behind():
+    import fscale as fs
+
+    fs.dist.set_debug(not fs.dist.debug_enabled())
+    fs.Mesh(dp=dist.get_world_size()).__enter__()  # never exited
+    fs.dist.comm_ledger().__enter__()  # never closed
+
+
+def _fscale_state():
+    import fscale as fs
+    from fscale.dist import ledger
+
+    return fs.dist.debug_enabled(), fs.dist.current_mesh() is None, len(ledger._ACTIVE)
+
+
+def test_fscale_state_left_by_one_call_does_not_reach_the_next():
+    from fscale.dist import collectives
+
+    run_spmd(_leave_fscale_state_behind, 2)
+    debug_at_start = collectives._debug_from_env()  # ranks get this process's environment
+    assert run_spmd(_fscale_state, 2) == [(debug_at_start, True, 0)] * 2

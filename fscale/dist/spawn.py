@@ -22,25 +22,35 @@ always a desynchronised program, not a slow one.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import functools
-import importlib
-import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
-import signal
-import sys
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import optree
 import torch
 import torch.distributed as dist
+
+from fscale.dist._ranks import (
+    RankError,
+    RankSetup,
+    RankTimeoutError,
+    Task,
+    _check_backend,
+    _cuda_device_count,
+    check_seconds,
+    check_world_size,
+    error_reply,
+    gather_replies,
+    join_group,
+    make_task,
+    new_store,
+    resolve_backend,
+    run_task,
+    terminate,
+)
 
 __all__ = [
     "DEFAULT_PG_TIMEOUT",
@@ -56,48 +66,9 @@ __all__ = [
 DEFAULT_PG_TIMEOUT = 60.0
 """Seconds a collective may wait for its peers before it fails (the process-group timeout)."""
 
-_BACKENDS = ("gloo", "nccl")
-_LOCALHOST = "127.0.0.1"
 
-# After the first rank fails, give the others this long to report their own failures (ranks
-# often fail together, e.g. on the same bad input) before terminating them.
-_FAILURE_GRACE_S = 0.5
 # A rank that sent its result gets this long to leave the process group and exit by itself.
 _EXIT_GRACE_S = 5.0
-
-
-class RankError(RuntimeError):
-    """One or more ranks raised, died, or did not finish in time.
-
-    Attributes:
-        failures: rank -> text explaining what went wrong on it (the formatted traceback of
-            its exception, or how its process ended), in the order the failures arrived.
-        unfinished: ranks that were still running when the call gave up on them.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        failures: Mapping[int, str] | None = None,
-        unfinished: Sequence[int] = (),
-    ) -> None:
-        super().__init__(message)
-        self.failures = dict(failures or {})
-        self.unfinished = tuple(unfinished)
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        """The ranks at fault: those that failed, or else those that did not finish."""
-        return tuple(sorted(self.failures)) or self.unfinished
-
-    @property
-    def first_failed(self) -> int | None:
-        """The rank whose failure was reported first (usually the cause), if any failed."""
-        return next(iter(self.failures), None)
-
-
-class RankTimeoutError(RankError):
-    """Some ranks did not finish within the time limit and were killed."""
 
 
 class RankInfo(NamedTuple):
@@ -253,262 +224,6 @@ def launch(
 
 
 # --------------------------------------------------------------------------------------------
-# Rank-side machinery, shared with fscale.testing.pool.
-
-
-@dataclasses.dataclass(frozen=True)
-class RankSetup:
-    """Everything a spawned rank needs to join its process group."""
-
-    rank: int
-    world_size: int
-    backend: str
-    store_port: int
-    pg_timeout: float
-    env: Mapping[str, str]
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    """A function call to run on every rank, pickled once on the caller's side.
-
-    The pickle refers to functions and classes by module and name, so a rank must be able to
-    import `module` before it can unpickle `payload`. When the import by name fails (a test
-    file that is not on the rank's ``sys.path``, e.g. under pytest's importlib mode), the rank
-    loads the module from `module_file` under the same name instead.
-    """
-
-    module: str
-    module_file: str | None
-    payload: bytes  # pickle of (fn, args, kwargs)
-
-    def load(self) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-        _ensure_importable(self.module, self.module_file)
-        return pickle.loads(self.payload)
-
-
-def make_task(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, caller: str
-) -> Task:
-    """Check that `fn` and its arguments can travel to another process, and pickle them."""
-    if not callable(fn):
-        raise TypeError(f"{caller}: `fn` must be callable, got {type(fn).__name__}.")
-    qualname = getattr(fn, "__qualname__", "")
-    if "<lambda>" in qualname or "<locals>" in qualname:
-        kind = "a lambda" if "<lambda>" in qualname else "a nested function"
-        raise TypeError(
-            f"{caller}: `fn` is {kind} ({qualname}), which other processes cannot import. "
-            "Define it at module level (def my_fn(...): ... at the top of a module)."
-        )
-    module_name = _home_module(fn)
-    module = sys.modules.get(module_name)
-    module_file = getattr(module, "__file__", None)
-    if module_name == "__main__" and module_file is None:
-        raise TypeError(
-            f"{caller}: `fn` ({qualname}) is defined in an interactive session; other "
-            "processes cannot import it. Put it in a module or script file."
-        )
-    try:
-        pickle.dumps(fn)
-    except Exception as error:
-        raise TypeError(
-            f"{caller}: `fn` ({qualname or fn!r}) cannot be sent to other processes: {error}. "
-            "Use a module-level function."
-        ) from None
-    try:
-        payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as error:
-        raise TypeError(
-            f"{caller}: the arguments for {qualname} cannot be pickled ({error}); every "
-            "argument is sent to each rank and must be picklable."
-        ) from None
-    return Task(module_name, module_file, payload)
-
-
-def join_group(setup: RankSetup) -> None:
-    """Set this rank's environment, threads and device, and initialise its process group."""
-    # Ctrl-C reaches every process in the terminal's process group; the caller handles it and
-    # stops the ranks, so the ranks themselves ignore it instead of each printing a traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(setup.env)
-    os.environ.update(
-        RANK=str(setup.rank),
-        LOCAL_RANK=str(setup.rank),
-        WORLD_SIZE=str(setup.world_size),
-        LOCAL_WORLD_SIZE=str(setup.world_size),
-        MASTER_ADDR=_LOCALHOST,
-        MASTER_PORT=str(setup.store_port),
-    )
-    # The ranks share the host's cores; more threads than that only adds contention.
-    torch.set_num_threads(max(1, _cpu_count() // setup.world_size))
-    if setup.backend == "nccl":
-        torch.cuda.set_device(setup.rank)
-    timeout = datetime.timedelta(seconds=setup.pg_timeout)
-    store = dist.TCPStore(_LOCALHOST, setup.store_port, setup.world_size, False, timeout=timeout)
-    dist.init_process_group(
-        setup.backend,
-        store=store,
-        rank=setup.rank,
-        world_size=setup.world_size,
-        timeout=timeout,
-    )
-
-
-def run_task(task: Task) -> tuple[bool, bytes]:
-    """Run `task` here; return whether it succeeded and the pickled reply for the caller.
-
-    The reply is ``("ok", result)`` or ``("error", formatted traceback)``.
-    """
-    try:
-        fn, args, kwargs = task.load()
-        result = to_host(fn(*args, **kwargs))
-        return True, pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
-    except BaseException:  # noqa: BLE001 - any failure, SystemExit included, goes to the caller
-        return False, error_reply(skip_frames=1)
-
-
-def error_reply(skip_frames: int = 0) -> bytes:
-    """The pickled reply for the exception being handled.
-
-    Args:
-        skip_frames: outermost traceback frames to leave out (this module's own, which say
-            nothing about the user's error).
-    """
-    error_type, error, trace = sys.exc_info()
-    for _ in range(skip_frames):
-        if trace is not None and trace.tb_next is not None:
-            trace = trace.tb_next
-    text = "".join(traceback.format_exception(error_type, error, trace))
-    return pickle.dumps(("error", text))
-
-
-def to_host(tree: Any) -> Any:
-    """Detach the tensors of a result and move them to the CPU so they can be pickled.
-
-    A view is copied out of its storage first: pickling a view would ship the whole storage.
-    """
-
-    def one(leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        host = leaf.detach().cpu()
-        if host.untyped_storage().nbytes() > host.numel() * host.element_size():
-            host = host.clone()
-        return host
-
-    return optree.tree_map(one, tree, none_is_leaf=True)
-
-
-def new_store(pg_timeout: float) -> dist.TCPStore:
-    """A rendezvous store served by the calling process on a free localhost port.
-
-    Serving it from the caller means the port is bound before the ranks start, so there is no
-    race for a port chosen in advance.
-    """
-    return dist.TCPStore(
-        _LOCALHOST,
-        0,
-        None,
-        True,
-        timeout=datetime.timedelta(seconds=pg_timeout),
-        wait_for_workers=False,
-    )
-
-
-def resolve_backend(backend: str | None, world_size: int) -> str:
-    """The backend to use for `world_size` local ranks; checks that NCCL has enough GPUs."""
-    _check_backend(backend)
-    gpus = _cuda_device_count()
-    if backend is None:
-        return "nccl" if gpus >= world_size else "gloo"
-    if backend == "nccl" and gpus < world_size:
-        raise ValueError(
-            f"backend='nccl' needs one GPU per rank: world_size={world_size} but this host "
-            f"has {gpus} GPU(s). Use backend='gloo' or fewer ranks."
-        )
-    return backend
-
-
-# --------------------------------------------------------------------------------------------
-# Caller-side machinery, shared with fscale.testing.pool.
-
-
-@dataclasses.dataclass
-class Replies:
-    """What came back from a set of ranks for one call."""
-
-    world_size: int
-    results: dict[int, Any] = dataclasses.field(default_factory=dict)
-    failures: dict[int, str] = dataclasses.field(default_factory=dict)
-    unfinished: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def complete(self) -> bool:
-        """Whether every rank returned a result."""
-        return len(self.results) == self.world_size
-
-    def results_or_raise(self, timeout: float) -> list[Any]:
-        """The results in rank order, or the `RankError` that explains why there are none."""
-        if self.failures:
-            raise _failure_error(self.world_size, self.failures, self.unfinished)
-        if self.unfinished:
-            finished = sorted(self.results)
-            raise RankTimeoutError(
-                f"rank(s) {self.unfinished} of {self.world_size} did not finish within "
-                f"{timeout:g} s and were killed (finished: {finished}). A rank that waits "
-                "in a collective its peers never call hangs like this.",
-                unfinished=self.unfinished,
-            )
-        return [self.results[r] for r in range(self.world_size)]
-
-
-def gather_replies(
-    connections: Sequence[multiprocessing.connection.Connection],
-    processes: Sequence[multiprocessing.process.BaseProcess],
-    deadline: float,
-) -> Replies:
-    """Wait for one reply per rank, stopping early after a failure or at `deadline`.
-
-    Rank ``r`` replies on ``connections[r]`` and runs as ``processes[r]``. A rank whose
-    process ends without replying counts as failed. Once any rank has failed, the others get
-    `_FAILURE_GRACE_S` to report before they are given up on: they may be blocked in a
-    collective with the failed rank and would otherwise wait out the process-group timeout.
-    """
-    replies = Replies(len(connections))
-    pending = set(range(len(connections)))
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        by_handle: dict[Any, int] = {}
-        for rank_id in pending:
-            by_handle[connections[rank_id]] = rank_id
-            by_handle[processes[rank_id].sentinel] = rank_id
-        for handle in multiprocessing.connection.wait(list(by_handle), timeout=remaining):
-            rank_id = by_handle[handle]
-            if rank_id in pending:
-                pending.discard(rank_id)
-                _receive(rank_id, connections[rank_id], processes[rank_id], replies)
-        if replies.failures:
-            deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
-    replies.unfinished = sorted(pending)
-    return replies
-
-
-def terminate(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
-    """Stop every process still alive: SIGTERM, then SIGKILL for any that linger."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    deadline = time.monotonic() + 2.0
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
-            process.join()
-
-
-# --------------------------------------------------------------------------------------------
 # Internals
 
 
@@ -528,101 +243,14 @@ def _launched_rank_main(
         dist.destroy_process_group()
 
 
-def _receive(
-    rank_id: int,
-    connection: multiprocessing.connection.Connection,
-    process: multiprocessing.process.BaseProcess,
-    replies: Replies,
-) -> None:
-    """Read rank `rank_id`'s reply into `replies`, or record how its process ended."""
-    try:
-        status, value = pickle.loads(connection.recv_bytes())
-    except (EOFError, OSError):
-        process.join(1.0)
-        replies.failures[rank_id] = (
-            f"the process ended (exit code {process.exitcode}) without returning a result; "
-            "its own output on stderr may say why"
-        )
-        return
-    except Exception:  # noqa: BLE001 - e.g. a result whose class the caller cannot import
-        replies.failures[rank_id] = (
-            "its result could not be unpickled in the calling process:\n"
-            + traceback.format_exc()
-        )
-        return
-    if status == "ok":
-        replies.results[rank_id] = value
-    else:
-        replies.failures[rank_id] = value
-
-
-def _failure_error(
-    world: int, failures: Mapping[int, str], unfinished: Sequence[int]
-) -> RankError:
-    # `failures` is in arrival order. The first failure is usually the cause: a rank that
-    # raises leaves its peers' collectives, so their errors ("connection closed") follow it.
-    first, *later = failures
-    summary = f"rank {first} of {world} failed"
-    if later:
-        summary += f"; then rank(s) {sorted(later)} failed too"
-    if unfinished:
-        summary += f"; rank(s) {list(unfinished)} were still running and were terminated"
-    sections = [f"{summary}."]
-    for rank_id in failures:
-        sections.append(f"--- rank {rank_id} ---\n{failures[rank_id].rstrip()}")
-    return RankError("\n\n".join(sections), failures, unfinished)
-
-
 def _join(processes: Sequence[multiprocessing.process.BaseProcess], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
 
 
-def _home_module(fn: Callable[..., Any]) -> str:
-    """The module a rank must import to unpickle `fn` (its own, or the one it wraps)."""
-    if isinstance(fn, functools.partial):
-        return _home_module(fn.func)
-    module = getattr(fn, "__module__", None) or type(fn).__module__
-    return module
-
-
-def _ensure_importable(module_name: str, module_file: str | None) -> None:
-    """Import `module_name`, from `module_file` when it cannot be imported by name."""
-    if module_name in sys.modules:
-        return
-    try:
-        importlib.import_module(module_name)
-        return
-    except ImportError:
-        if module_file is None:
-            raise
-    spec = importlib.util.spec_from_file_location(module_name, module_file)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load module {module_name!r} from {module_file!r}")
-    module = importlib.util.module_from_spec(spec)
-    # Registered before running it, as a normal import does, so pickles that name the module
-    # (the function, classes of its arguments) resolve to this copy.
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-
-
 def _group_is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _cuda_device_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _cpu_count() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _env_int(name: str, default: int) -> int:
@@ -635,27 +263,6 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(
             f"init: environment variable {name}={text!r} is not an integer."
         ) from None
-
-
-def _check_backend(backend: str | None) -> None:
-    if backend is not None and backend not in _BACKENDS:
-        raise ValueError(f"`backend` must be one of {_BACKENDS} or None, got {backend!r}.")
-
-
-def check_world_size(size: Any, caller: str) -> None:
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"{caller}: `world_size` must be an integer >= 1, got {size!r}.")
-
-
-def check_seconds(name: str, value: Any, caller: str) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0 < value < float("inf")
-    ):
-        raise ValueError(
-            f"{caller}: `{name}` must be a positive number of seconds, got {value!r}."
-        )
 
 
 def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:

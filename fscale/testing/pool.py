@@ -6,9 +6,12 @@ on a small CPU host), which would dominate a suite of many small multi-rank test
 per call on every rank, so a call costs milliseconds. The ranks are forked from a server
 process that has imported torch once, so even a restart costs a fraction of a second.
 
-Each call is isolated as far as a shared process allows: the seeds of ``random``, ``torch``
-and (if imported) ``numpy`` are reset to 1234 on every rank before the function runs, and a
-call never sees a pool that something went wrong in. A failure on only some ranks wedges a
+Each call is isolated as far as a shared process allows: before the function runs, every rank
+resets the seeds of ``random``, ``torch`` and (if imported) ``numpy`` to 1234 and fscale's own
+process-wide state to its start-up values (no current mesh, no open comm ledger, the debug
+check as ``FSCALE_DEBUG`` says), so a function that leaves a ``with mesh:`` or ``set_debug``
+behind does not change the next one; and a call never sees a pool that something went wrong
+in. A failure on only some ranks wedges a
 gloo group (the others sit in a collective until the process-group timeout), so after ANY
 failure or timeout the pool is torn down at once and a fresh one is spawned lazily on the
 next call.
@@ -73,8 +76,7 @@ from typing import Any
 
 import torch
 
-from fscale.dist.spawn import (
-    DEFAULT_PG_TIMEOUT,
+from fscale.dist._ranks import (
     RankError,
     RankSetup,
     Task,
@@ -88,6 +90,7 @@ from fscale.dist.spawn import (
     run_task,
     terminate,
 )
+from fscale.dist.spawn import DEFAULT_PG_TIMEOUT
 
 __all__ = ["RankPool", "run_spmd"]
 
@@ -359,12 +362,19 @@ def _pool_rank_main(setup: RankSetup, connection: multiprocessing.connection.Con
         except (EOFError, OSError):
             return  # the pool's process is gone: nobody is left to serve
         task: Task = pickle.loads(message)
-        _reset_seeds()
+        _reset_rank_state()
         _, reply = run_task(task)
         connection.send_bytes(reply)
 
 
-def _reset_seeds() -> None:
+def _reset_rank_state() -> None:
+    # Imported here: the fork server preloads this module, and fscale.dist pulls in more
+    # than a rank that never runs a task needs.
+    from fscale.dist import collectives, ledger, mesh
+
+    mesh._CURRENT.clear()
+    ledger._ACTIVE.clear()
+    collectives.set_debug(collectives._debug_from_env())
     random.seed(SEED)
     torch.manual_seed(SEED)
     numpy = sys.modules.get("numpy")
