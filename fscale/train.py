@@ -8,10 +8,10 @@ and ``print(step)`` shows the plan.
 
 The loss convention: ``loss_fn(params, buffers, batch, key)`` returns the mean loss over the
 local batch, or ``(loss, new_buffers)``, or ``(loss, new_buffers, extra_metrics)``. Gradients
-are taken with ``torch.autograd.grad`` over detached copies-free leaves of the parameter pytree
-(measured: as fast as eager ``loss.backward()`` and the least memory); ``grad_mode="func"`` takes
-them with ``torch.func.grad_and_value`` instead, for users who need higher-order gradients of
-the step (it builds a second-order graph: about 2x the peak memory of the default path).
+are taken with ``torch.autograd.grad`` with respect to detached aliases (no copies) of the
+parameter leaves (measured: as fast as eager ``loss.backward()`` and the least memory);
+``grad_mode="func"`` takes them with ``torch.func.grad`` instead, for users who need
+higher-order gradients of the step (it builds a second-order graph: about 2x the peak memory of the default path).
 
 Metrics: ``loss`` (the mean loss), the loss_fn's extra metrics, and ``grad_bytes``: the bytes of
 gradient storage this rank held for the update (exact, see `fscale.memory.tree_bytes`).
@@ -102,7 +102,7 @@ def value_and_grad(
         params: the pytree to differentiate w.r.t.; it is not modified.
         buffers, batch, key: passed through to `loss_fn`.
         grad_mode: ``"autograd"`` (default, first-order, least memory) or ``"func"``
-            (``torch.func.grad_and_value``; composes with outer torch.func transforms).
+            (``torch.func.grad``; composes with outer torch.func transforms).
         prepare: a differentiable map applied to the live parameters before `loss_fn` sees
             them (strategies insert collectives here, e.g. an all-gather of shards).
         grad_hooks: one hook per leaf of `params` (``None`` entries allowed), registered on the
@@ -193,7 +193,9 @@ class Step:
         grad_mode: ``"autograd"`` or ``"func"`` (see `value_and_grad`).
         donate: when True the step may update the incoming state's parameter and optimizer
             buffers in place (as JAX's buffer donation): faster, but the caller must not use the
-            old state again. Default False: the input state is never mutated.
+            old state again. That includes the params given to `init`, which the first step
+            updates in place (after `fscale.functionalize` they share memory with the module).
+            Default False: the input state is never mutated.
     """
 
     loss_fn: LossFn

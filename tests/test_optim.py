@@ -211,6 +211,9 @@ def test_layout_must_match_params():
     bad = optim.Layout({"w": tree.Fragment(torch.Size([8]), 0, 3)}, lambda t: t)
     with pytest.raises(ValueError, match="fragment"):
         optim.step(opt, params, opt.init(params), params, layout=bad)
+    as_tuple = optim.Layout({"w": tree.Fragment((2, 4), 2, 6)}, lambda t: t)
+    new, _ = optim.step(opt, params, opt.init(params, layout=as_tuple), params, layout=as_tuple)
+    assert new["w"].shape == (4,)
     wrong_tree = optim.Layout([tree.Fragment(torch.Size([4]), 0, 4)], lambda t: t)
     with pytest.raises(ValueError, match="structure"):
         optim.step(opt, params, opt.init(params), params, layout=wrong_tree)
@@ -235,6 +238,25 @@ def test_clip_by_global_norm():
     _close(clipped, tree.map(lambda g: g / (norm + 1e-6), grads))
     unchanged, _ = optim.clip_by_global_norm(1e3).update(grads, optim.EmptyState())
     tree.map(lambda a, b: torch.equal(a, b) or pytest.fail("changed"), unchanged, grads)
+
+
+def test_float64_norms_are_computed_in_float64():
+    """Clipping, LAMB and Adafactor must not round a float64 run's statistics to float32."""
+    grads = tree.map(lambda g: g.double() * 3, GRADS[0])
+    clipped, _ = optim.clip_by_global_norm(1.0).update(grads, optim.EmptyState())
+    reference = [torch.nn.Parameter(torch.zeros_like(g)) for g in tree.leaves(grads)]
+    for p, g in zip(reference, tree.leaves(grads)):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(reference, 1.0)
+    for ours, p in zip(tree.leaves(clipped), reference):
+        torch.testing.assert_close(ours, p.grad, rtol=1e-14, atol=0)
+    params = tree.map(torch.Tensor.double, PARAMS)
+    grads_seq = [tree.map(torch.Tensor.double, g) for g in GRADS]
+    ours, _ = _train(optim.lamb(0.05, weight_decay=0.01), params, grads_seq)
+    _close(ours, _lamb_reference(params, grads_seq, 0.05, 0.9, 0.999, 1e-6, 0.01),
+           rtol=1e-13, atol=1e-15)
+    ours, _ = _train(optim.adafactor(beta1=0.9), params, grads_seq)
+    _close(ours, _adafactor_reference(params, grads_seq, beta1=0.9), rtol=1e-13, atol=1e-15)
 
 
 def test_step_without_apply_uses_update():
@@ -269,12 +291,24 @@ def test_partition_equals_torch_param_groups():
         assert torch.equal(a, b.detach())
 
 
+def test_partition_with_a_frozen_group_keeps_the_other_group_exact():
+    """A gradient-transform group (scale(0) freezes) must not cost the others bit-exactness."""
+    labels = tree.map(lambda p: "a" if p.dim() >= 2 else "b", PARAMS)
+    opt = optim.partition(labels, {"a": optim.sgd(0.1, momentum=0.9), "b": optim.scale(0.0)})
+    ours, _ = _train(opt)
+    alone, _ = _train(optim.sgd(0.1, momentum=0.9))
+    for path, a, b, frozen in zip(tree.paths(ours), tree.leaves(ours), tree.leaves(alone),
+                                  tree.leaves(PARAMS)):
+        expected = frozen if a.dim() < 2 else b
+        assert torch.equal(a, expected), f"{path} differs"
+
+
 def test_partition_labels_tree_and_errors():
     labels = tree.map(lambda p: "a" if p.dim() >= 2 else "b", PARAMS)
     opt = optim.partition(labels, {"a": optim.sgd(0.1), "b": optim.scale(0.0)})
-    assert opt.apply is None
     new, _ = _train(opt)
     assert torch.equal(new["scale"], PARAMS["scale"])
+    assert optim.partition(labels, {"a": optim.scale(2.0), "b": optim.scale(0.0)}).apply is None
     with pytest.raises(ValueError, match="label 'c'"):
         optim.partition(lambda path, leaf: "c", {"a": optim.sgd(0.1)}).init(PARAMS)
     with pytest.raises(ValueError, match="structure"):
@@ -346,6 +380,25 @@ def test_pure_unless_donated(name):
     assert _equal(donated, (new_params, new_state))
     again = optim.step(opt, GRADS[1], state, params)
     assert _equal(again, (new_params, new_state))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_params_that_require_grad_give_plain_results(name):
+    """nn.Parameters (or live leaves, or views of one such buffer) are read as values."""
+    opt = OPTIMIZERS[name]()
+    expected = optim.step(opt, GRADS[0], opt.init(PARAMS), PARAMS)
+    separate = tree.map(lambda p: torch.nn.Parameter(p.clone()), PARAMS)
+    flat = torch.cat([p.reshape(-1) for p in tree.leaves(PARAMS)]).requires_grad_()
+    views = tree.unflatten(tree.structure(PARAMS), [  # consecutive: copied as one span
+        v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in tree.leaves(PARAMS)]),
+                                        tree.leaves(PARAMS))])
+    for params in (separate, views):
+        result = optim.step(opt, GRADS[0], opt.init(params), params)
+        assert _equal(result, expected)
+        assert not any(t.requires_grad for t in tree.leaves(result))
+        updates, _ = opt.update(GRADS[0], opt.init(params), params)
+        assert not any(t.requires_grad for t in tree.leaves(updates))
+    assert _equal(separate, PARAMS)
 
 
 def test_outputs_are_views_of_flat_buffers_and_donation_is_in_place():

@@ -196,11 +196,14 @@ def packed_copy(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
+@torch.no_grad()
 def writable(leaves: Sequence[torch.Tensor], donate: bool) -> list[torch.Tensor]:
     """Tensors with the values of `leaves` that the step may update in place.
 
     With `donate`, the caller gave its tensors up, so they are used as they are (a non-contiguous
     leaf is replaced by a contiguous copy, which kernels need); otherwise they are copied.
+    Copies are made without autograd: an optimizer step is not differentiated, and leaves that
+    require grad (``nn.Parameter``, ``dict(model.named_parameters())``) must give plain values.
     """
     return _contiguous(leaves) if donate else packed_copy(leaves)
 
@@ -299,9 +302,20 @@ def derive_update(
         grads: PyTree, state: Any, params: PyTree = None, *, layout: Any = None
     ) -> tuple[PyTree, Any]:
         new_params, new_state = apply(grads, state, params, layout=layout, donate=False)
-        return tree.map(torch.sub, new_params, params), new_state
+        with torch.no_grad():
+            return tree.map(torch.sub, new_params, params), new_state
 
     return update
+
+
+def sum_of_squares(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``sum(t**2)`` as a 0-d tensor on `device`, in float32 or wider.
+
+    Low-precision leaves are upcast so that norms do not overflow or lose bits; float64 leaves
+    stay float64 (a float32 sum would round a float64 run's norms).
+    """
+    flat = t.reshape(-1).to(torch.promote_types(t.dtype, torch.float32))
+    return torch.dot(flat, flat).to(device)
 
 
 def bias_correction(beta: float, step: int) -> float:

@@ -205,7 +205,8 @@ class _Leaf:
         self, param: torch.Tensor, grad: torch.Tensor, frag: Fragment, factored: bool
     ) -> None:
         self.param = param
-        self.grad = grad.reshape(-1).float()
+        # float32 or wider: statistics of low-precision grads are kept in float32
+        self.grad = grad.reshape(-1).to(torch.promote_types(grad.dtype, torch.float32))
         self.frag = frag
         self.factored = factored
         if factored:
@@ -229,11 +230,12 @@ class _Leaf:
         return row, col
 
     def scaled_grad(self, row: torch.Tensor, col: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``u = g / sqrt(v_hat)`` over this fragment, flat, float32."""
+        """``u = g / sqrt(v_hat)`` over this fragment, flat, in the dtype of `self.grad`."""
+        dtype = self.grad.dtype
         if not self.factored:
-            return self.grad / v.reshape(-1).float().sqrt()
-        row = row.reshape(self.matrices, self.rows).float()
-        col = col.reshape(self.matrices, self.cols).float()
+            return self.grad / v.reshape(-1).to(dtype).sqrt()
+        row = row.reshape(self.matrices, self.rows).to(dtype)
+        col = col.reshape(self.matrices, self.cols).to(dtype)
         row_total = row.sum(-1)
         if self.frag.is_whole:
             v_hat = row[:, :, None] * col[:, None, :] / row_total[:, None, None]
@@ -268,9 +270,7 @@ def _second_moments(
             for part in leaf.partial_sums(eps1):
                 pieces.append(part.to(device))
                 sizes.append(part.numel())
-    param_squares = torch.stack(
-        [torch.dot(p, p).to(device) for p in (leaf.param.reshape(-1).float() for leaf in leaves)]
-    )
+    param_squares = torch.stack([_core.sum_of_squares(leaf.param, device) for leaf in leaves])
     totals = all_reduce(torch.cat([*pieces, param_squares]))
     sums = iter(totals[: sum(sizes)].split(sizes))
     for leaf, row, col, v in zip(leaves, rows, cols, vs):

@@ -99,13 +99,18 @@ def resolve_layout(
             f"{name}: `layout.fragments` has structure {fragments_def} but the params have "
             f"structure {treedef}; give one fscale.tree.Fragment per parameter leaf"
         )
+    # A shape given as a tuple is accepted: everything downstream calls `shape.numel()`.
+    fragments = [
+        f if isinstance(f.shape, torch.Size) else f._replace(shape=torch.Size(f.shape))
+        for f in fragments
+    ]
     for i, (frag, leaf) in enumerate(zip(fragments, leaves)):
         if leaf.numel() != frag.numel or not 0 <= frag.start <= frag.stop <= frag.shape.numel():
             raise ValueError(
                 f"{name}: leaf {i} has {leaf.numel()} elements but its fragment is {frag}; "
                 "a leaf must hold exactly elements [start, stop) of a tensor of `shape`"
             )
-    return list(fragments), layout.all_reduce
+    return fragments, layout.all_reduce
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ def lamb(
                 # One collective for all tensors: [||p_i||^2 ..., ||r_i||^2 ...] over fragments.
                 device = params_[0].device
                 partial = torch.stack(
-                    [_sum_of_squares(t, device) for t in (*params_, *direction)]
+                    [_core.sum_of_squares(t, device) for t in (*params_, *direction)]
                 )
                 totals = all_reduce(partial)
                 param_norm, direction_norm = totals.sqrt().split(len(params_))
@@ -152,8 +152,3 @@ def _direction(
     if weight_decay:
         torch._foreach_add_(direction, params, alpha=weight_decay)
     return direction
-
-
-def _sum_of_squares(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    t = t.float()
-    return torch.dot(t.reshape(-1), t.reshape(-1)).to(device)

@@ -10,6 +10,7 @@ import torch
 
 from fscale import tree
 from fscale.optim.base import Layout, Optimizer, _is_fragment, resolve_layout
+from fscale.optim.base import step as optimizer_step
 
 __all__ = ["PartitionState", "partition"]
 
@@ -39,8 +40,10 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
         optimizers: the optimizer of each label.
 
     Returns:
-        An `Optimizer` whose state is a `PartitionState`. Its `apply` exists when every group's
-        optimizer has one; it is pointwise when all of them are.
+        An `Optimizer` whose state is a `PartitionState`, pointwise when every group's
+        optimizer is. Its `apply` exists when some group's optimizer has one: it runs each group
+        through `fscale.optim.step`, so a group with an exact `apply` stays bit-exact next to a
+        group of gradient transforms (``scale(0.0)`` to freeze parameters).
 
     Raises:
         ValueError: if a leaf's label has no optimizer, or `labels` has another structure than
@@ -117,12 +120,13 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
         )
 
     def run(
-        method: str,
+        group_fn: Callable[..., tuple[list[Any], Any]],
         grads: PyTree,
         state: PartitionState,
         params: PyTree,
         **kwargs: Any,
     ) -> tuple[PyTree, PartitionState]:
+        """`group_fn(optimizer, grads, state, params, layout=..., **kwargs)` on every group."""
         check(state)
         if params is None:
             raise ValueError("partition: `params` is required (labels are assigned from them)")
@@ -138,8 +142,8 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
         new_inner = {}
         for label in names:
             idx = indices[label]
-            fn = getattr(optimizers[label], method)
-            result, new_inner[label] = fn(
+            result, new_inner[label] = group_fn(
+                optimizers[label],
                 pick(grad_leaves, idx),
                 state.inner[label],
                 pick(leaves, idx),
@@ -153,7 +157,7 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
     def update(
         grads: PyTree, state: PartitionState, params: PyTree = None, *, layout: Layout | None = None
     ) -> tuple[PyTree, PartitionState]:
-        return run("update", grads, state, params, layout=layout)
+        return run(_group_update, grads, state, params, layout=layout)
 
     def apply(
         grads: PyTree,
@@ -163,12 +167,20 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
         layout: Layout | None = None,
         donate: bool = False,
     ) -> tuple[PyTree, PartitionState]:
-        return run("apply", grads, state, params, layout=layout, donate=donate)
+        return run(optimizer_step, grads, state, params, layout=layout, donate=donate)
 
-    exact = all(opt.apply is not None for opt in optimizers.values())
+    # With no group producing params, the partition is a gradient transform (apply=None), so
+    # chain() and step() treat it as one.
+    produces_params = any(opt.apply is not None for opt in optimizers.values())
     return Optimizer(
         init=init,
         update=update,
-        apply=apply if exact else None,
+        apply=apply if produces_params else None,
         pointwise=all(opt.pointwise for opt in optimizers.values()),
     )
+
+
+def _group_update(
+    optimizer: Optimizer, grads: Any, state: Any, params: Any, **kwargs: Any
+) -> tuple[Any, Any]:
+    return optimizer.update(grads, state, params, **kwargs)
