@@ -384,12 +384,17 @@ def offload_optimizer(
                     f"{name}: params leaf {path!r} is {found}; the optimizer updates "
                     "floating-point tensors only"
                 )
-        # Always a copy: the master must not alias the caller's params.
+        # Always a copy: the master must not alias the caller's params. Meta params (a state's
+        # shapes computed without memory, as `fscale.consolidate` does) get a meta master.
         with torch.no_grad():
             master = [
-                leaf.detach().to(host, _master_dtype(leaf.dtype), copy=True) for leaf in leaves
+                leaf.detach().to(
+                    leaf.device if leaf.is_meta else host, _master_dtype(leaf.dtype), copy=True
+                )
+                for leaf in leaves
             ]
-        master = _pinned_packed_copy(master) if pin else master
+        if pin and not any(t.is_meta for t in master):
+            master = _pinned_packed_copy(master)
         master_tree = tree.unflatten(treedef, master)
         return OffloadState(optimizer.init(master_tree, layout=layout), master_tree)
 

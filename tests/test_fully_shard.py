@@ -639,6 +639,22 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="made by fscale.parallel.fully_shard"):
         consolidate_fully_sharded(step, state)
     assert "fully_shard(axis='dp' of size 1" in repr(sharded)
+    with pytest.raises(TypeError, match=r"`params\['w'\]` must be a tensor, got float"):
+        shard_state(sharded, state._replace(params={"w": 1.0}))
+
+
+def test_a_refused_shard_state_leaves_the_step_usable():
+    step = fully_shard(
+        fs.train_step(lambda p, b, x, k: (p["w"] * x).sum(), fs.optim.sgd(0.1)), fs.Mesh(dp=1)
+    )
+    state = step.init({"w": torch.ones(3)})
+    other = fs.TrainState(
+        {"v": torch.ones(5)}, {}, (), torch.zeros((), dtype=torch.int64), fs.random.key(0)
+    )
+    with pytest.raises(ValueError, match="full_state.opt_state"):
+        shard_state(step, other)
+    state, _ = step(state, torch.ones(3))  # still the model it was initialised with
+    assert_trees_equal(consolidate(step, state).params, {"w": torch.full((3,), 0.9)})
 
 
 def _func_mode_equals_autograd_mode(reshard_after_forward):
@@ -717,3 +733,28 @@ def test_offloaded_optimizer_runs_on_each_ranks_own_shard_exactly():
         assert_trees_equal(offloaded, plain)
         # The host keeps the shard's fp32 master beside the state: 4 more bytes per element.
         assert offloaded_bytes > plain_bytes
+
+
+def _offloaded_round_trip():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = fst.ModelCase("gpt", width=8, depth=2)
+    apply, params, buffers = fs.functionalize(case.module())
+    opt = fs.offload_optimizer(fs.optim.adam(1e-2))
+    step = fs.fully_shard(fs.train_step(case.loss_fn(apply), opt), fs.Mesh(dp=world))
+    state = step.init(params, buffers)
+    for i in range(2):
+        state, _ = step(state, _local(case, i, rank, world))
+    full = consolidate(step, state)
+    again = shard_state(step, full)
+    return full, state, again, opt.init(full.params)
+
+
+def test_consolidate_and_reshard_an_offloaded_optimizer():
+    for full, state, again, fresh in run_spmd(_offloaded_round_trip, 2):
+        assert isinstance(full.opt_state, fs.offload.OffloadState)
+        # The full state is what the offloaded optimizer makes on the full params, and the
+        # full master is exactly the consolidated params (the master of an fp32 model).
+        assert fs.tree.structure(full.opt_state) == fs.tree.structure(fresh)
+        assert_trees_equal(full.opt_state.master, full.params)
+        assert_trees_equal(again.params, state.params)
+        assert_trees_equal(again.opt_state, state.opt_state)

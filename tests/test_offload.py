@@ -489,3 +489,15 @@ def test_cuda_offloaded_stages_equal_plain_and_grads_land_on_host(prefetch):
     log = run.residency_log
     assert max(len(e.resident) for e in log) <= prefetch + 1
     torch.cuda.synchronize()
+
+
+def test_init_on_meta_params_gives_the_state_shapes_without_memory():
+    # What fscale.consolidate / shard_state do to learn a state's structure and shapes.
+    meta = {"w": torch.empty(2, 3, dtype=torch.bfloat16, device="meta")}
+    state = offload_optimizer(optim.adam(1e-2)).init(meta)
+    real = offload_optimizer(optim.adam(1e-2)).init({"w": torch.zeros(2, 3, dtype=torch.bfloat16)})
+    assert tree.structure(state) == tree.structure(real)
+    assert all(t.is_meta for t in tree.leaves(state) if t.numel() > 1)
+    assert [(t.shape, t.dtype) for t in tree.leaves(state)] == [
+        (t.shape, t.dtype) for t in tree.leaves(real)
+    ]

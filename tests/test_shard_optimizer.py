@@ -595,3 +595,27 @@ def test_bad_arguments():
         consolidate(step, {"w": torch.ones(1)})
     sharded = shard_optimizer(step, fs.Mesh(dp=1), shard_grads=False, bucket_mb=1)
     assert "shard_optimizer(axis='dp' of size 1, ZeRO-1" in repr(sharded)
+
+
+def _init_calls(steps):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = fst.ModelCase("mlp", width=4)
+    apply, params, buffers = fs.functionalize(case.module())
+    adam = fs.optim.adam(0.1)
+    calls = []
+
+    def counted_init(params, *, layout=None):
+        calls.append(1)
+        return adam.init(params, layout=layout)
+
+    opt = adam._replace(init=counted_init)
+    step = shard_optimizer(fs.train_step(case.loss_fn(apply), opt), fs.Mesh(dp=world))
+    state = step.init(params, buffers)
+    for i in range(steps):
+        state, _ = step(state, _local(case, i, rank, world))
+    return len(calls)
+
+
+def test_the_state_check_runs_the_optimizers_init_once_not_every_step():
+    # One init for the state, one (on meta tensors) for the spec the state is checked against.
+    assert run_spmd(_init_calls, 2, 4) == [2, 2]

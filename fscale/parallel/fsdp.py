@@ -160,6 +160,11 @@ class FullyShardPlan:
                 "fully_shard: `params` must be a flat dict name -> tensor (the params returned "
                 f"by fscale.functionalize), got {type(params).__name__}"
             )
+        for name, value in params.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"fully_shard: `params[{name!r}]` must be a tensor, got {type(value).__name__}"
+                )
         units = assign_units(list(params), self.units, "fully_shard")
         return ShardLayout.build(params, units, self.num_shards, "fully_shard")
 

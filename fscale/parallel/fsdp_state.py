@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fscale import optim as optim_lib
+from fscale import tree
 from fscale.dist import collectives
 from fscale.parallel.opt_state import StateMap, check_state, state_spec
 from fscale.parallel.units import ShardLayout
@@ -52,7 +53,10 @@ def consolidate_fully_sharded(step: Step, state: TrainState) -> TrainState:
     layout = plan.layout
     mesh, axis = plan.mesh, plan.axis
     rank = mesh.rank(axis)
-    state_map = _state_map(step.optimizer, layout)
+    devices = {
+        name: shards[unit.name].device for unit in layout.units for name in unit.names
+    }
+    state_map = _state_map(step.optimizer, layout, devices)
     check_state(
         "consolidate", "state.opt_state", state.opt_state, state_map.ranks[rank],
         f"it is not rank {rank}'s optimizer state of this step",
@@ -96,23 +100,35 @@ def shard_fully_sharded(step: Step, full_state: TrainState) -> TrainState:
             f"shard_state: `full_state` must be a TrainState, got {type(full_state).__name__}"
         )
     layout = plan.layout_for(full_state.params)
-    plan.record_layout(layout)
     rank = plan.mesh.rank(plan.axis)
-    shards = layout.shard(full_state.params, rank)
-    state_map = _state_map(step.optimizer, layout)
+    devices = {name: tensor.device for name, tensor in full_state.params.items()}
+    state_map = _state_map(step.optimizer, layout, devices)
     check_state(
         "shard_state", "full_state.opt_state", full_state.opt_state, state_map.full,
         "pass the full state of this step's optimizer on these params",
     )
     opt_state = state_map.shard(full_state.opt_state, rank)
+    shards = layout.shard(full_state.params, rank)
+    # Only a state that passed every check replaces the model the step knows.
+    plan.record_layout(layout)
     return TrainState(shards, full_state.buffers, opt_state, full_state.step, full_state.key)
 
 
-def _state_map(optimizer: optim_lib.Optimizer, layout: ShardLayout) -> StateMap:
-    """The optimizer's state on the full parameters and on every rank's fragments."""
-    full = state_spec(optimizer, layout.meta_params())
+def _state_map(
+    optimizer: optim_lib.Optimizer, layout: ShardLayout, devices: dict[str, torch.device]
+) -> StateMap:
+    """The optimizer's state on the full parameters and on every rank's fragments.
+
+    `devices` (``{name: device of the real tensor}``) lets an optimizer whose init needs real
+    values (`fscale.offload_optimizer` copies them to the host) be initialised there instead.
+    """
+    # In the leaf order of the params dict (optree sorts its keys), as state_spec flattens it.
+    leaf_devices = tree.leaves({name: devices[name] for name in layout.param_order})
+    full = state_spec(optimizer, layout.meta_params(), devices=leaf_devices)
     ranks = [
-        state_spec(optimizer, layout.meta_fragments(rank), layout.fragments(rank))
+        state_spec(
+            optimizer, layout.meta_fragments(rank), layout.fragments(rank), devices=leaf_devices
+        )
         for rank in range(layout.num_shards)
     ]
     return StateMap(full, ranks)

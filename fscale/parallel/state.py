@@ -52,7 +52,8 @@ def shard_state(step: Step, full_state: TrainState) -> TrainState:
 
     Works at any world size: the full state may come from `consolidate` over any number of
     ranks, or from a single-process `train_step`. Every rank passes the same full state and
-    keeps its own slices (no communication besides a check that the ranks' trees agree). For a
+    keeps its own slices (no communication, besides a check under `shard_optimizer` that the
+    ranks' trees agree). For a
     step whose state is full (`train_step`, `data_parallel`), returns `full_state`.
 
     Args:

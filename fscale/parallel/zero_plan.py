@@ -38,6 +38,9 @@ PyTree = Any
 # Reductions (and all-gathers) allowed in flight before the oldest is waited for.
 _MAX_IN_FLIGHT = 2
 
+# Optimizer state specs a plan keeps (one per model and optimizer it has run).
+_MAX_CACHED_SPECS = 8
+
 
 class ShardedOptState(NamedTuple):
     """The optimizer state of a `shard_optimizer` step on one rank.
@@ -118,6 +121,11 @@ class ShardedOptimizerPlan:
     axis: str
     bucket_bytes: int
     shard_grads: bool
+    # The optimizer state's expected spec on this rank, kept so that checking a state every step
+    # does not run the optimizer's init each time: ``{(layout, treedef): (optimizer, spec)}``.
+    # The layout and optimizer are held, not their ids, so a cached entry cannot be mistaken
+    # for a new object at a reused address.
+    _rank_specs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -342,10 +350,21 @@ class ShardedOptimizerPlan:
                 "fscale.shard_state(step, fscale.consolidate(old_step, state)), where old_step "
                 "is the step that made it"
             )
-        expected = self._state_spec(step, layout, treedef, self._rank)
+        expected = self._rank_spec(step, layout, treedef)
         check_state("shard_optimizer", "state.opt_state.shard", opt_state.shard, expected,
                     "it does not come from this step's init on these params")
         return opt_state
+
+    def _rank_spec(self, step: Step, layout: BucketLayout, treedef: Any) -> StateSpec:
+        """`_state_spec` for this rank, computed once per optimizer, layout and tree."""
+        cached = self._rank_specs.get((layout, treedef))
+        if cached is not None and cached[0] is step.optimizer:
+            return cached[1]
+        spec = self._state_spec(step, layout, treedef, self._rank)
+        if len(self._rank_specs) >= _MAX_CACHED_SPECS:
+            self._rank_specs.clear()
+        self._rank_specs[(layout, treedef)] = (step.optimizer, spec)
+        return spec
 
     # ---- state in and out ---------------------------------------------------------------
 
