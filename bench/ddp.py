@@ -196,7 +196,6 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
 
     times = _util.interleave(variants, rounds=steps, warmup=warmup, before_each=dist.barrier)
     peak_rss = _util.peak_rss_bytes()
-    # fscale's own object gather: torch's all_gather_object needs numpy.
     all_times = all_gather_objects(times, mesh, "dp")
     last = warmup + steps - 1
     final_loss = {name: v.global_loss(last) for name, v in variants.items()}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import pickle
 from typing import Any
 
 import torch
@@ -77,29 +76,16 @@ def check_same_on_all_ranks(mesh: Mesh, axis: str, lines: list[str], what: str, 
 
 
 def all_gather_objects(value: Any, mesh: Mesh, axis: str) -> list[Any]:
-    """Every rank's picklable `value`, in axis order (for metadata, not for tensors in a step).
+    """Every rank's picklable `value`, in axis order (set-up metadata, not a step's tensors).
 
-    torch's ``all_gather_object`` needs numpy, which fscale does not require; this moves the
-    pickled bytes as a uint8 tensor instead: one all-gather of the lengths, one of the padded
-    payloads. Not recorded in the comm ledger: it is set-up traffic, not a training step's.
+    Not recorded in the comm ledger: it is set-up traffic, not a training step's.
     """
     group = mesh.group(axis)
     if group is None:
         return [value]
-    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-    payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
-    size = mesh.size(axis)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-    dist.all_gather(lengths, torch.tensor([payload.numel()], device=device), group=group)
-    longest = max(int(n.item()) for n in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: payload.numel()] = payload
-    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(size)]
-    dist.all_gather(gathered, padded, group=group)
-    return [
-        pickle.loads(bytes(chunk[: int(n.item())].cpu().tolist()))
-        for chunk, n in zip(gathered, lengths)
-    ]
+    gathered: list[Any] = [None] * mesh.size(axis)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
 
 
 def _first_difference(a: list[str], b: list[str]) -> str:
