@@ -23,14 +23,15 @@ def tree_bytes(values: Any) -> int:
     A leaf that views part of a larger storage counts the whole storage once (that memory is
     held as long as the view lives).
     """
-    seen: dict[tuple[str, int], int] = {}
+    seen: dict[tuple[torch.device, int], int] = {}
     for leaf in tree.leaves(values):
         if not isinstance(leaf, torch.Tensor):
             continue
         storage = leaf.untyped_storage()
-        ident = (str(leaf.device), storage.data_ptr())
-        if storage.data_ptr() == 0:  # zero-size storage
+        pointer = storage.data_ptr()
+        if pointer == 0:  # zero-size storage
             continue
+        ident = (leaf.device, pointer)
         seen[ident] = max(seen.get(ident, 0), storage.nbytes())
     return sum(seen.values())
 

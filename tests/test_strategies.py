@@ -46,3 +46,12 @@ def test_frozen_parameters_and_errors():
         fst.ModelCase("rnn").module()
     with pytest.raises(ValueError, match="no counterpart"):
         fst.OptimizerCase("lamb").torch([])
+
+
+def test_unknown_names_are_refused_when_the_strategy_is_built():
+    with pytest.raises(ValueError, match="unknown \\['lion'\\]"):
+        fst.optimizer_cases(names=("sgd", "lion"))
+    with pytest.raises(ValueError, match="unknown \\['rnn'\\]"):
+        fst.model_cases(kinds=("rnn",))
+    with pytest.raises(ValueError, match="empty"):
+        fst.model_cases(kinds=())

@@ -46,6 +46,7 @@ _TORCH_IMPL: dict[str, tuple[str, dict[str, Any]]] = {
     "adamax": ("Adamax", {"foreach": False}),
 }
 POINTWISE_OPTIMIZERS = tuple(_TORCH_IMPL)
+_KINDS = ("mlp", "gpt", "cnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +182,12 @@ def _options(name: str) -> st.SearchStrategy[dict[str, Any]]:
 
 def optimizer_cases(names: Sequence[str] = POINTWISE_OPTIMIZERS) -> st.SearchStrategy[OptimizerCase]:
     """Optimizers among `names` with random hyper-parameters."""
+    unknown = sorted(set(names) - set(POINTWISE_OPTIMIZERS))
+    if unknown or not names:
+        raise ValueError(
+            f"optimizer_cases: `names` must be a non-empty subset of {POINTWISE_OPTIMIZERS}, "
+            f"got unknown {unknown}" if unknown else "optimizer_cases: `names` is empty"
+        )
     return st.sampled_from(list(names)).flatmap(
         lambda name: _options(name).map(
             lambda opts: OptimizerCase(name, tuple(sorted(opts.items())))
@@ -188,8 +195,14 @@ def optimizer_cases(names: Sequence[str] = POINTWISE_OPTIMIZERS) -> st.SearchStr
     )
 
 
-def model_cases(kinds: Sequence[str] = ("mlp", "gpt", "cnn")) -> st.SearchStrategy[ModelCase]:
+def model_cases(kinds: Sequence[str] = _KINDS) -> st.SearchStrategy[ModelCase]:
     """Small models of the given kinds with random width, depth and seed."""
+    unknown = sorted(set(kinds) - set(_KINDS))
+    if unknown or not kinds:
+        raise ValueError(
+            f"model_cases: `kinds` must be a non-empty subset of {_KINDS}, got unknown {unknown}"
+            if unknown else "model_cases: `kinds` is empty"
+        )
     return st.builds(
         ModelCase,
         kind=st.sampled_from(list(kinds)),
