@@ -28,7 +28,6 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from fscale import random as fsrandom
+from fscale import slots as slots_lib
 from fscale import tree
 
 __all__ = ["FunctionalModule", "ParamUnit", "UnitCall", "UnitParams", "functionalize"]
@@ -565,57 +566,17 @@ class _Placeholder(torch.Tensor):
         )
 
 
-_Slot = tuple[nn.Module, str, str]  # (owner module, "_parameters" or "_buffers", attribute)
-
-
-def _state_slots(module: nn.Module) -> list[tuple[torch.Tensor, list[_Slot]]]:
-    """Each distinct tensor in `module`'s parameter and buffer slots, with every slot holding it."""
-    found: dict[int, tuple[torch.Tensor, list[_Slot]]] = {}
-    for kind in ("_parameters", "_buffers"):
-        for owner in module.modules():
-            for attr, value in getattr(owner, kind).items():
-                if value is not None:
-                    found.setdefault(id(value), (value, []))[1].append((owner, kind, attr))
-    return list(found.values())
-
-
-@contextlib.contextmanager
-def _slots_holding(slots: list[list[_Slot]], values: Sequence[torch.Tensor]) -> Iterator[None]:
-    # Writing the slot dicts directly, as functional_call does: the values are plain tensors.
-    originals = [[getattr(owner, kind)[attr] for owner, kind, attr in group] for group in slots]
-    try:
-        for group, value in zip(slots, values):
-            for owner, kind, attr in group:
-                getattr(owner, kind)[attr] = value
-        yield
-    finally:
-        for group, previous in zip(slots, originals):
-            for (owner, kind, attr), value in zip(group, previous):
-                getattr(owner, kind)[attr] = value
-
-
-@contextlib.contextmanager
-def _training_flags(flags: list[tuple[nn.Module, bool]]) -> Iterator[None]:
-    saved = [(module, module.training) for module, _ in flags]
-    try:
-        for module, flag in flags:
-            module.training = flag
-        yield
-    finally:
-        for module, flag in saved:
-            module.training = flag
-
-
 def _unit_forward(submodule: nn.Module, unit: ParamUnit) -> Callable[..., Any]:
     """A forward for `submodule` that hands its computation to `unit`."""
     original = submodule.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        unit_slots: dict[str, list[_Slot]] = {}
+        unit_slots: dict[str, list[slots_lib.Slot]] = {}
         state: list[torch.Tensor] = []
-        state_slots: list[list[_Slot]] = []
+        state_slots: list[list[slots_lib.Slot]] = []
         mutable: set[int] = set()
-        for tensor, slots in _state_slots(submodule):
+        tensors, tensor_slots, _ = slots_lib.state_slots(submodule)
+        for tensor, slots in zip(tensors, tensor_slots):
             if isinstance(tensor, _Placeholder) and tensor.unit == unit.name:
                 unit_slots.setdefault(tensor.param_name, []).extend(slots)
                 continue
@@ -630,7 +591,7 @@ def _unit_forward(submodule: nn.Module, unit: ParamUnit) -> Callable[..., Any]:
         def run(params: Mapping[str, torch.Tensor], values: Sequence[torch.Tensor],
                 call_args: tuple, call_kwargs: dict) -> Any:
             slots = [unit_slots[name] for name in names] + state_slots
-            with _training_flags(flags), _slots_holding(
+            with slots_lib.training_modes(flags), slots_lib.holding(
                 slots, [params[name] for name in names] + list(values)
             ):
                 return original(*call_args, **call_kwargs)

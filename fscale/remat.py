@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import functools
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -47,6 +46,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fscale import slots as slots_lib
 from fscale import tree
 
 __all__ = [
@@ -701,57 +701,6 @@ def _checkpointed_call(
 # Modules
 
 
-def _module_state(module: nn.Module) -> tuple[list[torch.Tensor], list[list[tuple[nn.Module, str, str]]], int]:
-    """The module's distinct parameters then buffers, with every (owner, kind, attr) slot."""
-    tensors: list[torch.Tensor] = []
-    slots: list[list[tuple[nn.Module, str, str]]] = []
-    index_of: dict[int, int] = {}
-    num_parameters = 0
-    owners = list(module.modules())
-    for kind in ("_parameters", "_buffers"):
-        for owner in owners:
-            for attr, value in getattr(owner, kind).items():
-                if value is None:
-                    continue
-                # Tied tensors are one input, and every slot that holds them gets the replacement.
-                i = index_of.get(id(value))
-                if i is None:
-                    i = index_of[id(value)] = len(tensors)
-                    tensors.append(value)
-                    slots.append([])
-                    num_parameters += kind == "_parameters"
-                slots[i].append((owner, kind, attr))
-    return tensors, slots, num_parameters
-
-
-@contextlib.contextmanager
-def _swapped(slots: list[list[tuple[nn.Module, str, str]]], values: list[torch.Tensor]) -> Iterator[None]:
-    # Writing the dicts directly skips nn.Module.__setattr__'s Parameter check, as
-    # torch.func.functional_call does: recomputed leaves are plain tensors.
-    originals = [[getattr(owner, kind)[attr] for owner, kind, attr in group] for group in slots]
-    try:
-        for group, value in zip(slots, values):
-            for owner, kind, attr in group:
-                getattr(owner, kind)[attr] = value
-        yield
-    finally:
-        for group, previous in zip(slots, originals):
-            for (owner, kind, attr), value in zip(group, previous):
-                getattr(owner, kind)[attr] = value
-
-
-@contextlib.contextmanager
-def _training_modes(modes: list[tuple[nn.Module, bool]]) -> Iterator[None]:
-    previous = [(m, m.training) for m, _ in modes]
-    try:
-        for m, training in modes:
-            m.training = training
-        yield
-    finally:
-        for m, training in previous:
-            m.training = training
-
-
 class _CheckpointedModule(nn.Module):
     """Mixin placed before a module's own class: its forward is checkpointed."""
 
@@ -763,7 +712,7 @@ class _CheckpointedModule(nn.Module):
             return base_forward(*args, **kwargs)
         # Collected at call time: under functional_call these are the swapped-in tensors, which
         # must enter the Function as inputs for their gradients to flow.
-        state, slots, num_parameters = _module_state(self)
+        state, slots, num_parameters = slots_lib.state_slots(self)
         # The recompute runs in backward, after the caller (e.g. functionalize's apply with an
         # explicit train flag) may have put the modules back in another mode: replay the mode
         # of this forward, or dropout and BatchNorm would compute another function.
@@ -771,7 +720,7 @@ class _CheckpointedModule(nn.Module):
 
         def run(inputs: Any) -> Any:
             state_values, call_args, call_kwargs = inputs
-            with _swapped(slots, state_values), _training_modes(modes):
+            with slots_lib.holding(slots, state_values), slots_lib.training_modes(modes):
                 return base_forward(*call_args, **call_kwargs)
 
         return _checkpointed_call(

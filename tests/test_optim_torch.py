@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import fscale.optim as optim

@@ -133,6 +133,7 @@ def test_pytree_inputs_keywords_and_non_tensor_outputs():
         return out, torch.autograd.grad(out["y"].pow(2).sum(), (a, p, q, b))
 
     (plain_out, expected), (out, actual) = run(fn), run(checkpoint(fn))
+    assert torch.equal(out["y"], plain_out["y"])
     assert out["tag"] == "hello" and out["none"] is None
     assert out["count"].dtype == torch.int64 and not out["count"].requires_grad
     _assert_equal(actual, expected)

@@ -424,7 +424,6 @@ def test_buckets_start_reduce_scattering_during_backward():
 
 
 def _variants_agree():
-    rank, world = dist.get_rank(), dist.get_world_size()
     case = fst.ModelCase("gpt", width=8, depth=1)
     opt = fs.optim.adamw(1e-2)
     reference = _run(case, opt, _zero(bucket_mb=1e-3))[0]

@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale import tree
 from fscale.optim import _core
 from fscale.optim.base import Layout, Optimizer, resolve_layout
 from fscale.tree import Fragment

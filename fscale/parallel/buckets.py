@@ -31,7 +31,6 @@ from typing import Any
 import optree
 import torch
 
-from fscale import tree
 from fscale.tree import FlatBuffer
 
 __all__ = ["Bucket", "GradBuckets", "assign_buckets", "forward_order"]

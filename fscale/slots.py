@@ -1,0 +1,76 @@
+"""Put other tensors in a module's parameter and buffer slots, and other modes on it, for a call.
+
+`functionalize`'s unit protocol and `fscale.checkpoint`'s recompute both run a module's own
+forward on tensors they choose (gathered shards, recomputed leaves) in the train/eval mode of an
+earlier call. They do it the way `torch.func.functional_call` does: by writing the slot dicts
+directly for the duration of a block, which also skips `nn.Module.__setattr__`'s Parameter
+check (the values are plain tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["Slot", "holding", "state_slots", "training_modes"]
+
+Slot = tuple[nn.Module, str, str]
+"""(owner module, "_parameters" or "_buffers", attribute name)."""
+
+
+def state_slots(module: nn.Module) -> tuple[list[torch.Tensor], list[list[Slot]], int]:
+    """`module`'s distinct parameters, then buffers, with every slot that holds each.
+
+    Returns:
+        ``(tensors, slots, num_parameters)``: a tied tensor appears once, and ``slots[i]``
+        lists every slot holding ``tensors[i]``; the first `num_parameters` are parameters.
+    """
+    tensors: list[torch.Tensor] = []
+    slots: list[list[Slot]] = []
+    index_of: dict[int, int] = {}
+    num_parameters = 0
+    owners = list(module.modules())
+    for kind in ("_parameters", "_buffers"):
+        for owner in owners:
+            for attr, value in getattr(owner, kind).items():
+                if value is None:
+                    continue
+                i = index_of.get(id(value))
+                if i is None:
+                    i = index_of[id(value)] = len(tensors)
+                    tensors.append(value)
+                    slots.append([])
+                    num_parameters += kind == "_parameters"
+                slots[i].append((owner, kind, attr))
+    return tensors, slots, num_parameters
+
+
+@contextlib.contextmanager
+def holding(slots: Sequence[Sequence[Slot]], values: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Every slot in ``slots[i]`` holds ``values[i]`` inside the block; restored after."""
+    originals = [[getattr(owner, kind)[attr] for owner, kind, attr in group] for group in slots]
+    try:
+        for group, value in zip(slots, values):
+            for owner, kind, attr in group:
+                getattr(owner, kind)[attr] = value
+        yield
+    finally:
+        for group, previous in zip(slots, originals):
+            for (owner, kind, attr), value in zip(group, previous):
+                getattr(owner, kind)[attr] = value
+
+
+@contextlib.contextmanager
+def training_modes(modes: Sequence[tuple[nn.Module, bool]]) -> Iterator[None]:
+    """Each module's ``training`` flag as given inside the block; restored after."""
+    previous = [(module, module.training) for module, _ in modes]
+    try:
+        for module, training in modes:
+            module.training = training
+        yield
+    finally:
+        for module, training in previous:
+            module.training = training
