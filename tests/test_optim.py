@@ -421,6 +421,26 @@ def test_mixed_dtypes_are_grouped():
     torch.testing.assert_close(new["b"], torch.full((3,), 0.9, dtype=torch.float64))
 
 
+POINTWISE = ["sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax"]
+
+
+@pytest.mark.parametrize("name", POINTWISE)
+def test_each_dtype_group_steps_as_if_alone(name):
+    """A mixed-dtype tree gives, leaf for leaf and bit for bit, what each dtype's subtree gives."""
+    opt = OPTIMIZERS[name]()
+    def some_double(tree_):
+        return {k: v.double() if k in ("proj", "scale") else v for k, v in tree_.items()}
+
+    params = some_double(PARAMS)
+    grads_seq = [some_double(g) for g in GRADS[:2]]
+    mixed = _train(opt, params, grads_seq)
+    for keys in (["embed", "blocks"], ["proj", "scale"]):
+        alone = _train(
+            opt, {k: params[k] for k in keys}, [{k: g[k] for k in keys} for g in grads_seq]
+        )
+        assert _equal(alone[0], {k: mixed[0][k] for k in keys})
+
+
 # ----------------------------------------------------------------------------- errors
 
 

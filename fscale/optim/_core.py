@@ -3,6 +3,8 @@
 Every optimizer step follows the same pattern: flatten `grads`, `params` and each per-leaf state
 tree, check that they agree, take *writable* copies of the params and state (or the caller's own
 tensors when they donate them), run in-place kernels on those, and rebuild the trees.
+`pointwise_optimizer` is that pattern once, for optimizers whose update math runs on one
+(device, dtype) group at a time: their modules hold only hyper-parameter checks and the math.
 
 Writable copies are packed: the copies of all leaves of one (device, dtype) live back to back in
 one fresh 1-D buffer and the returned leaves are views of it, exactly like the state `init`
@@ -20,6 +22,7 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 from fscale import tree
+from fscale.optim.base import Layout, Optimizer
 from fscale.tree import FlatBuffer
 
 PyTree = Any
@@ -333,3 +336,123 @@ def picker(indices: list[int], total: int) -> Callable[[list[Any] | None], list[
 def unflattener(treedef: optree.PyTreeSpec) -> Callable[[list[Any] | None], PyTree]:
     """Rebuild trees of structure `treedef` from leaf lists (None for an absent state field)."""
     return lambda leaves: None if leaves is None else tree.unflatten(treedef, leaves)
+
+
+def regularized_grads(
+    grads: list[torch.Tensor], params: list[torch.Tensor], *, maximize: bool, weight_decay: float
+) -> list[torch.Tensor]:
+    """The gradients negated for `maximize` and with the L2 term ``weight_decay * param`` added.
+
+    The first operations of torch.optim's single-tensor paths, as new tensors (`grads` are the
+    caller's and stay untouched); `grads` itself when neither applies.
+    """
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    if weight_decay != 0:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    return grads
+
+
+# ----------------------------------------------------------------------------- pointwise optimizers
+
+
+class Group(NamedTuple):
+    """The leaves of one (device, dtype) group at one step, as an optimizer's update math sees them.
+
+    Attributes:
+        params: the writable params, updated in place.
+        grads: the gradients, read only.
+        buffers: the writable state buffers by field name, updated in place; None for a field
+            that the optimizer's configuration leaves out.
+        step: the number of this update, counting from 1 (torch's ``step`` after its increment).
+        lr: the learning rate of this update.
+    """
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    buffers: dict[str, list[torch.Tensor] | None]
+    step: int
+    lr: float
+
+
+def fused_steps(group: Group) -> list[torch.Tensor]:
+    """The ``state_steps`` argument of torch's fused kernels: the step as float32, per param.
+
+    torch keeps a float32 step per tensor and increments it before the kernel; the kernels only
+    read it, so one tensor on the group's device, shared by every param, is equivalent.
+    """
+    step = torch.full((), group.step, dtype=torch.float32, device=group.params[0].device)
+    return [step] * len(group.params)
+
+
+def pointwise_optimizer(
+    name: str,
+    state_type: type,
+    buffers: Sequence[str],
+    update_group: Callable[[Group], None],
+    *,
+    lr: Callable[[int], float],
+    fill: float = 0.0,
+) -> Optimizer:
+    """A pointwise `Optimizer` whose step runs `update_group` on each (device, dtype) group.
+
+    The state is ``state_type(count=..., **fields)``: a host step counter and one per-leaf tree
+    per field. The fields named in `buffers` start as `fill`, packed in one buffer per device and
+    dtype; the other fields of `state_type` are None (a buffer this configuration does not use).
+    `apply` checks and flattens its inputs, makes params and buffers writable (or takes them
+    when donated), calls `update_group` without autograd, and rebuilds the trees.
+
+    Args:
+        name: the optimizer's name, for error messages.
+        state_type: its state NamedTuple; ``count`` must be its first field.
+        buffers: the fields of `state_type` that hold per-parameter buffers in this configuration.
+        update_group: the update math, run once per (device, dtype) group (fused kernels take one
+            device and dtype per call); it updates ``group.params`` and ``group.buffers`` in place.
+        lr: the checked learning-rate schedule (see `learning_rate`), read at ``count``.
+        fill: the initial value of every buffer.
+
+    Returns:
+        The `Optimizer`, with `update` derived from the exact `apply`.
+    """
+    fields = state_type._fields[1:]
+    absent = {field: None for field in fields if field not in buffers}
+
+    def init(params: PyTree, *, layout: Layout | None = None) -> Any:
+        leaves, treedef = float_leaves(name, params)
+        filled = {
+            field: tree.unflatten(treedef, packed_full(leaves, fill)) for field in buffers
+        }
+        return state_type(count=new_count(), **filled, **absent)
+
+    def apply(
+        grads: PyTree,
+        state: Any,
+        params: PyTree,
+        *,
+        layout: Layout | None = None,
+        donate: bool = False,
+    ) -> tuple[PyTree, Any]:
+        check_state(name, state, state_type)
+        count = read_count(name, state.count)
+        inputs = step_inputs(
+            name,
+            grads,
+            params,
+            {field: getattr(state, field) if field in buffers else None for field in fields},
+            donate=donate,
+        )
+        lr_now = lr(count)
+        with torch.no_grad():
+            for indices in device_groups(inputs.params):
+                pick = picker(indices, len(inputs.params))
+                group_buffers = {field: pick(leaves) for field, leaves in inputs.states.items()}
+                group = Group(
+                    pick(inputs.params), pick(inputs.grads), group_buffers, count + 1, lr_now
+                )
+                update_group(group)
+        unflatten = unflattener(inputs.treedef)
+        new_buffers = {field: unflatten(leaves) for field, leaves in inputs.states.items()}
+        new_state = state_type(count=next_count(count), **new_buffers)
+        return unflatten(inputs.params), new_state
+
+    return Optimizer(init=init, update=derive_update(apply), apply=apply, pointwise=True)

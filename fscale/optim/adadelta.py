@@ -11,9 +11,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale import tree
 from fscale.optim import _core
-from fscale.optim.base import Layout, Optimizer
+from fscale.optim.base import Optimizer
 
 __all__ = ["AdadeltaState", "adadelta"]
 
@@ -66,57 +65,23 @@ def adadelta(
     weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
     maximize = bool(maximize)
 
-    def init(params: PyTree, *, layout: Layout | None = None) -> AdadeltaState:
-        leaves, treedef = _core.float_leaves(name, params)
-
-        def zeros() -> PyTree:
-            return tree.unflatten(treedef, _core.packed_full(leaves))
-
-        return AdadeltaState(count=_core.new_count(), square_avg=zeros(), acc_delta=zeros())
-
-    def apply(
-        grads: PyTree,
-        state: AdadeltaState,
-        params: PyTree,
-        *,
-        layout: Layout | None = None,
-        donate: bool = False,
-    ) -> tuple[PyTree, AdadeltaState]:
-        _core.check_state(name, state, AdadeltaState)
-        count = _core.read_count(name, state.count)
-        inputs = _core.step_inputs(
-            name,
-            grads,
-            params,
-            {"square_avg": state.square_avg, "acc_delta": state.acc_delta},
-            donate=donate,
+    def update_group(group: _core.Group) -> None:
+        square_avg, acc_delta = group.buffers["square_avg"], group.buffers["acc_delta"]
+        grads = _core.regularized_grads(
+            group.grads, group.params, maximize=maximize, weight_decay=weight_decay
         )
-        lr_now = lr_at(count)
-        square_avg, acc_delta = inputs.states["square_avg"], inputs.states["acc_delta"]
-        params_ = inputs.params
-        if params_:
-            with torch.no_grad():
-                grads_ = inputs.grads
-                if maximize:
-                    grads_ = torch._foreach_neg(grads_)
-                if weight_decay != 0:
-                    grads_ = torch._foreach_add(grads_, params_, alpha=weight_decay)
-                torch._foreach_mul_(square_avg, rho)
-                torch._foreach_addcmul_(square_avg, grads_, grads_, value=1 - rho)
-                std = torch._foreach_add(square_avg, eps)
-                torch._foreach_sqrt_(std)
-                delta = torch._foreach_add(acc_delta, eps)
-                torch._foreach_sqrt_(delta)
-                torch._foreach_div_(delta, std)
-                torch._foreach_mul_(delta, grads_)
-                torch._foreach_mul_(acc_delta, rho)
-                torch._foreach_addcmul_(acc_delta, delta, delta, value=1 - rho)
-                torch._foreach_add_(params_, delta, alpha=-lr_now)
-        unflatten = _core.unflattener(inputs.treedef)
-        return unflatten(params_), AdadeltaState(
-            count=_core.next_count(count),
-            square_avg=unflatten(square_avg),
-            acc_delta=unflatten(acc_delta),
-        )
+        torch._foreach_mul_(square_avg, rho)
+        torch._foreach_addcmul_(square_avg, grads, grads, value=1 - rho)
+        std = torch._foreach_add(square_avg, eps)
+        torch._foreach_sqrt_(std)
+        delta = torch._foreach_add(acc_delta, eps)
+        torch._foreach_sqrt_(delta)
+        torch._foreach_div_(delta, std)
+        torch._foreach_mul_(delta, grads)
+        torch._foreach_mul_(acc_delta, rho)
+        torch._foreach_addcmul_(acc_delta, delta, delta, value=1 - rho)
+        torch._foreach_add_(group.params, delta, alpha=-group.lr)
 
-    return Optimizer(init=init, update=_core.derive_update(apply), apply=apply, pointwise=True)
+    return _core.pointwise_optimizer(
+        name, AdadeltaState, ("square_avg", "acc_delta"), update_group, lr=lr_at
+    )

@@ -6,9 +6,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale import tree
 from fscale.optim import _core
-from fscale.optim.base import Layout, Optimizer
+from fscale.optim.base import Optimizer
 
 __all__ = ["AdagradState", "adagrad"]
 
@@ -67,47 +66,19 @@ def adagrad(
     eps = _core.check_non_negative(name, "eps", eps)
     maximize = bool(maximize)
 
-    def init(params: PyTree, *, layout: Layout | None = None) -> AdagradState:
-        leaves, treedef = _core.float_leaves(name, params)
-        return AdagradState(
-            count=_core.new_count(),
-            sum=tree.unflatten(treedef, _core.packed_full(leaves, initial)),
+    def update_group(group: _core.Group) -> None:
+        torch._fused_adagrad_(
+            group.params,
+            group.grads,
+            group.buffers["sum"],
+            _core.fused_steps(group),
+            lr=group.lr,
+            lr_decay=lr_decay,
+            weight_decay=weight_decay,
+            eps=eps,
+            maximize=maximize,
         )
 
-    def apply(
-        grads: PyTree,
-        state: AdagradState,
-        params: PyTree,
-        *,
-        layout: Layout | None = None,
-        donate: bool = False,
-    ) -> tuple[PyTree, AdagradState]:
-        _core.check_state(name, state, AdagradState)
-        count = _core.read_count(name, state.count)
-        inputs = _core.step_inputs(name, grads, params, {"sum": state.sum}, donate=donate)
-        lr_now = lr_at(count)
-        sums = inputs.states["sum"]
-        with torch.no_grad():
-            for idx in _core.device_groups(inputs.params):
-                pick = _core.picker(idx, len(inputs.params))
-                params_group = pick(inputs.params)
-                step_t = torch.full(
-                    (), count + 1, dtype=torch.float32, device=params_group[0].device
-                )
-                torch._fused_adagrad_(
-                    params_group,
-                    pick(inputs.grads),
-                    pick(sums),
-                    [step_t] * len(params_group),
-                    lr=lr_now,
-                    lr_decay=lr_decay,
-                    weight_decay=weight_decay,
-                    eps=eps,
-                    maximize=maximize,
-                )
-        unflatten = _core.unflattener(inputs.treedef)
-        return unflatten(inputs.params), AdagradState(
-            count=_core.next_count(count), sum=unflatten(sums)
-        )
-
-    return Optimizer(init=init, update=_core.derive_update(apply), apply=apply, pointwise=True)
+    return _core.pointwise_optimizer(
+        name, AdagradState, ("sum",), update_group, lr=lr_at, fill=initial
+    )

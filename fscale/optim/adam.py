@@ -16,9 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale import tree
 from fscale.optim import _core
-from fscale.optim.base import Layout, Optimizer
+from fscale.optim.base import Optimizer
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -119,76 +118,22 @@ def _adam_family(
     weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
     amsgrad, maximize = bool(amsgrad), bool(maximize)
 
-    def init(params: PyTree, *, layout: Layout | None = None) -> AdamState:
-        leaves, treedef = _core.float_leaves(name, params)
-
-        def zeros() -> PyTree:
-            return tree.unflatten(treedef, _core.packed_full(leaves))
-
-        return AdamState(
-            count=_core.new_count(),
-            exp_avg=zeros(),
-            exp_avg_sq=zeros(),
-            max_exp_avg_sq=zeros() if amsgrad else None,
+    def update_group(group: _core.Group) -> None:
+        kernel(
+            group.params,
+            group.grads,
+            group.buffers["exp_avg"],
+            group.buffers["exp_avg_sq"],
+            group.buffers["max_exp_avg_sq"] if amsgrad else [],
+            _core.fused_steps(group),
+            lr=group.lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=amsgrad,
+            maximize=maximize,
         )
 
-    def apply(
-        grads: PyTree,
-        state: AdamState,
-        params: PyTree,
-        *,
-        layout: Layout | None = None,
-        donate: bool = False,
-    ) -> tuple[PyTree, AdamState]:
-        _core.check_state(name, state, AdamState)
-        count = _core.read_count(name, state.count)
-        inputs = _core.step_inputs(
-            name,
-            grads,
-            params,
-            {
-                "exp_avg": state.exp_avg,
-                "exp_avg_sq": state.exp_avg_sq,
-                "max_exp_avg_sq": state.max_exp_avg_sq if amsgrad else None,
-            },
-            donate=donate,
-        )
-        lr_now = lr_at(count)
-        exp_avg, exp_avg_sq = inputs.states["exp_avg"], inputs.states["exp_avg_sq"]
-        max_exp_avg_sq = inputs.states["max_exp_avg_sq"]
-        with torch.no_grad():
-            for idx in _core.device_groups(inputs.params):
-                pick = _core.picker(idx, len(inputs.params))
-                params_group = pick(inputs.params)
-                # torch keeps a float32 step per tensor and increments it before the kernel;
-                # the kernel only reads it, so one tensor shared by the group is equivalent.
-                step_t = torch.full(
-                    (), count + 1, dtype=torch.float32, device=params_group[0].device
-                )
-                kernel(
-                    params_group,
-                    pick(inputs.grads),
-                    pick(exp_avg),
-                    pick(exp_avg_sq),
-                    pick(max_exp_avg_sq) if amsgrad else [],
-                    [step_t] * len(params_group),
-                    lr=lr_now,
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=weight_decay,
-                    eps=eps,
-                    amsgrad=amsgrad,
-                    maximize=maximize,
-                )
-        unflatten = _core.unflattener(inputs.treedef)
-        return unflatten(inputs.params), AdamState(
-            count=_core.next_count(count),
-            exp_avg=unflatten(exp_avg),
-            exp_avg_sq=unflatten(exp_avg_sq),
-            max_exp_avg_sq=unflatten(max_exp_avg_sq),
-        )
-
-    return Optimizer(
-        init=init, update=_core.derive_update(apply), apply=apply, pointwise=True
-    )
-
+    buffers = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+    return _core.pointwise_optimizer(name, AdamState, buffers, update_group, lr=lr_at)

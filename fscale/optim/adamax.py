@@ -12,9 +12,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale import tree
 from fscale.optim import _core
-from fscale.optim.base import Layout, Optimizer
+from fscale.optim.base import Optimizer
 
 __all__ = ["AdamaxState", "adamax"]
 
@@ -67,53 +66,19 @@ def adamax(
     weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
     maximize = bool(maximize)
 
-    def init(params: PyTree, *, layout: Layout | None = None) -> AdamaxState:
-        leaves, treedef = _core.float_leaves(name, params)
-
-        def zeros() -> PyTree:
-            return tree.unflatten(treedef, _core.packed_full(leaves))
-
-        return AdamaxState(count=_core.new_count(), exp_avg=zeros(), exp_inf=zeros())
-
-    def apply(
-        grads: PyTree,
-        state: AdamaxState,
-        params: PyTree,
-        *,
-        layout: Layout | None = None,
-        donate: bool = False,
-    ) -> tuple[PyTree, AdamaxState]:
-        _core.check_state(name, state, AdamaxState)
-        count = _core.read_count(name, state.count)
-        inputs = _core.step_inputs(
-            name,
-            grads,
-            params,
-            {"exp_avg": state.exp_avg, "exp_inf": state.exp_inf},
-            donate=donate,
+    def update_group(group: _core.Group) -> None:
+        exp_avg, exp_inf = group.buffers["exp_avg"], group.buffers["exp_inf"]
+        grads = _core.regularized_grads(
+            group.grads, group.params, maximize=maximize, weight_decay=weight_decay
         )
-        lr_now = lr_at(count)
-        exp_avg, exp_inf = inputs.states["exp_avg"], inputs.states["exp_inf"]
-        params_ = inputs.params
-        if params_:
-            with torch.no_grad():
-                grads_ = inputs.grads
-                if maximize:
-                    grads_ = torch._foreach_neg(grads_)
-                if weight_decay != 0:
-                    grads_ = torch._foreach_add(grads_, params_, alpha=weight_decay)
-                torch._foreach_lerp_(exp_avg, grads_, 1 - beta1)
-                torch._foreach_mul_(exp_inf, beta2)
-                bounded = torch._foreach_abs(grads_)
-                torch._foreach_add_(bounded, eps)
-                torch._foreach_maximum_(exp_inf, bounded)
-                step_size = lr_now / _core.bias_correction(beta1, count + 1)
-                torch._foreach_addcdiv_(params_, exp_avg, exp_inf, value=-step_size)
-        unflatten = _core.unflattener(inputs.treedef)
-        return unflatten(params_), AdamaxState(
-            count=_core.next_count(count),
-            exp_avg=unflatten(exp_avg),
-            exp_inf=unflatten(exp_inf),
-        )
+        torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
+        torch._foreach_mul_(exp_inf, beta2)
+        bounded = torch._foreach_abs(grads)
+        torch._foreach_add_(bounded, eps)
+        torch._foreach_maximum_(exp_inf, bounded)
+        step_size = group.lr / _core.bias_correction(beta1, group.step)
+        torch._foreach_addcdiv_(group.params, exp_avg, exp_inf, value=-step_size)
 
-    return Optimizer(init=init, update=_core.derive_update(apply), apply=apply, pointwise=True)
+    return _core.pointwise_optimizer(
+        name, AdamaxState, ("exp_avg", "exp_inf"), update_group, lr=lr_at
+    )

@@ -13,9 +13,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale import tree
 from fscale.optim import _core
-from fscale.optim.base import Layout, Optimizer
+from fscale.optim.base import Optimizer
 
 __all__ = ["RMSpropState", "rmsprop"]
 
@@ -76,73 +75,32 @@ def rmsprop(
     momentum = _core.check_non_negative(name, "momentum", momentum)
     centered, maximize = bool(centered), bool(maximize)
 
-    def init(params: PyTree, *, layout: Layout | None = None) -> RMSpropState:
-        leaves, treedef = _core.float_leaves(name, params)
-
-        def zeros() -> PyTree:
-            return tree.unflatten(treedef, _core.packed_full(leaves))
-
-        return RMSpropState(
-            count=_core.new_count(),
-            square_avg=zeros(),
-            momentum_buffer=zeros() if momentum > 0 else None,
-            grad_avg=zeros() if centered else None,
+    def update_group(group: _core.Group) -> None:
+        square_avg = group.buffers["square_avg"]
+        grads = _core.regularized_grads(
+            group.grads, group.params, maximize=maximize, weight_decay=weight_decay
         )
+        torch._foreach_mul_(square_avg, alpha)
+        torch._foreach_addcmul_(square_avg, grads, grads, value=1 - alpha)
+        if centered:
+            grad_avg = group.buffers["grad_avg"]
+            torch._foreach_lerp_(grad_avg, grads, 1 - alpha)
+            avg = torch._foreach_addcmul(square_avg, grad_avg, grad_avg, value=-1)
+            torch._foreach_sqrt_(avg)
+        else:
+            avg = torch._foreach_sqrt(square_avg)
+        torch._foreach_add_(avg, eps)
+        if momentum > 0:
+            velocity = group.buffers["momentum_buffer"]
+            torch._foreach_mul_(velocity, momentum)
+            torch._foreach_addcdiv_(velocity, grads, avg)
+            torch._foreach_add_(group.params, velocity, alpha=-group.lr)
+        else:
+            torch._foreach_addcdiv_(group.params, grads, avg, value=-group.lr)
 
-    def apply(
-        grads: PyTree,
-        state: RMSpropState,
-        params: PyTree,
-        *,
-        layout: Layout | None = None,
-        donate: bool = False,
-    ) -> tuple[PyTree, RMSpropState]:
-        _core.check_state(name, state, RMSpropState)
-        count = _core.read_count(name, state.count)
-        inputs = _core.step_inputs(
-            name,
-            grads,
-            params,
-            {
-                "square_avg": state.square_avg,
-                "momentum_buffer": state.momentum_buffer if momentum > 0 else None,
-                "grad_avg": state.grad_avg if centered else None,
-            },
-            donate=donate,
-        )
-        lr_now = lr_at(count)
-        square_avg = inputs.states["square_avg"]
-        buffers = inputs.states["momentum_buffer"]
-        grad_avg = inputs.states["grad_avg"]
-        params_ = inputs.params
-        if params_:
-            with torch.no_grad():
-                grads_ = inputs.grads
-                if maximize:
-                    grads_ = torch._foreach_neg(grads_)
-                if weight_decay != 0:
-                    grads_ = torch._foreach_add(grads_, params_, alpha=weight_decay)
-                torch._foreach_mul_(square_avg, alpha)
-                torch._foreach_addcmul_(square_avg, grads_, grads_, value=1 - alpha)
-                if centered:
-                    torch._foreach_lerp_(grad_avg, grads_, 1 - alpha)
-                    avg = torch._foreach_addcmul(square_avg, grad_avg, grad_avg, value=-1)
-                    torch._foreach_sqrt_(avg)
-                else:
-                    avg = torch._foreach_sqrt(square_avg)
-                torch._foreach_add_(avg, eps)
-                if momentum > 0:
-                    torch._foreach_mul_(buffers, momentum)
-                    torch._foreach_addcdiv_(buffers, grads_, avg)
-                    torch._foreach_add_(params_, buffers, alpha=-lr_now)
-                else:
-                    torch._foreach_addcdiv_(params_, grads_, avg, value=-lr_now)
-        unflatten = _core.unflattener(inputs.treedef)
-        return unflatten(params_), RMSpropState(
-            count=_core.next_count(count),
-            square_avg=unflatten(square_avg),
-            momentum_buffer=unflatten(buffers),
-            grad_avg=unflatten(grad_avg),
-        )
-
-    return Optimizer(init=init, update=_core.derive_update(apply), apply=apply, pointwise=True)
+    buffers = ["square_avg"]
+    if momentum > 0:
+        buffers.append("momentum_buffer")
+    if centered:
+        buffers.append("grad_avg")
+    return _core.pointwise_optimizer(name, RMSpropState, buffers, update_group, lr=lr_at)

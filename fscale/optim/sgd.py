@@ -6,9 +6,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale import tree
 from fscale.optim import _core
-from fscale.optim.base import Layout, Optimizer
+from fscale.optim.base import Optimizer
 
 __all__ = ["SGDState", "sgd"]
 
@@ -80,49 +79,20 @@ def sgd(
         )
     has_buffer = momentum != 0
 
-    def init(params: PyTree, *, layout: Layout | None = None) -> SGDState:
-        leaves, treedef = _core.float_leaves(name, params)
-        buffer = tree.unflatten(treedef, _core.packed_full(leaves)) if has_buffer else None
-        return SGDState(count=_core.new_count(), momentum_buffer=buffer)
-
-    def apply(
-        grads: PyTree,
-        state: SGDState,
-        params: PyTree,
-        *,
-        layout: Layout | None = None,
-        donate: bool = False,
-    ) -> tuple[PyTree, SGDState]:
-        _core.check_state(name, state, SGDState)
-        count = _core.read_count(name, state.count)
-        inputs = _core.step_inputs(
-            name,
-            grads,
-            params,
-            {"momentum_buffer": state.momentum_buffer if has_buffer else None},
-            donate=donate,
-        )
-        lr_now = lr_at(count)
-        buffers = inputs.states["momentum_buffer"]
-        with torch.no_grad():
-            for idx in _core.device_groups(inputs.params):
-                pick = _core.picker(idx, len(inputs.params))
-                torch._fused_sgd_(
-                    pick(inputs.params),
-                    pick(inputs.grads),
-                    pick(buffers) if has_buffer else [],
-                    weight_decay=weight_decay,
-                    momentum=momentum,
-                    lr=lr_now,
-                    dampening=dampening,
-                    nesterov=nesterov,
-                    maximize=maximize,
-                    # torch starts the buffer as a copy of the first gradient
-                    is_first_step=has_buffer and count == 0,
-                )
-        unflatten = _core.unflattener(inputs.treedef)
-        return unflatten(inputs.params), SGDState(
-            count=_core.next_count(count), momentum_buffer=unflatten(buffers)
+    def update_group(group: _core.Group) -> None:
+        torch._fused_sgd_(
+            group.params,
+            group.grads,
+            group.buffers["momentum_buffer"] if has_buffer else [],
+            weight_decay=weight_decay,
+            momentum=momentum,
+            lr=group.lr,
+            dampening=dampening,
+            nesterov=nesterov,
+            maximize=maximize,
+            # torch starts the buffer as a copy of the first gradient
+            is_first_step=has_buffer and group.step == 1,
         )
 
-    return Optimizer(init=init, update=_core.derive_update(apply), apply=apply, pointwise=True)
+    buffers = ("momentum_buffer",) if has_buffer else ()
+    return _core.pointwise_optimizer(name, SGDState, buffers, update_group, lr=lr_at)
