@@ -38,10 +38,10 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 BATCHES = _batches()
 
 
-def _loss(model: torch.nn.Module, params: dict, batch: tuple) -> torch.Tensor:
+def _loss(model: torch.nn.Module, params: dict, batch: tuple, sign: float = 1.0) -> torch.Tensor:
     x, y = batch
     logits = torch.func.functional_call(model, params, (x,))
-    return torch.nn.functional.cross_entropy(logits, y)
+    return sign * torch.nn.functional.cross_entropy(logits, y)
 
 
 def _run_both(torch_opt_cls, torch_kwargs, fscale_opt, *, schedule=None, donate=False):
@@ -55,20 +55,25 @@ def _run_both(torch_opt_cls, torch_kwargs, fscale_opt, *, schedule=None, donate=
     )
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = fscale_opt.init(params)
+    # With maximize=True both optimizers ascend: ascend the negated loss, so the run stays
+    # finite and keeps comparing real numbers (maximising cross-entropy diverges to NaN).
+    sign = -1.0 if torch_kwargs.get("maximize", False) else 1.0
     for batch in BATCHES:
         torch_opt.zero_grad()
-        _loss(model, reference, batch).backward()
+        _loss(model, reference, batch, sign).backward()
         torch_opt.step()
         if scheduler is not None:
             scheduler.step()
         live = {k: v.detach().requires_grad_() for k, v in params.items()}
-        grads = dict(zip(live, torch.autograd.grad(_loss(model, live, batch), list(live.values()))))
+        loss = _loss(model, live, batch, sign)
+        grads = dict(zip(live, torch.autograd.grad(loss, list(live.values()))))
         params, state = optim.step(fscale_opt, grads, state, params, donate=donate)
     return reference, torch_opt, params, state
 
 
 def _assert_equal(reference, torch_opt, params, state) -> None:
     for name, param in reference.items():
+        assert torch.isfinite(param).all(), f"the reference run diverged ({name}): nothing to compare"
         assert torch.equal(params[name], param.detach()), f"param {name} differs"
         for key, value in torch_opt.state[param].items():
             if key == "step":
