@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 import fscale as fs
 from fscale.testing import RankError, assert_trees_close, assert_trees_equal, run_spmd
 from fscale.testing import strategies as fst
+from fscale.testing.probes import on_gradient
 
 STEPS = 3
 BATCH = 8  # global batch; divisible by every world size tested
@@ -147,23 +148,12 @@ def _first_bucket_reduced_before_backward_ends():
     apply, params, buffers = fs.functionalize(case.module())
     seen_when_first_layer_grad_computed = []
 
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x.view_as(x)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, grad):
-            seen_when_first_layer_grad_computed.append(len(ledger.records))
-            return grad
-
     def loss_fn(p, b, batch, key):
         # The first layer's gradient is the last one backward computes.
-        p = dict(p, **{"0.weight": Probe.apply(p["0.weight"])})
+        def record(grad):
+            seen_when_first_layer_grad_computed.append(len(ledger.records))
+
+        p = dict(p, **{"0.weight": on_gradient(p["0.weight"], record)})
         return case.loss_fn(apply)(p, b, batch, key)
 
     mesh = fs.Mesh(dp=world)

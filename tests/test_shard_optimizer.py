@@ -15,6 +15,7 @@ from fscale.parallel import consolidate, shard_optimizer, shard_state
 from fscale.parallel.buckets import assign_buckets, forward_order
 from fscale.testing import assert_trees_close, assert_trees_equal, run_spmd
 from fscale.testing import strategies as fst
+from fscale.testing.probes import on_gradient
 
 STEPS = 3
 BATCH = 8  # global batch; divisible by every world size tested
@@ -391,23 +392,12 @@ def _first_bucket_reduced_before_backward_ends():
     apply, params, buffers = fs.functionalize(case.module())
     seen = []
 
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x.view_as(x)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, grad):
-            seen.append([r.op for r in ledger.records])
-            return grad
-
     def loss_fn(p, b, batch, key):
         # The first layer's gradient is the last one backward computes.
-        p = dict(p, **{"0.weight": Probe.apply(p["0.weight"])})
+        def record(grad):
+            seen.append([r.op for r in ledger.records])
+
+        p = dict(p, **{"0.weight": on_gradient(p["0.weight"], record)})
         return case.loss_fn(apply)(p, b, batch, key)
 
     base = fs.train_step(loss_fn, fs.optim.sgd(0.1))

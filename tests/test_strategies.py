@@ -55,3 +55,16 @@ def test_unknown_names_are_refused_when_the_strategy_is_built():
         fst.model_cases(kinds=("rnn",))
     with pytest.raises(ValueError, match="empty"):
         fst.model_cases(kinds=())
+
+
+def test_on_gradient_reports_the_gradient_in_backward_and_changes_nothing():
+    from fscale.testing import on_gradient
+
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    seen = []
+    y = on_gradient(x, lambda g: seen.append(g.clone()))
+    assert torch.equal(y, x) and seen == []
+    (grad,) = torch.autograd.grad((y * torch.tensor([3.0, 4.0])).sum(), x)
+    assert torch.equal(grad, torch.tensor([3.0, 4.0])) and torch.equal(seen[0], grad)
+    with pytest.raises(TypeError, match="callable"):
+        on_gradient(x, None)

@@ -17,6 +17,7 @@ from fscale.testing.assertions import assert_trees_close as assert_trees_close
 from fscale.testing.assertions import assert_trees_equal as assert_trees_equal
 from fscale.testing.pool import RankPool as RankPool
 from fscale.testing.pool import run_spmd as run_spmd
+from fscale.testing.probes import on_gradient as on_gradient
 
 __all__ = [
     "RankError",
@@ -24,6 +25,7 @@ __all__ = [
     "RankTimeoutError",
     "assert_trees_close",
     "assert_trees_equal",
+    "on_gradient",
     "run_spmd",
     "strategies",
 ]
