@@ -140,7 +140,7 @@ def traffic(variants: dict[str, Any], steps: int) -> dict[str, dict[str, Any]]:
             dist.barrier()
             before = _written_bytes()
             if isinstance(variant, FscaleVariant):
-                with fs.dist.comm_ledger() as ledger:
+                with fs.distributed.comm_ledger() as ledger:
                     variant()
                 ledgers[name] = ledger
             else:
@@ -182,7 +182,7 @@ def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
 def rank_main(options: dict[str, Any]) -> dict[str, Any]:
     """One rank: build the variants, time them interleaved, then check and measure them."""
     torch.set_num_threads(1)
-    fs.dist.set_debug(False)  # the cross-rank metadata check is a test aid, not for timing
+    fs.distributed.set_debug(False)  # the cross-rank metadata check is a test aid, not for timing
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = _util.gpt_config(options["quick"])
     steps, warmup = options["steps"], options["warmup"]

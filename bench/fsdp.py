@@ -155,7 +155,7 @@ def _fscale(kind, variant, model, quick, warmup, steps):  # type: ignore[no-unty
         state, metrics = step(state, _batch(kind, model, quick, i))
 
     times = _timed(run_step, warmup, steps)
-    with fs.dist.comm_ledger() as ledger:
+    with fs.distributed.comm_ledger() as ledger:
         run_step(warmup + steps)
     state_bytes = (
         fs.memory.tree_bytes(state.params) + fs.memory.tree_bytes(state.opt_state)

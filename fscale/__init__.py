@@ -1,7 +1,7 @@
 """fscale: large-scale training in PyTorch as pure, composable transformations of a train step."""
 
 from fscale import data as data
-from fscale import dist as dist
+from fscale import distributed as distributed
 from fscale import memory as memory
 from fscale import models as models
 from fscale import optim as optim
@@ -10,9 +10,9 @@ from fscale import random as random
 from fscale import remat as remat
 from fscale import testing as testing
 from fscale import tree as tree
-from fscale.dist import Mesh as Mesh
-from fscale.dist import init as init
-from fscale.dist import launch as launch
+from fscale.distributed import Mesh as Mesh
+from fscale.distributed import init as init
+from fscale.distributed import launch as launch
 from fscale.model import FunctionalModule as FunctionalModule
 from fscale.model import functionalize as functionalize
 from fscale.offload import offload_optimizer as offload_optimizer

@@ -65,7 +65,7 @@ def _demo_rank(cfg: DemoConfig) -> dict[str, Any]:
     import fscale as fs
     from fscale import models
 
-    rank, world = fs.dist.rank(), fs.dist.world_size()
+    rank, world = fs.distributed.rank(), fs.distributed.world_size()
     mesh = fs.Mesh(dp=world) if cfg.strategy != "local" else fs.Mesh()
     tokens = fs.data.ByteTokenizer().encode(fs.data.bundled_corpus())
     streams = fs.data.batchify(tokens, cfg.batch_size)
@@ -106,7 +106,7 @@ def _demo_rank(cfg: DemoConfig) -> dict[str, Any]:
     while True:
         batch = batches[step_index % len(batches)]
         if step_index == 1:  # a steady-state step, after any first-step set-up
-            with fs.dist.comm_ledger() as ledger:
+            with fs.distributed.comm_ledger() as ledger:
                 state, metrics = step(state, batch)
             ledger_text, ledger_bytes = ledger.summary(), ledger.total_bytes()
         else:

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fscale import dist as fd
-from fscale.dist import collectives
+from fscale import distributed as fd
+from fscale.distributed import collectives
 from fscale.testing.pool import run_spmd
 
 F64 = torch.float64
@@ -574,7 +574,7 @@ def test_argument_errors_name_the_argument():
         fd.all_to_all(x, ("dp",), mesh=mesh)
     with pytest.raises(ValueError, match=r"no mesh given and none is active; pass `mesh=`"):
         fd.all_reduce(x, "dp")
-    with pytest.raises(TypeError, match=r"`mesh` must be a fscale.dist.Mesh"):
+    with pytest.raises(TypeError, match=r"`mesh` must be a fscale.distributed.Mesh"):
         fd.all_reduce(x, "dp", mesh="dp")
     with pytest.raises(ValueError, match=r"pair \(0, 1\) in `perm` is outside the axis of size 1"):
         fd.ppermute(x, "dp", [(0, 1)], mesh=mesh)

@@ -124,7 +124,7 @@ def _ledger_one_step(bucket_mb):
         fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), mesh, bucket_mb=bucket_mb
     )
     state = step.init(params, buffers)
-    with fs.dist.comm_ledger() as ledger:
+    with fs.distributed.comm_ledger() as ledger:
         step(state, _local(case, 0, rank, world))
     psi = sum(p.numel() for p in params.values())
     return psi, [(r.op, r.numel, r.elements) for r in ledger.records]
@@ -159,7 +159,7 @@ def _first_bucket_reduced_before_backward_ends():
     mesh = fs.Mesh(dp=world)
     step = fs.data_parallel(fs.train_step(loss_fn, fs.optim.sgd(0.1)), mesh, bucket_mb=0.01)
     state = step.init(params, buffers)
-    with fs.dist.comm_ledger() as ledger:
+    with fs.distributed.comm_ledger() as ledger:
         step(state, _local(case, 0, rank, world))
     return seen_when_first_layer_grad_computed[0]
 

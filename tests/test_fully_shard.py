@@ -132,7 +132,7 @@ def _ledger_one_step(kind, reshard_after_forward, units):
     )
     state = step.init(params, buffers)
     layout = step.plan.layout
-    with fs.dist.comm_ledger() as ledger:
+    with fs.distributed.comm_ledger() as ledger:
         step(state, _local(case, 0, rank, world))
     sizes = {u.name: u.numel for u in layout.units}
     return sizes, [(r.op, r.numel, r.elements) for r in ledger.records]
@@ -308,7 +308,7 @@ def _backward_collectives(prefetch):
         fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=world), prefetch=prefetch
     )
     state = step.init(params, buffers)
-    with fs.dist.comm_ledger() as ledger:
+    with fs.distributed.comm_ledger() as ledger:
         step(state, _local(case, 0, rank, world))
     ops = [{"all_gather": "AG", "reduce_scatter": "RS"}.get(r.op, r.op) for r in ledger.records]
     assert ops[:4] == ["AG"] * 4 and ops[-1] == "all_reduce"  # root + 3 blocks; the metrics
@@ -343,7 +343,7 @@ def _gathers_seen_by_each_block(prefetch):
         fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=world), prefetch=prefetch
     )
     state = step.init(params, buffers)
-    with fs.dist.comm_ledger() as ledger:
+    with fs.distributed.comm_ledger() as ledger:
         step(state, _local(case, 0, rank, world))
     return seen  # no recompute: the forward's three calls only
 
@@ -399,7 +399,7 @@ def _hsdp(steps):
         fs.train_step(case.loss_fn(apply), fs.optim.adam(1e-2)), fs.Mesh(dp=4)
     )
     s, r = hybrid.init(params, buffers), replicated.init(params, buffers)
-    with fs.dist.comm_ledger() as ledger:
+    with fs.distributed.comm_ledger() as ledger:
         s, _ = hybrid(s, _local(case, 0, rank, 4))
     for i in range(1, steps):
         s, _ = hybrid(s, _local(case, i, rank, 4))
@@ -499,7 +499,7 @@ def _fallback_by_name():
     sharded = fully_shard(fs.train_step(_pure_loss_fn, fs.optim.sgd(0.1)), mesh)
     replicated = fs.data_parallel(fs.train_step(_pure_loss_fn, fs.optim.sgd(0.1)), mesh)
     s, r = sharded.init(params, buffers), replicated.init(params, buffers)
-    with fs.dist.comm_ledger() as ledger:
+    with fs.distributed.comm_ledger() as ledger:
         s, _ = sharded(s, _local(case, 0, rank, world))
     r, _ = replicated(r, _local(case, 0, rank, world))
     return consolidate(sharded, s).params, r.params, ledger.count("all_gather")
@@ -634,7 +634,7 @@ def test_bad_arguments():
     state = sharded.init({"w": torch.ones(3)})
     with pytest.raises(ValueError, match="not a sharded state of this step"):
         sharded(state._replace(params={"w": torch.ones(3)}), 0)
-    from fscale.parallel.fsdp_state import consolidate_fully_sharded
+    from fscale.parallel.fsdp.state import consolidate_fully_sharded
 
     with pytest.raises(TypeError, match="made by fscale.parallel.fully_shard"):
         consolidate_fully_sharded(step, state)

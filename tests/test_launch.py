@@ -1,4 +1,4 @@
-"""fscale.dist.spawn (launch, init): spawned ranks, their results and failures; joining a launcher's group."""
+"""fscale.distributed.spawn (launch, init): spawned ranks, their results and failures; joining a launcher's group."""
 
 import os
 import socket
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fscale.dist.spawn import (
+from fscale.distributed.spawn import (
     RankError,
     RankInfo,
     RankTimeoutError,

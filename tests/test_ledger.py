@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fscale import dist as fd
-from fscale.dist import ledger as ledger_module
-from fscale.dist.ledger import CommRecord, ring_bytes
+from fscale import distributed as fd
+from fscale.distributed import ledger as ledger_module
+from fscale.distributed.ledger import CommRecord, ring_bytes
 from fscale.testing.pool import run_spmd
 
 

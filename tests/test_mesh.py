@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fscale import dist as fd
+from fscale import distributed as fd
 from fscale.testing.pool import run_spmd
 
 # ---- one process, no torch.distributed -----------------------------------------------------

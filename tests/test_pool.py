@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fscale.dist.spawn import rank, world_size
+from fscale.distributed.spawn import rank, world_size
 from fscale.testing import (
     RankError,
     RankPool,
@@ -250,20 +250,20 @@ def test_unpicklable_result_is_reported_as_a_rank_failure():
 def _leave_fscale_state_behind():
     import fscale as fs
 
-    fs.dist.set_debug(not fs.dist.debug_enabled())
+    fs.distributed.set_debug(not fs.distributed.debug_enabled())
     fs.Mesh(dp=dist.get_world_size()).__enter__()  # never exited
-    fs.dist.comm_ledger().__enter__()  # never closed
+    fs.distributed.comm_ledger().__enter__()  # never closed
 
 
 def _fscale_state():
     import fscale as fs
-    from fscale.dist import ledger
+    from fscale.distributed import ledger
 
-    return fs.dist.debug_enabled(), fs.dist.current_mesh() is None, len(ledger._ACTIVE)
+    return fs.distributed.debug_enabled(), fs.distributed.current_mesh() is None, len(ledger._ACTIVE)
 
 
 def test_fscale_state_left_by_one_call_does_not_reach_the_next():
-    from fscale.dist import collectives
+    from fscale.distributed import collectives
 
     run_spmd(_leave_fscale_state_behind, 2)
     debug_at_start = collectives._debug_from_env()  # ranks get this process's environment

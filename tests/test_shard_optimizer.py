@@ -98,11 +98,11 @@ def test_equals_data_parallel(case, opt, world, shard_grads, bucket_mb):
 def _reduction_orders(n):
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank)).exp_()
-    mean = fs.dist.all_reduce(x, "dp", "mean", mesh=fs.Mesh(dp=world))
-    shard = fs.dist.reduce_scatter(x, "dp", 0, "mean", mesh=fs.Mesh(dp=world))
+    mean = fs.distributed.all_reduce(x, "dp", "mean", mesh=fs.Mesh(dp=world))
+    shard = fs.distributed.reduce_scatter(x, "dp", 0, "mean", mesh=fs.Mesh(dp=world))
     mine = mean.view(world, -1)[rank]
     padded = torch.cat([x.new_zeros(16), x])
-    shifted = fs.dist.all_reduce(padded, "dp", "mean", mesh=fs.Mesh(dp=world))
+    shifted = fs.distributed.all_reduce(padded, "dp", "mean", mesh=fs.Mesh(dp=world))
     return torch.equal(mine, shard), torch.equal(shifted[16:], mean)
 
 
@@ -322,7 +322,7 @@ def _ledger_one_step(shard_grads):
         bucket_mb=1e-3,
     )
     state = step.init(params, buffers)
-    with fs.dist.comm_ledger() as ledger:
+    with fs.distributed.comm_ledger() as ledger:
         step(state, _local(case, 0, rank, world))
     psi = _expected_padded_size(params, world, int(1e-3 * 2**20))
     return psi, [(r.op, r.numel, r.elements) for r in ledger.records]
@@ -403,7 +403,7 @@ def _first_bucket_reduced_before_backward_ends():
     base = fs.train_step(loss_fn, fs.optim.sgd(0.1))
     step = shard_optimizer(base, fs.Mesh(dp=world), bucket_mb=0.01)
     state = step.init(params, buffers)
-    with fs.dist.comm_ledger() as ledger:
+    with fs.distributed.comm_ledger() as ledger:
         step(state, _local(case, 0, rank, world))
     return seen[0]
 

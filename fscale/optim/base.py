@@ -68,7 +68,7 @@ class Layout(NamedTuple):
             the leaf given to the optimizer is elements ``[start, stop)`` (possibly none) of the
             row-major flattening of a full tensor of ``shape``, as a 1-D tensor.
         all_reduce: ``t -> t`` summing a tensor across the ranks that share the pieces; a
-            sharded wrapper passes ``lambda t: fscale.dist.all_reduce(t, axis)``.
+            sharded wrapper passes ``lambda t: fscale.distributed.all_reduce(t, axis)``.
 
     Non-pointwise optimizers compute partial statistics over their fragments and complete them
     with one batched `all_reduce` per reduction round; pointwise ones ignore the layout.

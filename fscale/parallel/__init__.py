@@ -5,7 +5,7 @@ takes, and `shard_state(step, full_state)` shards a full state for any world siz
 every strategy here.
 """
 
-from fscale.parallel.data import data_parallel as data_parallel
+from fscale.parallel.ddp import data_parallel as data_parallel
 from fscale.parallel.fsdp import fully_shard as fully_shard
 from fscale.parallel.zero import ShardedOptState as ShardedOptState
 from fscale.parallel.state import consolidate as consolidate

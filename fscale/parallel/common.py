@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from fscale import tree
-from fscale.dist import collectives
-from fscale.dist.mesh import Mesh
+from fscale.distributed import collectives
+from fscale.distributed.mesh import Mesh
 
 __all__ = [
     "all_gather_objects",

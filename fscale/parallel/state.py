@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fscale.parallel.data import DataParallelPlan
-from fscale.parallel.zero_plan import ShardedOptState
+from fscale.parallel.ddp import DataParallelPlan
+from fscale.parallel.zero.plan import ShardedOptState
 from fscale.train import LocalPlan, Step, TrainState
 
 __all__ = ["consolidate", "shard_state"]

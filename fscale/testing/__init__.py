@@ -11,8 +11,8 @@
   path, the largest errors and the worst element when they differ.
 """
 
-from fscale.dist.spawn import RankError as RankError
-from fscale.dist.spawn import RankTimeoutError as RankTimeoutError
+from fscale.distributed.spawn import RankError as RankError
+from fscale.distributed.spawn import RankTimeoutError as RankTimeoutError
 from fscale.testing.assertions import assert_trees_close as assert_trees_close
 from fscale.testing.assertions import assert_trees_equal as assert_trees_equal
 from fscale.testing.pool import RankPool as RankPool

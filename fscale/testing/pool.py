@@ -76,7 +76,7 @@ from typing import Any
 
 import torch
 
-from fscale.dist._ranks import (
+from fscale.distributed._ranks import (
     RankError,
     RankSetup,
     Task,
@@ -90,7 +90,7 @@ from fscale.dist._ranks import (
     run_task,
     terminate,
 )
-from fscale.dist.spawn import DEFAULT_PG_TIMEOUT
+from fscale.distributed.spawn import DEFAULT_PG_TIMEOUT
 
 __all__ = ["RankPool", "run_spmd"]
 
@@ -142,7 +142,7 @@ class RankPool:
         """Run ``fn(*args, **kwargs)`` on every rank and return the results in rank order.
 
         Args:
-            fn: a module-level function; inside it, `fscale.dist.rank()` /
+            fn: a module-level function; inside it, `fscale.distributed.rank()` /
                 ``world_size()`` and ``torch.distributed`` see this pool's group.
             *args: positional arguments, the same on every rank; must be picklable.
             timeout: seconds this call may take (the pool's `timeout` when None). It does not
@@ -368,9 +368,9 @@ def _pool_rank_main(setup: RankSetup, connection: multiprocessing.connection.Con
 
 
 def _reset_rank_state() -> None:
-    # Imported here: the fork server preloads this module, and fscale.dist pulls in more
+    # Imported here: the fork server preloads this module, and fscale.distributed pulls in more
     # than a rank that never runs a task needs.
-    from fscale.dist import collectives, ledger, mesh
+    from fscale.distributed import collectives, ledger, mesh
 
     mesh._CURRENT.clear()
     ledger._ACTIVE.clear()

@@ -75,7 +75,7 @@ mismatch EVERY rank raises `CollectiveMismatchError` naming the operation, the a
 rank's shape and dtype, instead of hanging or silently computing garbage. It costs one small
 all-gather per collective (a send/recv pair swaps one small message).
 
-Every collective records a `fscale.dist.ledger.CommRecord` where it is issued. Over an axis of
+Every collective records a `fscale.distributed.ledger.CommRecord` where it is issued. Over an axis of
 size 1 every collective is an identity (``ppermute`` without a self-pair gives zeros) and
 nothing is sent or recorded.
 """
@@ -89,8 +89,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fscale.dist import ledger
-from fscale.dist.mesh import Axis, Mesh, resolve_mesh
+from fscale.distributed import ledger
+from fscale.distributed.mesh import Axis, Mesh, resolve_mesh
 
 __all__ = [
     "CollectiveMismatchError",

@@ -195,7 +195,7 @@ def resolve_mesh(mesh: Mesh | None, caller: str) -> Mesh:
                 "`with mesh:`"
             )
     elif not isinstance(mesh, Mesh):
-        raise TypeError(f"{caller}: `mesh` must be a fscale.dist.Mesh, got {type(mesh).__name__}")
+        raise TypeError(f"{caller}: `mesh` must be a fscale.distributed.Mesh, got {type(mesh).__name__}")
     return mesh
 
 

@@ -38,8 +38,8 @@ import torch
 from fscale import optim as optim_lib
 from fscale import random as fsrandom
 from fscale import tree
-from fscale.dist import collectives
-from fscale.dist.mesh import Mesh
+from fscale.distributed import collectives
+from fscale.distributed.mesh import Mesh
 from fscale.memory import tree_bytes
 from fscale.parallel import common
 from fscale.parallel.buckets import GradBuckets, assign_buckets, forward_order

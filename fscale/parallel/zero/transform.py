@@ -73,15 +73,15 @@ from the full one on some rank is a per-element leaf whose ranks' pieces tile it
 rank order, any other leaf is replicated.
 
 Code: this module holds the transformation; the plan that runs a step is
-`fscale.parallel.zero_plan`, the bucket layout `fscale.parallel.zero_layout`.
+`fscale.parallel.zero.plan`, the bucket layout `fscale.parallel.zero.layout`.
 """
 
 from __future__ import annotations
 
-from fscale.dist.mesh import Mesh
+from fscale.distributed.mesh import Mesh
 from fscale.parallel import common
-from fscale.parallel.data import DataParallelPlan
-from fscale.parallel.zero_plan import ShardedOptimizerPlan, ShardedOptState
+from fscale.parallel.ddp import DataParallelPlan
+from fscale.parallel.zero.plan import ShardedOptimizerPlan, ShardedOptState
 from fscale.train import LocalPlan, Step
 
 __all__ = ["ShardedOptState", "ShardedOptimizerPlan", "shard_optimizer"]

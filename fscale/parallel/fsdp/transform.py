@@ -4,7 +4,7 @@ FSDP here is not a module wrapper with a state machine; it is three ideas placed
 user's loss:
 
 1. **At rest, every rank holds 1/N of everything.** Parameters are grouped into *units*
-   (`fscale.parallel.units`: by default one per block of the first module list, plus a root
+   (`fscale.parallel.fsdp.units`: by default one per block of the first module list, plus a root
    unit); each unit is a flat buffer zero-padded to a multiple of N, and rank r keeps only
    slice r of it: ``state.params == {unit name: 1-D shard}``. Gradients and
    optimizer state are sharded the same way, so fp32 Adam holds
@@ -76,15 +76,15 @@ folded with the step and this rank's data-parallel index, as under `data_paralle
 State in and out: `fscale.consolidate(step, state)` gathers the full TrainState
 (params as the dict given to init, optimizer state as the optimizer makes it on full tensors)
 on every rank, and `fscale.shard_state(step, full_state)` shards a full state for
-this step at any world size; both dispatch to this plan (`fscale.parallel.fsdp_state`), which
+this step at any world size; both dispatch to this plan (`fscale.parallel.fsdp.state`), which
 converts the optimizer state by the rule `shard_optimizer` shares (`fscale.parallel.opt_state`).
 
 Mixed precision is not implemented yet. The intended rule: gather in the compute dtype (the
 unit's shard cast before the all-gather), reduce gradients in fp32.
 
 Code: this module holds the transformation and its plan; the gathers, prefetch and their
-accounting are in `fscale.parallel.fsdp_gather`, the backward re-gather in
-`fscale.parallel.fsdp_regather`, the units in `fscale.parallel.units`.
+accounting are in `fscale.parallel.fsdp.gather`, the backward re-gather in
+`fscale.parallel.fsdp.regather`, the units in `fscale.parallel.fsdp.units`.
 """
 
 from __future__ import annotations
@@ -96,14 +96,14 @@ import torch
 
 from fscale import optim as optim_lib
 from fscale import random as fsrandom
-from fscale.dist import collectives
-from fscale.dist.mesh import Mesh
+from fscale.distributed import collectives
+from fscale.distributed.mesh import Mesh
 from fscale.memory import tree_bytes
 from fscale.model import UnitParams
 from fscale.parallel import common
-from fscale.parallel import fsdp_state
-from fscale.parallel.fsdp_gather import Gatherer, GatherStats, ShardedUnit, track_gathers
-from fscale.parallel.units import ROOT, ShardLayout, UnitSpec, assign_units
+from fscale.parallel.fsdp import state as fsdp_state
+from fscale.parallel.fsdp.gather import Gatherer, GatherStats, ShardedUnit, track_gathers
+from fscale.parallel.fsdp.units import ROOT, ShardLayout, UnitSpec, assign_units
 from fscale.train import LocalPlan, Step, TrainState, value_and_grad
 
 __all__ = ["FullyShardPlan", "GatherStats", "fully_shard", "track_gathers"]
@@ -335,7 +335,7 @@ def fully_shard(
         units: which parameters are gathered together: None (one unit per element of the
             first module list, e.g. per GPT block, the rest in the root unit), a list of path
             prefixes, or a function ``path -> unit name`` (None for the root unit). See
-            `fscale.parallel.units`. A unit is padded to a multiple of N; a unit smaller than
+            `fscale.parallel.fsdp.units`. A unit is padded to a multiple of N; a unit smaller than
             N leaves some ranks holding only padding. All names of a tied weight must be in
             one unit (for a GPT's embedding and output layer: the root unit).
         reshard_after_forward: True: release each unit's gathered parameters after its

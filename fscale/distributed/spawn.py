@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fscale.dist._ranks import (
+from fscale.distributed._ranks import (
     RankError,
     RankSetup,
     RankTimeoutError,

@@ -18,9 +18,9 @@ import torch
 
 from fscale import optim as optim_lib
 from fscale import tree
-from fscale.dist import collectives
+from fscale.distributed import collectives
 from fscale.parallel.opt_state import StateMap, check_state, state_spec
-from fscale.parallel.units import ShardLayout
+from fscale.parallel.fsdp.units import ShardLayout
 from fscale.train import Step, TrainState
 
 __all__ = ["consolidate_fully_sharded", "shard_fully_sharded"]
@@ -135,7 +135,7 @@ def _state_map(
 
 
 def _plan(step: Any, caller: str) -> Any:
-    from fscale.parallel.fsdp import FullyShardPlan
+    from fscale.parallel.fsdp.transform import FullyShardPlan
 
     if not isinstance(step, Step) or not isinstance(step.plan, FullyShardPlan):
         raise TypeError(

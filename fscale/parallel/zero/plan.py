@@ -4,7 +4,7 @@ Per step on each rank: backward with the full, replicated parameters; gradients 
 bucket by bucket (during backward for ZeRO-2, after it for ZeRO-1); the optimizer updating only
 this rank's fragments; the new shards all-gathered into fresh full parameter buckets. The
 algorithm, traffic, memory and numerics are described in `fscale.parallel.zero`; the buckets'
-layout in `fscale.parallel.zero_layout`; how the optimizer state is converted to and from its
+layout in `fscale.parallel.zero.layout`; how the optimizer state is converted to and from its
 full form in `fscale.parallel.opt_state`.
 """
 
@@ -21,14 +21,14 @@ import torch
 from fscale import optim as optim_lib
 from fscale import random as fsrandom
 from fscale import tree
-from fscale.dist import collectives
-from fscale.dist.mesh import Mesh
+from fscale.distributed import collectives
+from fscale.distributed.mesh import Mesh
 from fscale.memory import tree_bytes
 from fscale.optim.base import Layout
 from fscale.parallel import common
 from fscale.parallel.buckets import Bucket, GradBuckets
 from fscale.parallel.opt_state import StateMap, StateSpec, check_state, state_spec
-from fscale.parallel.zero_layout import BucketLayout, layout_of
+from fscale.parallel.zero.layout import BucketLayout, layout_of
 from fscale.train import Step, TrainState, value_and_grad
 
 __all__ = ["ShardedOptState", "ShardedOptimizerPlan"]

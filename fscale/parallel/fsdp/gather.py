@@ -5,7 +5,7 @@ unit's forward call asks the gatherer for its gathered buffer: the all-gather is
 its gradient the reduce-scatter of the unit's gradient, and the next `prefetch` units' gathers
 are issued before this one is waited on. After the forward a unit is kept gathered until
 backward, recomputed under `fscale.remat`, or released and gathered again in backward
-(`fscale.parallel.fsdp_regather`), as the plan's ``reshard_after_forward`` says.
+(`fscale.parallel.fsdp.regather`), as the plan's ``reshard_after_forward`` says.
 `track_gathers` measures what the gathers keep alive. The policy is described in
 `fscale.parallel.fsdp`.
 """
@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fscale import remat
-from fscale.dist import collectives
-from fscale.dist.collectives import Pending
-from fscale.dist.mesh import Mesh
+from fscale.distributed import collectives
+from fscale.distributed.collectives import Pending
+from fscale.distributed.mesh import Mesh
 from fscale.model import UnitCall
-from fscale.parallel.fsdp_regather import Regather
-from fscale.parallel.units import ROOT, UnitLayout
+from fscale.parallel.fsdp.regather import Regather
+from fscale.parallel.fsdp.units import ROOT, UnitLayout
 
 if TYPE_CHECKING:
-    from fscale.parallel.fsdp import FullyShardPlan
+    from fscale.parallel.fsdp.transform import FullyShardPlan
 
 __all__ = ["GatherStats", "Gatherer", "ShardedUnit", "track_gathers"]
 

@@ -1,10 +1,10 @@
 """The communication ledger: a record of every collective this rank issues, for tests and tuning.
 
-Inside ``with comm_ledger() as ledger:`` each collective of `fscale.dist.collectives` appends a
+Inside ``with comm_ledger() as ledger:`` each collective of `fscale.distributed.collectives` appends a
 `CommRecord` to `ledger.records` at the point where it is issued, in the forward pass or in the
 backward pass, so a test can assert that a strategy moves exactly the bytes its analysis says::
 
-    with fscale.dist.comm_ledger() as ledger:
+    with fscale.distributed.comm_ledger() as ledger:
         grads = step_grads(params, batch)
     psi = sum(p.numel() for p in params)
     assert ledger.total_elements(axis="dp") == 2 * psi * (n - 1) / n    # DDP: one all-reduce

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from fscale.dist.collectives import Pending
+from fscale.distributed.collectives import Pending
 from fscale.model import UnitCall
 
 if TYPE_CHECKING:
-    from fscale.parallel.fsdp_gather import Gatherer, ShardedUnit
+    from fscale.parallel.fsdp.gather import Gatherer, ShardedUnit
 
 __all__ = ["Regather"]
 

@@ -1,0 +1,63 @@
+"""Distribution: named-axis meshes, differentiable collectives, the comm ledger, launching.
+
+- `Mesh` arranges the ranks on named axes (``Mesh(dp=2, pp=2)``); collectives name an axis.
+- `fscale.distributed.collectives`: each collective beside its dual (the gradient), sync and async.
+- `comm_ledger` records what every collective sends, for tests and tuning.
+- `launch` / `init` start or join the process group.
+"""
+
+from fscale.distributed.collectives import CollectiveMismatchError as CollectiveMismatchError
+from fscale.distributed.collectives import Pending as Pending
+from fscale.distributed.collectives import all_gather as all_gather
+from fscale.distributed.collectives import all_gather_start as all_gather_start
+from fscale.distributed.collectives import all_reduce as all_reduce
+from fscale.distributed.collectives import all_reduce_start as all_reduce_start
+from fscale.distributed.collectives import all_to_all as all_to_all
+from fscale.distributed.collectives import debug_enabled as debug_enabled
+from fscale.distributed.collectives import ppermute as ppermute
+from fscale.distributed.collectives import recv as recv
+from fscale.distributed.collectives import reduce_scatter as reduce_scatter
+from fscale.distributed.collectives import reduce_scatter_start as reduce_scatter_start
+from fscale.distributed.collectives import replicate as replicate
+from fscale.distributed.collectives import send as send
+from fscale.distributed.collectives import set_debug as set_debug
+from fscale.distributed.spawn import RankError as RankError
+from fscale.distributed.spawn import RankTimeoutError as RankTimeoutError
+from fscale.distributed.spawn import init as init
+from fscale.distributed.spawn import launch as launch
+from fscale.distributed.spawn import rank as rank
+from fscale.distributed.spawn import world_size as world_size
+from fscale.distributed.ledger import CommLedger as CommLedger
+from fscale.distributed.ledger import CommRecord as CommRecord
+from fscale.distributed.ledger import comm_ledger as comm_ledger
+from fscale.distributed.mesh import Mesh as Mesh
+from fscale.distributed.mesh import current_mesh as current_mesh
+
+__all__ = [
+    "CollectiveMismatchError",
+    "CommLedger",
+    "CommRecord",
+    "Mesh",
+    "Pending",
+    "RankError",
+    "RankTimeoutError",
+    "all_gather",
+    "all_gather_start",
+    "all_reduce",
+    "all_reduce_start",
+    "all_to_all",
+    "comm_ledger",
+    "current_mesh",
+    "debug_enabled",
+    "init",
+    "launch",
+    "ppermute",
+    "rank",
+    "recv",
+    "reduce_scatter",
+    "reduce_scatter_start",
+    "replicate",
+    "send",
+    "set_debug",
+    "world_size",
+]
