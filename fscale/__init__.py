@@ -8,6 +8,7 @@ from fscale import optim as optim
 from fscale import offload as offload
 from fscale import random as random
 from fscale import remat as remat
+from fscale import spmd as spmd
 from fscale import testing as testing
 from fscale import tree as tree
 from fscale.distributed import Mesh as Mesh
@@ -17,6 +18,7 @@ from fscale.model import FunctionalModule as FunctionalModule
 from fscale.model import functionalize as functionalize
 from fscale.offload import offload_optimizer as offload_optimizer
 from fscale.offload import offload_params as offload_params
+from fscale.parallel import accumulate as accumulate
 from fscale.parallel import data_parallel as data_parallel
 from fscale.parallel import ShardedOptState as ShardedOptState
 from fscale.parallel import consolidate as consolidate
@@ -24,6 +26,9 @@ from fscale.parallel import fully_shard as fully_shard
 from fscale.parallel import shard_optimizer as shard_optimizer
 from fscale.parallel import shard_state as shard_state
 from fscale.remat import checkpoint as checkpoint
+from fscale.plan import Context as Context
+from fscale.plan import GradAux as GradAux
+from fscale.plan import Plan as Plan
 from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step

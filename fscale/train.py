@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import torch
 
 from fscale import optim as optim_lib
 from fscale import random as fsrandom
-from fscale import tree
-from fscale.memory import tree_bytes
+from fscale import spmd, tree
+from fscale.grad import GRAD_MODES, value_and_grad
+from fscale.plan import Context, GradAux, LocalPlan, Plan, TrainState
 
 __all__ = ["LossFn", "Plan", "Step", "TrainState", "train_step", "value_and_grad"]
 
@@ -40,157 +41,23 @@ Batch = Any
 LossFn = Callable[[PyTree, PyTree, Batch, torch.Tensor], Any]
 Metrics = dict[str, Any]
 
-_GRAD_MODES = ("autograd", "func")
-
-
-class TrainState(NamedTuple):
-    """Everything a run needs to continue: a pytree, so it saves, shards and compares as one."""
-
-    params: PyTree
-    buffers: PyTree
-    opt_state: PyTree
-    step: torch.Tensor
-    key: torch.Tensor
-
-
-class LossOutput(NamedTuple):
-    loss: torch.Tensor
-    buffers: PyTree
-    metrics: Metrics
-
-
-def _normalize_loss_output(out: Any, buffers: PyTree) -> LossOutput:
-    """Accept ``loss``, ``(loss, new_buffers)`` or ``(loss, new_buffers, metrics)``."""
-    if isinstance(out, torch.Tensor):
-        loss, new_buffers, metrics = out, buffers, {}
-    elif isinstance(out, tuple) and len(out) in (2, 3):
-        loss, new_buffers = out[0], out[1]
-        metrics = dict(out[2]) if len(out) == 3 else {}
-        if new_buffers is None:
-            new_buffers = buffers
-    else:
-        raise TypeError(
-            "loss_fn must return the loss, (loss, new_buffers) or (loss, new_buffers, metrics); "
-            f"got {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, tuple) else "")
-        )
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() > 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(
-            f"loss_fn must return a scalar loss (the mean over the local batch), got {shape}; "
-            "reduce it with .mean() inside loss_fn"
-        )
-    if not loss.is_floating_point():
-        raise TypeError(f"loss_fn returned a loss of dtype {loss.dtype}; expected a float tensor")
-    return LossOutput(loss.reshape(()), new_buffers, metrics)
-
-
-def value_and_grad(
-    loss_fn: LossFn,
-    params: PyTree,
-    buffers: PyTree,
-    batch: Batch,
-    key: torch.Tensor,
-    *,
-    grad_mode: str = "autograd",
-    prepare: Callable[[PyTree], PyTree] | None = None,
-    grad_hooks: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
-) -> tuple[LossOutput, PyTree]:
-    """Loss outputs and the gradient of the loss w.r.t. every leaf of `params`.
-
-    Args:
-        loss_fn: ``loss_fn(params, buffers, batch, key)`` (see the module docstring).
-        params: the pytree to differentiate w.r.t.; it is not modified.
-        buffers, batch, key: passed through to `loss_fn`.
-        grad_mode: ``"autograd"`` (default, first-order, least memory) or ``"func"``
-            (``torch.func.grad``; composes with outer torch.func transforms).
-        prepare: a differentiable map applied to the live parameters before `loss_fn` sees
-            them (strategies insert collectives here, e.g. an all-gather of shards).
-        grad_hooks: one hook per leaf of `params` (``None`` entries allowed), registered on the
-            live leaves on the autograd path; each runs as soon as that leaf's gradient is
-            complete and may return a replacement (strategies use this to start reducing a
-            bucket of gradients while the rest of backward runs).
-
-    Returns:
-        ``(LossOutput(loss, new_buffers, metrics), grads)`` with `grads` shaped like `params`
-        (zeros for leaves the loss does not use). The loss is detached.
-    """
-    if grad_mode not in _GRAD_MODES:
-        raise ValueError(f"`grad_mode` must be one of {_GRAD_MODES}, got {grad_mode!r}")
-    leaves, treedef = tree.flatten(params)
-    if grad_mode == "func":
-        return _value_and_grad_func(loss_fn, leaves, treedef, buffers, batch, key, prepare)
-
-    with torch.enable_grad():
-        live = [leaf.detach().requires_grad_(True) for leaf in leaves]
-        if grad_hooks is not None:
-            for leaf, hook in zip(live, grad_hooks):
-                if hook is not None:
-                    leaf.register_hook(hook)
-        live_tree = tree.unflatten(treedef, live)
-        used = prepare(live_tree) if prepare is not None else live_tree
-        out = _normalize_loss_output(loss_fn(used, buffers, batch, key), buffers)
-        if not out.loss.requires_grad:
-            raise ValueError(
-                "the loss does not depend on `params`: check that loss_fn uses the params it is "
-                "given (not the module's own parameters)"
-            )
-        grads = torch.autograd.grad(out.loss, live, allow_unused=True, materialize_grads=True)
-    return out._replace(loss=out.loss.detach()), tree.unflatten(treedef, list(grads))
-
-
-def _value_and_grad_func(loss_fn, leaves, treedef, buffers, batch, key, prepare):
-    def objective(*flat_params):
-        live_tree = tree.unflatten(treedef, list(flat_params))
-        used = prepare(live_tree) if prepare is not None else live_tree
-        out = _normalize_loss_output(loss_fn(used, buffers, batch, key), buffers)
-        return out.loss, out
-
-    argnums = tuple(range(len(leaves)))
-    grads, out = torch.func.grad(objective, argnums=argnums, has_aux=True)(*leaves)
-    return out._replace(loss=out.loss.detach()), tree.unflatten(treedef, list(grads))
-
-
-class Plan(Protocol):
-    """How a Step holds its parameters and reduces its gradients (one per strategy)."""
-
-    def init(self, step: Step, params: PyTree, buffers: PyTree, key: torch.Tensor) -> TrainState:
-        ...
-
-    def run(self, step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        ...
-
-
-class LocalPlan:
-    """One process: full parameters, full gradients, full optimizer state."""
-
-    def init(self, step: Step, params: PyTree, buffers: PyTree, key: torch.Tensor) -> TrainState:
-        opt_state = step.optimizer.init(params)
-        return TrainState(params, buffers, opt_state, torch.zeros((), dtype=torch.int64), key)
-
-    def run(self, step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        key = fsrandom.fold_in(state.key, int(state.step))
-        out, grads = value_and_grad(
-            step.loss_fn, state.params, state.buffers, batch, key, grad_mode=step.grad_mode
-        )
-        params, opt_state = optim_lib.step(
-            step.optimizer, grads, state.opt_state, state.params, donate=step.donate
-        )
-        new_state = TrainState(params, out.buffers, opt_state, state.step + 1, state.key)
-        return new_state, {"loss": out.loss, **out.metrics, "grad_bytes": tree_bytes(grads)}
-
-    def __repr__(self) -> str:
-        return "local"
+_GRAD_MODES = GRAD_MODES
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
     """A training step ``(TrainState, batch) -> (TrainState, metrics)``; build with `train_step`.
 
+    ``step(state, batch)`` is ``step.apply_gradients(state, *step.gradients(state, batch))``, bit
+    for bit: the two phases are public so that a strategy can act between them (compress,
+    accumulate, inspect) without rebuilding the step.
+
     Attributes:
         loss_fn: ``loss_fn(params, buffers, batch, key)``.
         optimizer: an `fscale.optim.Optimizer`.
-        plan: the strategy (local, data parallel, sharded ...), set by transformations.
-        grad_mode: ``"autograd"`` or ``"func"`` (see `value_and_grad`).
+        plan: the strategy (a `fscale.Plan` chain: local, data parallel, sharded ...), set by
+            transformations.
+        grad_mode: ``"autograd"`` or ``"func"`` (see `fscale.grad.value_and_grad`).
         donate: when True the step may update the incoming state's parameter and optimizer
             buffers in place (as JAX's buffer donation): faster, but the caller must not use the
             old state again. That includes the params given to `init`, which the first step
@@ -200,7 +67,7 @@ class Step:
 
     loss_fn: LossFn
     optimizer: optim_lib.Optimizer
-    plan: Any = dataclasses.field(default_factory=LocalPlan)
+    plan: Plan = dataclasses.field(default_factory=LocalPlan)
     grad_mode: str = "autograd"
     donate: bool = False
 
@@ -212,7 +79,9 @@ class Step:
     ) -> TrainState:
         """The initial TrainState for `params` (and `buffers`), with step 0.
 
-        `key` is a `fscale.random` key or an int seed (default seed 0).
+        `key` is a `fscale.random` key or an int seed (default seed 0). Under a plan with data
+        axes, the ranks first check that they build the same model (an error names the first
+        difference) and then all start from index 0's params, buffers and key.
         """
         _check_params(params)
         if buffers is None:
@@ -226,15 +95,48 @@ class Step:
                 "Step.init: `key` must be an int seed or a key from fscale.random.key(seed), "
                 f"got {type(key).__name__}"
             )
-        return self.plan.init(self, params, buffers, key)
+        mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
+        if mesh is not None and axes:
+            lines = spmd.describe_tree(params) + ["buffers:"] + spmd.describe_tree(buffers)
+            for axis in axes:
+                spmd.check_same_on_all_ranks(
+                    mesh, axis, lines, "the parameter and buffer trees", self.plan.name
+                )
+            for axis in axes:
+                params, buffers, key = spmd.broadcast_tree((params, buffers, key), mesh, axis)
+        return self.plan.init(self, params, buffers, key, Context())
+
+    def gradients(self, state: TrainState, batch: Batch) -> tuple[PyTree, GradAux]:
+        """The gradient phase: ``(grads, aux)``, grads in the plan's layout (full, reduced or
+        sharded) and what `apply_gradients` needs besides them."""
+        _check_state(state)
+        mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
+        key = spmd.rank_key(state.key, int(state.step), mesh, axes)
+        return self.plan.gradients(self, state, batch, Context(key=key))
+
+    def apply_gradients(
+        self, state: TrainState, grads: PyTree, aux: GradAux
+    ) -> tuple[TrainState, Metrics]:
+        """The update phase: the new state, and metrics (``loss`` and the loss function's scalar
+        extras are means over the data axes, equal on every rank)."""
+        _check_state(state)
+        if not isinstance(aux, GradAux):
+            raise TypeError(
+                "Step.apply_gradients: `aux` must be the GradAux that step.gradients returned, "
+                f"got {type(aux).__name__}"
+            )
+        new_state, metrics = self.plan.apply_gradients(self, state, grads, aux, Context())
+        mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
+        if mesh is not None and axes:
+            axis = axes if len(axes) > 1 else axes[0]
+            buffers = spmd.average_updated_buffers(state.buffers, new_state.buffers, mesh, axis)
+            new_state = new_state._replace(buffers=buffers)
+            metrics = spmd.reduce_metrics(metrics, mesh, axis)
+        return new_state, metrics
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        if not isinstance(state, TrainState):
-            raise TypeError(
-                f"a Step takes a TrainState (from step.init(params, buffers)), got "
-                f"{type(state).__name__}"
-            )
-        return self.plan.run(self, state, batch)
+        grads, aux = self.gradients(state, batch)
+        return self.apply_gradients(state, grads, aux)
 
     def replace(self, **changes: Any) -> Step:
         """A copy with some fields changed (transformations use this)."""
@@ -243,8 +145,16 @@ class Step:
     def __repr__(self) -> str:
         name = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
         return (
-            f"Step(loss_fn={name}, plan={self.plan!r}, grad_mode={self.grad_mode!r}, "
-            f"donate={self.donate})"
+            f"Step(loss_fn={name}, optimizer={self.optimizer!r}, plan={self.plan!r}, "
+            f"grad_mode={self.grad_mode!r}, donate={self.donate})"
+        )
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"a Step takes a TrainState (from step.init(params, buffers)), got "
+            f"{type(state).__name__}"
         )
 
 

@@ -228,7 +228,7 @@ def test_bad_arguments():
         fs.data_parallel(step, fs.Mesh(tp=1))
     with pytest.raises(TypeError, match="fscale.Mesh"):
         fs.data_parallel(step, "dp")
-    with pytest.raises(ValueError, match="already transformed"):
+    with pytest.raises(ValueError, match="already splits its batch over axis .dp."):
         fs.data_parallel(fs.data_parallel(step, fs.Mesh(dp=1)), fs.Mesh(dp=1))
     with pytest.raises(ValueError, match="bucket_mb"):
         fs.data_parallel(step, fs.Mesh(dp=1), bucket_mb=0)

@@ -405,7 +405,7 @@ def _hsdp(steps):
         s, _ = hybrid(s, _local(case, i, rank, 4))
     for i in range(steps):
         r, _ = replicated(r, _local(case, i, rank, 4))
-    padded = sum(u.numel for u in hybrid.plan.layout.units)
+    padded = sum(u.numel for u in hybrid.plan.find('fully_shard').layout.units)
     return (
         consolidate(hybrid, s).params, r.params, fs.memory.tree_bytes(s.params), padded,
         ledger.total_elements("all_reduce", "replica"),
@@ -609,7 +609,7 @@ def _disagreeing_ranks():
 
 
 def test_ranks_with_different_units_get_a_clear_error():
-    with pytest.raises(RankError, match="disagree on the parameters, buffers and units"):
+    with pytest.raises(RankError, match="disagree on the units"):
         run_spmd(_disagreeing_ranks, 2)
 
 
@@ -618,8 +618,10 @@ def test_bad_arguments():
     mesh = fs.Mesh(dp=1)
     with pytest.raises(ValueError, match="no axis 'dp'"):
         fully_shard(step, fs.Mesh(tp=1))
-    with pytest.raises(ValueError, match="already transformed"):
+    with pytest.raises(ValueError, match="already splits its batch over axis 'dp'"):
         fully_shard(fs.data_parallel(step, mesh), mesh)
+    with pytest.raises(ValueError, match="already shards its state"):
+        fully_shard(fs.shard_optimizer(step, fs.Mesh(dp=1, fsdp=1)), fs.Mesh(dp=1, fsdp=1), "fsdp")
     with pytest.raises(ValueError, match="`prefetch` must be an int >= 0"):
         fully_shard(step, mesh, prefetch=-1)
     with pytest.raises(TypeError, match="`units` must be None, a list of path prefixes"):
@@ -634,10 +636,6 @@ def test_bad_arguments():
     state = sharded.init({"w": torch.ones(3)})
     with pytest.raises(ValueError, match="not a sharded state of this step"):
         sharded(state._replace(params={"w": torch.ones(3)}), 0)
-    from fscale.parallel.fsdp.state import consolidate_fully_sharded
-
-    with pytest.raises(TypeError, match="made by fscale.parallel.fully_shard"):
-        consolidate_fully_sharded(step, state)
     assert "fully_shard(axis='dp' of size 1" in repr(sharded)
     with pytest.raises(TypeError, match=r"`params\['w'\]` must be a tensor, got float"):
         shard_state(sharded, state._replace(params={"w": 1.0}))

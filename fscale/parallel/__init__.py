@@ -1,19 +1,35 @@
-"""Parallel strategies as Step transformations: data parallel (DDP), ZeRO-1/2, fully sharded.
+"""Parallel strategies as Step transformations: data parallel (DDP), ZeRO-1/2, fully sharded,
+gradient accumulation. Each wraps the step's plan in a layer, so they compose in any order
+that makes sense (see `fscale.plan` and `fscale.parallel.layers`).
 
 `consolidate(step, state)` turns a sharded TrainState into the full one a single-process step
 takes, and `shard_state(step, full_state)` shards a full state for any world size; both work for
-every strategy here.
+every plan.
 """
 
+from fscale.parallel.accumulate import AccumulatePlan as AccumulatePlan
+from fscale.parallel.accumulate import accumulate as accumulate
+from fscale.parallel.ddp import DataParallelPlan as DataParallelPlan
+from fscale.parallel.ddp import HookState as HookState
 from fscale.parallel.ddp import data_parallel as data_parallel
+from fscale.parallel.fsdp import FullyShardPlan as FullyShardPlan
 from fscale.parallel.fsdp import fully_shard as fully_shard
-from fscale.parallel.zero import ShardedOptState as ShardedOptState
+from fscale.parallel.reduce import BucketInfo as BucketInfo
 from fscale.parallel.state import consolidate as consolidate
 from fscale.parallel.state import shard_state as shard_state
+from fscale.parallel.zero import ShardedOptimizerPlan as ShardedOptimizerPlan
+from fscale.parallel.zero import ShardedOptState as ShardedOptState
 from fscale.parallel.zero import shard_optimizer as shard_optimizer
 
 __all__ = [
+    "AccumulatePlan",
+    "BucketInfo",
+    "DataParallelPlan",
+    "FullyShardPlan",
+    "HookState",
     "ShardedOptState",
+    "ShardedOptimizerPlan",
+    "accumulate",
     "consolidate",
     "data_parallel",
     "fully_shard",

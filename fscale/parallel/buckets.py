@@ -167,6 +167,8 @@ class GradBuckets:
             so the gradients autograd hands back *are* the bucket contents (no second copy);
             when False it returns a stride-0 zero that holds no memory, for strategies that
             keep only a reduced copy or shard of each bucket.
+        initial: per leaf, a gradient to add to the one autograd delivers (the sum over the
+            earlier micro-batches of a step), or None.
     """
 
     def __init__(
@@ -176,10 +178,12 @@ class GradBuckets:
         on_ready: Callable[[Bucket, torch.Tensor], None],
         *,
         keep_grads: bool = True,
+        initial: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.buckets = list(buckets)
         self.on_ready = on_ready
         self.keep_grads = keep_grads
+        self.initial = None if initial is None else list(initial)
         self._where: list[tuple[int, int] | None] = [None] * num_leaves
         for position, bucket in enumerate(self.buckets):
             if bucket.index != position:
@@ -223,6 +227,8 @@ class GradBuckets:
         offset, numel = layout.offsets[slot], layout.numels[slot]
         target = data[offset : offset + numel].view(layout.shapes[slot])
         target.copy_(grad)
+        if self.initial is not None:
+            target.add_(self.initial[self.buckets[bucket_index].leaf_indices[slot]])
         self._delivered[bucket_index][slot] = True
         self._pending[bucket_index] -= 1
         if self._pending[bucket_index] == 0 and bucket_index == self._next_ready:
@@ -256,7 +262,11 @@ class GradBuckets:
                 for slot, delivered in enumerate(self._delivered[bucket.index]):
                     if not delivered:  # never written: holds uninitialised memory
                         offset = layout.offsets[slot]
-                        data[offset : offset + layout.numels[slot]].zero_()
+                        target = data[offset : offset + layout.numels[slot]]
+                        if self.initial is None:
+                            target.zero_()
+                        else:
+                            target.copy_(self.initial[bucket.leaf_indices[slot]].reshape(-1))
                 self._pending[bucket.index] = 0
             # Buckets are completed one at a time, so at most one incomplete buffer is
             # allocated beyond those the hooks already filled.

@@ -1,4 +1,4 @@
-"""`data_parallel(step, mesh)`: DDP as a transformation of a Step.
+"""`data_parallel(step, mesh)`: DDP as a transformation of any Step.
 
 Forward collective: none (`replicate` — parameters are used as they are on every rank).
 Backward collective: the dual of `replicate`, an all-reduce (mean) of the gradients, bucketed:
@@ -11,6 +11,12 @@ Memory per rank: full parameters, full gradients (once: in the reduced bucket bu
 the gradients are views of), full optimizer state. Traffic per rank per step: one all-reduce of
 Ψ elements, 2·Ψ·(N−1)/N under the ring model, plus one small all-reduce of the scalar metrics
 (and of the floating-point buffers, if any).
+
+Composition: the layer adds its axis to the step's gradient reducer (`fscale.parallel.reduce`),
+so it reduces the gradients of whatever the wrapped plan holds: full parameters, ZeRO's buckets
+(reduce-scattered over ZeRO's axis, then all-reduced over this one), or `fully_shard`'s shards
+(HSDP). A reduction hook replaces each bucket's all-reduce (PowerSGD and other compression run
+inside the overlapped, bucketed path).
 
 Buffers (BatchNorm running statistics): averaged over the axis after every step, so every rank
 holds the same buffers — the rule that keeps a data-parallel model one model. (torch DDP instead
@@ -31,140 +37,180 @@ the whole batch sums in another order than per-rank GEMMs plus an all-reduce).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
-import torch
-
-from fscale import optim as optim_lib
-from fscale import random as fsrandom
-from fscale import tree
-from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
-from fscale.memory import tree_bytes
-from fscale.parallel import common
-from fscale.parallel.buckets import GradBuckets, assign_buckets, forward_order
-from fscale.train import LocalPlan, Step, TrainState, value_and_grad
+from fscale.parallel import layers
+from fscale.parallel.reduce import ReduceHook, add_mean_axis, bucket_infos
+from fscale.plan import Context, Plan, TrainState
+from fscale.train import Step
 
-__all__ = ["DataParallelPlan", "data_parallel"]
-
-# As torch DDP: the first bucket (the last layers' gradients) is small, so the first all-reduce
-# starts early in backward; later buckets use `bucket_mb`.
-FIRST_BUCKET_BYTES = 1 << 20
+__all__ = ["DataParallelPlan", "HookState", "data_parallel"]
 
 
-@dataclasses.dataclass(frozen=True)
-class DataParallelPlan:
-    """Replicated parameters and optimizer state; gradients all-reduced (mean) over `axis`."""
+class HookState(NamedTuple):
+    """The optimizer state of a data-parallel step whose reduction hook keeps state.
 
+    Attributes:
+        inner: the wrapped plan's optimizer state.
+        hook: one state per gradient bucket (``hook.init(bucket)``), updated every step.
+    """
+
+    inner: Any
+    hook: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class DataParallelPlan(Plan):
+    """Replicate over `axis`: gradients averaged over it by a bucketed, overlapped all-reduce."""
+
+    inner: Plan
     mesh: Mesh
     axis: str
     bucket_bytes: int
+    hook: ReduceHook | None = None
 
-    def init(self, step: Step, params: Any, buffers: Any, key: torch.Tensor) -> TrainState:
-        lines = common.describe_tree(params) + ["buffers:"] + common.describe_tree(buffers)
-        common.check_same_on_all_ranks(
-            self.mesh, self.axis, lines, "the parameter and buffer trees", "data_parallel"
-        )
-        params = common.broadcast_tree(params, self.mesh, self.axis)
-        buffers = common.broadcast_tree(buffers, self.mesh, self.axis)
-        key = common.broadcast_tree(key, self.mesh, self.axis)
-        return LocalPlan().init(step, params, buffers, key)
+    @property
+    def name(self) -> str:
+        return "data_parallel"
 
-    def run(self, step: Step, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        key = fsrandom.fold_in(fsrandom.fold_in(state.key, int(state.step)), self.mesh.rank(self.axis))
-        if step.grad_mode == "func":
-            out, grads = self._grads_by_replicate(step, state, batch, key)
-        else:
-            out, grads = self._grads_by_buckets(step, state, batch, key)
-        params, opt_state = optim_lib.step(
-            step.optimizer, grads, state.opt_state, state.params, donate=step.donate
-        )
-        buffers = common.average_updated_buffers(state.buffers, out.buffers, self.mesh, self.axis)
-        metrics = common.reduce_metrics({"loss": out.loss, **out.metrics}, self.mesh, self.axis)
-        metrics["grad_bytes"] = tree_bytes(grads)
-        return TrainState(params, buffers, opt_state, state.step + 1, state.key), metrics
-
-    def _grads_by_buckets(self, step: Step, state: TrainState, batch: Any, key: torch.Tensor):
-        leaves, treedef = tree.flatten(state.params)
-        buckets = assign_buckets(
-            leaves,
-            self.bucket_bytes,
-            order=forward_order(state.params),
-            first_bucket_bytes=FIRST_BUCKET_BYTES,
-        )
-        in_flight: dict[int, collectives.Pending] = {}
-
-        def start_reduce(bucket, flat_grad):
-            in_flight[bucket.index] = collectives.all_reduce_start(
-                flat_grad, self.axis, "mean", mesh=self.mesh
-            )
-            # The all-reduce works on its own copy: drop the unreduced buffer now.
-            collector.release(bucket.index)
-
-        # The hooks copy each gradient into its bucket and hand autograd a stride-0 zero, so
-        # once a bucket's all-reduce has started the only copy of its gradients is the one
-        # being reduced.
-        collector = GradBuckets(buckets, len(leaves), start_reduce, keep_grads=False)
-        out, _ = value_and_grad(
-            step.loss_fn, state.params, state.buffers, batch, key, grad_hooks=collector.hooks()
-        )
-        collector.flush()
-        grads: list[Any] = [None] * len(leaves)
-        for bucket in buckets:
-            reduced = in_flight.pop(bucket.index).wait()
-            for leaf_index, view in zip(bucket.leaf_indices, bucket.layout.views(reduced)):
-                grads[leaf_index] = view
-        return out, tree.unflatten(treedef, grads)
-
-    def _grads_by_replicate(self, step: Step, state: TrainState, batch: Any, key: torch.Tensor):
-        # Under torch.func transforms autograd hooks do not run: place the dual pair directly,
-        # one `replicate` per leaf (correct and composable; no bucketing, no overlap).
-        def prepare(params):
-            return tree.map(
-                lambda p: collectives.replicate(p, self.axis, "mean", mesh=self.mesh), params
-            )
-
-        return value_and_grad(
-            step.loss_fn, state.params, state.buffers, batch, key, grad_mode="func", prepare=prepare
-        )
-
-    def __repr__(self) -> str:
+    def describe(self) -> str:
+        hook = "" if self.hook is None else f", hook={_name(self.hook)}"
         return (
             f"data_parallel(axis={self.axis!r} of size {self.mesh.size(self.axis)}, "
-            f"bucket={self.bucket_bytes / 2**20:g} MiB)"
+            f"bucket={self.bucket_bytes / 2**20:g} MiB{hook})"
         )
 
+    def own_data_axes(self) -> tuple[str, ...]:
+        return (self.axis,)
 
-def data_parallel(step: Step, mesh: Mesh, axis: str = "dp", *, bucket_mb: float = 25.0) -> Step:
-    """DDP: replicate parameters over `axis`, average gradients with a bucketed all-reduce.
+    def own_mesh(self) -> Mesh:
+        return self.mesh
+
+    @property
+    def _stateful(self) -> bool:
+        return self.hook is not None and callable(getattr(self.hook, "init", None))
+
+    def context(self, ctx: Context, hook_states: Any = None,
+                hook_out: dict[str, Any] | None = None) -> Context:
+        reducer = add_mean_axis(ctx.reducer, self.mesh, self.axis, self.bucket_bytes,
+                                self.hook, hook_states, hook_out)
+        return ctx.replace(reducer=reducer)
+
+    def init(self, step, params, buffers, key, ctx):  # type: ignore[no-untyped-def]
+        state = self.inner.init(step, params, buffers, key, self.context(ctx))
+        return self._with_hook_state(state) if self._stateful else state
+
+    def gradients(self, step, state, batch, ctx):  # type: ignore[no-untyped-def]
+        if not self._stateful:
+            return self.inner.gradients(step, state, batch, self.context(ctx))
+        opt_state = _hook_state(state.opt_state)
+        out: dict[str, Any] = {}
+        grads, aux = self.inner.gradients(
+            step, state._replace(opt_state=opt_state.inner), batch,
+            self.context(ctx, opt_state.hook, out),
+        )
+        # Under accumulation the hook runs on the last micro-batch only; a step whose
+        # reduction never ran keeps the states it had.
+        carry = {**aux.carry, self._carry_key: out.get("states", opt_state.hook)}
+        return grads, aux._replace(carry=carry)
+
+    def apply_gradients(self, step, state, grads, aux, ctx):  # type: ignore[no-untyped-def]
+        if not self._stateful:
+            return self.inner.apply_gradients(step, state, grads, aux, self.context(ctx))
+        opt_state = _hook_state(state.opt_state)
+        new_state, metrics = self.inner.apply_gradients(
+            step, state._replace(opt_state=opt_state.inner), grads, aux, self.context(ctx)
+        )
+        hook = aux.carry.get(self._carry_key, opt_state.hook)
+        return new_state._replace(opt_state=HookState(new_state.opt_state, hook)), metrics
+
+    def consolidate(self, step, state):  # type: ignore[no-untyped-def]
+        if self._stateful:
+            # The full state is what a step without the hook takes: the hook's state (error
+            # feedback, warm starts) starts afresh after resharding.
+            state = state._replace(opt_state=_hook_state(state.opt_state).inner)
+        return self.inner.consolidate(step, state)
+
+    def shard_state(self, step, full_state):  # type: ignore[no-untyped-def]
+        state = self.inner.shard_state(step, full_state)
+        return self._with_hook_state(state) if self._stateful else state
+
+    @property
+    def _carry_key(self) -> str:
+        return f"data_parallel:{self.axis}"
+
+    def _with_hook_state(self, state: TrainState) -> TrainState:
+        infos = bucket_infos(state.params, self.bucket_bytes, self.mesh, (self.axis,))
+        hook_states = tuple(self.hook.init(info) for info in infos)  # type: ignore[union-attr]
+        return state._replace(opt_state=HookState(state.opt_state, hook_states))
+
+
+def _hook_state(opt_state: Any) -> HookState:
+    if not isinstance(opt_state, HookState):
+        raise ValueError(
+            "data_parallel: the step has a stateful reduction hook but `state.opt_state` is a "
+            f"{type(opt_state).__name__}, not a HookState; build the state with this step's "
+            "init (or fscale.shard_state(step, full_state))"
+        )
+    return opt_state
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def data_parallel(
+    step: Step,
+    mesh: Mesh,
+    axis: str = "dp",
+    *,
+    bucket_mb: float = 25.0,
+    reduce_hook: ReduceHook | None = None,
+) -> Step:
+    """DDP: replicate over `axis`, average gradients with a bucketed all-reduce.
 
     Args:
-        step: a single-process Step from `fscale.train_step`.
+        step: any Step: from `fscale.train_step`, or already transformed (`fully_shard` for
+            HSDP, `shard_optimizer` over another axis, `accumulate`, a plan of your own).
         mesh: the mesh; `axis` must be one of its axes.
         axis: the data-parallel axis: each rank along it reads its own slice of the global batch
             (see `fscale.data.LMBatches(rank=..., world_size=...)`).
         bucket_mb: bucket size in MiB. Larger buckets mean fewer collectives; smaller ones start
             communicating earlier in backward.
+        reduce_hook: ``hook(flat_grad, bucket, state) -> (Pending, new_state)`` to run instead
+            of each bucket's all-reduce (mean); ``hook.init(bucket) -> state``, if present,
+            makes each bucket's state, kept in ``state.opt_state`` (a `HookState`). See
+            `fscale.parallel.reduce` and ``examples/powersgd.py``.
 
     Returns:
         A Step whose metrics (the loss and any scalar extras) are means over the axis, equal on
         every rank. See the module docstring for traffic, memory, buffers and numerics.
 
     Raises:
-        TypeError / ValueError: `step` is not a Step, `mesh` lacks `axis`, `step` is already
-            data parallel or sharded, or `bucket_mb` is not positive. At init, ranks that
-            disagree on the parameter tree get an error naming the first difference.
+        TypeError / ValueError: `step` is not a Step, `mesh` lacks `axis`, `bucket_mb` is not
+            positive, the step is already data parallel or sharded over `axis`, or a reduction
+            hook is combined with torch.func gradients or ZeRO. At init, ranks that disagree on
+            the parameter tree get an error naming the first difference.
     """
-    if not isinstance(step, Step):
-        raise TypeError(
-            f"data_parallel: `step` must be a Step from fscale.train_step, got {type(step).__name__}"
-        )
-    common.check_axis(mesh, axis, "data_parallel")
-    if not isinstance(step.plan, LocalPlan):
-        raise ValueError(
-            f"data_parallel: the step is already transformed ({step.plan!r}); apply "
-            "data_parallel to a single-process step from fscale.train_step, once per axis"
-        )
-    if not bucket_mb > 0:
-        raise ValueError(f"data_parallel: `bucket_mb` must be positive, got {bucket_mb!r}")
-    return step.replace(plan=DataParallelPlan(mesh, axis, int(bucket_mb * 2**20)))
+    layers.check_step(step, "data_parallel")
+    layers.check_axis_free(step, mesh, axis, "data_parallel")
+    bucket_bytes = layers.bucket_bytes(bucket_mb, "data_parallel")
+    if reduce_hook is not None:
+        if not callable(reduce_hook):
+            raise TypeError(
+                "data_parallel: `reduce_hook` must be callable as hook(flat_grad, bucket, "
+                f"state) -> (Pending, new_state), got {type(reduce_hook).__name__}"
+            )
+        if step.grad_mode != "autograd":
+            raise ValueError(
+                "data_parallel: a `reduce_hook` runs on gradient buckets during backward, which "
+                "torch.func gradients do not have; use grad_mode='autograd'"
+            )
+        if layers.find(step.plan, "shard_optimizer") is not None:
+            raise ValueError(
+                "data_parallel: a `reduce_hook` replaces the all-reduce of full gradient "
+                "buckets, but shard_optimizer reduce-scatters them; put the hook on a step "
+                "without shard_optimizer"
+            )
+    return step.replace(plan=DataParallelPlan(step.plan, mesh, axis, bucket_bytes, reduce_hook))

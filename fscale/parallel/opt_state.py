@@ -29,9 +29,11 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale import optim as optim_lib
+from fscale import random as fsrandom
 from fscale import tree
+from fscale.plan import Context, PlainOptimizer
 
-__all__ = ["StateMap", "StateSpec", "check_state", "state_spec"]
+__all__ = ["StateMap", "StateSpec", "check_state", "plan_state_init", "state_spec"]
 
 PyTree = Any
 
@@ -43,8 +45,28 @@ class StateSpec(NamedTuple):
     shapes: tuple[torch.Size, ...]
 
 
+InitFn = Callable[..., PyTree]
+"""``init(params, layout=...) -> state``: an optimizer's init, or a plan's opt_state init."""
+
+
+def plan_state_init(plan: Any, step: Any) -> InitFn:
+    """The optimizer state `plan`'s init makes (with the layers inside it) on given params.
+
+    Sharded layers build their state specs from it, so a user plan between them and the
+    innermost layer that adds per-parameter state (e.g. a copy of the params) is sharded and
+    consolidated by the same rule as the optimizer's own state.
+    """
+    key = fsrandom.key(0)
+
+    def init(params: PyTree, *, layout: optim_lib.Layout | None = None) -> PyTree:
+        ctx = Context(optimizer=PlainOptimizer(layout))
+        return plan.init(step, params, {}, key, ctx).opt_state
+
+    return init
+
+
 def state_spec(
-    optimizer: optim_lib.Optimizer,
+    optimizer: optim_lib.Optimizer | InitFn,
     params: PyTree,
     fragments: PyTree | None = None,
     devices: Sequence[torch.device] | None = None,
@@ -52,7 +74,7 @@ def state_spec(
     """What ``optimizer.init`` returns on `params`, computed on meta tensors (no memory).
 
     Args:
-        optimizer: the optimizer.
+        optimizer: the optimizer, or an init function (`plan_state_init`).
         params: meta tensors: the full parameters, or (with `fragments`) a rank's 1-D fragments.
         fragments: for a rank's fragments, the tree of `fscale.tree.Fragment` naming each one's
             place in its full tensor (given to the init as its layout); None for full tensors.
@@ -63,12 +85,13 @@ def state_spec(
     Returns:
         The state's structure and leaf shapes.
     """
+    init = optimizer.init if isinstance(optimizer, optim_lib.Optimizer) else optimizer
     layout = None
     if fragments is not None:
         # Only shapes are read, so the init's reductions need not reach the other ranks.
         layout = optim_lib.Layout(fragments, _local_sum)
     try:
-        state = optimizer.init(params, layout=layout)
+        state = init(params, layout=layout)
     except (NotImplementedError, RuntimeError):
         if devices is None:
             raise
@@ -76,7 +99,7 @@ def state_spec(
         real = [
             torch.zeros(t.shape, dtype=t.dtype, device=device) for t, device in zip(leaves, devices)
         ]
-        state = optimizer.init(tree.unflatten(treedef, real), layout=layout)
+        state = init(tree.unflatten(treedef, real), layout=layout)
     leaves, treedef = tree.flatten(state)
     return StateSpec(treedef, tuple(_shape(leaf) for leaf in leaves))
 

@@ -1,18 +1,21 @@
 """Moving a TrainState between strategies and world sizes: `consolidate` and `shard_state`.
 
-A sharded plan (ZeRO, fully sharded) knows how to join its state into the full one a
-single-process step takes, and how to cut a full state into this rank's shard; these two
-functions dispatch to it, and pass full states of unsharded plans through unchanged. Going
-``consolidate`` on N ranks then ``shard_state`` on M ranks reshards a run exactly.
+Every layer of a plan maps its part of the state (`fscale.Plan.consolidate` / `shard_state`):
+a sharded layer (ZeRO, fully sharded) joins its shards into the full state a single-process
+step takes and cuts a full state into this rank's shard, a layer that adds to the state
+unwraps and rewraps it, and a layer whose state is full passes it through. These two functions
+check their arguments and call the plan. Going ``consolidate`` on N ranks then
+``shard_state`` on M ranks reshards a run exactly.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fscale.parallel.ddp import DataParallelPlan
+from fscale.parallel import layers
 from fscale.parallel.zero.plan import ShardedOptState
-from fscale.train import LocalPlan, Step, TrainState
+from fscale.plan import TrainState
+from fscale.train import Step
 
 __all__ = ["consolidate", "shard_state"]
 
@@ -39,12 +42,11 @@ def consolidate(step: Step, state: TrainState) -> TrainState:
         ValueError: `state` does not belong to `step` (another world size, another optimizer).
     """
     _check_step_and_state("consolidate", step, state, "state")
-    if hasattr(step.plan, "consolidate"):  # a plan that shards state knows how to join it
-        return step.plan.consolidate(step, state)
-    return _already_full(
+    _check_not_zero_state(
         "consolidate", step, state,
         "`state` is sharded but `step` is not; pass the sharded step that made the state",
     )
+    return step.plan.consolidate(step, state)
 
 
 def shard_state(step: Step, full_state: TrainState) -> TrainState:
@@ -69,27 +71,20 @@ def shard_state(step: Step, full_state: TrainState) -> TrainState:
             structure and shapes of `step`'s optimizer on these parameters.
     """
     _check_step_and_state("shard_state", step, full_state, "full_state")
-    if hasattr(step.plan, "shard_state"):
-        return step.plan.shard_state(step, full_state)
-    return _already_full(
+    _check_not_zero_state(
         "shard_state", step, full_state,
         "`full_state.opt_state` is sharded; consolidate it first with "
         "fscale.consolidate(old_step, state)",
     )
+    return step.plan.shard_state(step, full_state)
 
 
-def _already_full(caller: str, step: Step, state: TrainState, if_sharded: str) -> TrainState:
-    """`state` itself, for a step whose state is full (`train_step`, `data_parallel`).
-
-    Raises:
-        ValueError: `state` holds a sharded optimizer state (`if_sharded` says what to do).
-        TypeError: the step's plan has no notion of a full state.
-    """
-    if not isinstance(step.plan, (LocalPlan, DataParallelPlan)):
-        raise TypeError(f"{caller}: steps with plan {step.plan!r} are not supported")
-    if isinstance(state.opt_state, ShardedOptState):
+def _check_not_zero_state(caller: str, step: Step, state: TrainState, if_sharded: str) -> None:
+    """A ZeRO state given to a step without a ZeRO layer: say what to do instead."""
+    if layers.find(step.plan, "shard_optimizer") is None and isinstance(
+        state.opt_state, ShardedOptState
+    ):
         raise ValueError(f"{caller}: {if_sharded}")
-    return state
 
 
 def _check_step_and_state(caller: str, step: Any, state: Any, name: str) -> None:

@@ -28,7 +28,7 @@ from fscale.parallel.fsdp.regather import Regather
 from fscale.parallel.fsdp.units import ROOT, UnitLayout
 
 if TYPE_CHECKING:
-    from fscale.parallel.fsdp.transform import FullyShardPlan
+    from fscale.parallel.fsdp.plan import FullyShardPlan
 
 __all__ = ["GatherStats", "Gatherer", "ShardedUnit", "track_gathers"]
 
@@ -131,9 +131,7 @@ class Gatherer:
         """Gather `shard` (differentiable: its gradient is reduce-scattered) and wait for it."""
         plan = self.plan
         tie = _track(unit.layout)
-        gathered = collectives.all_gather(
-            self._replicated(shard), plan.axis, 0, "mean", mesh=plan.mesh
-        )
+        gathered = collectives.all_gather(shard, plan.axis, 0, "mean", mesh=plan.mesh)
         tie(gathered)
         return gathered
 
@@ -147,13 +145,6 @@ class Gatherer:
             )
         return pending, tie
 
-    def _replicated(self, shard: torch.Tensor) -> torch.Tensor:
-        plan = self.plan
-        if plan.replicate_axis is None:
-            return shard
-        # HSDP: the dual of `replicate` all-reduces the gradient shard over the replicas.
-        return collectives.replicate(shard, plan.replicate_axis, "mean", mesh=plan.mesh)
-
     def _differentiable(self, unit: ShardedUnit, gathered: torch.Tensor) -> torch.Tensor:
         """`gathered` as the all-gather of `unit.shard`, for autograd, from the point of use.
 
@@ -163,7 +154,7 @@ class Gatherer:
         back until the previous unit's backward had run too.
         """
         plan = self.plan
-        return _GatheredFrom.apply(self._replicated(unit.shard), gathered, plan.axis, plan.mesh)
+        return _GatheredFrom.apply(unit.shard, gathered, plan.axis, plan.mesh)
 
     def prefetch(self, after: int) -> None:
         """Start the gathers of the `prefetch` units after position `after` not started yet."""
@@ -251,12 +242,12 @@ class ShardedUnit:
         self.reshard = reshard
         self.gatherer: Gatherer  # set once the step's gatherer exists
 
-    def _views(self, gathered: torch.Tensor) -> dict[str, torch.Tensor]:
+    def views(self, gathered: torch.Tensor) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.layout.flat.views(gathered)))
 
     def materialize(self) -> Mapping[str, torch.Tensor]:
         # The fallback: differentiable, kept until backward; prefetches the next units.
-        return self._views(self.gatherer.in_forward(self, grad=torch.is_grad_enabled()))
+        return self.views(self.gatherer.in_forward(self, grad=torch.is_grad_enabled()))
 
     def call(self, call: UnitCall) -> Any:
         if self.reshard == "remat":
@@ -264,9 +255,9 @@ class ShardedUnit:
         grad = torch.is_grad_enabled()
         gathered = self.gatherer.in_forward(self, grad=grad)
         if self.reshard == "keep" or not gathered.requires_grad:
-            return call.run(self._views(gathered), call.state, call.args, call.kwargs)
+            return call.run(self.views(gathered), call.state, call.args, call.kwargs)
         regather = self.gatherer.resharded_call(self, gathered)
-        return regather.run(call, self._views(gathered))
+        return regather.run(call, self.views(gathered))
 
     def _remat_call(self, call: UnitCall) -> Any:
         runs = 0
@@ -282,7 +273,7 @@ class ShardedUnit:
                 # The recompute in backward: a differentiable gather of the saved shard, whose
                 # gradient is the reduce-scatter of this unit's gradient.
                 gathered = self.gatherer.now(self, shard)
-            return call.run(self._views(gathered), state, args, kwargs)
+            return call.run(self.views(gathered), state, args, kwargs)
 
         # The shard and the submodule's other state are the remat's "module state" inputs, so
         # buffers updated in place (BatchNorm) are snapshotted and updated once.

@@ -12,21 +12,23 @@ sharded exactly as their parameters are.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fscale import optim as optim_lib
 from fscale import tree
 from fscale.distributed import collectives
-from fscale.parallel.opt_state import StateMap, check_state, state_spec
+from fscale.parallel.opt_state import InitFn, StateMap, check_state, plan_state_init, state_spec
 from fscale.parallel.fsdp.units import ShardLayout
-from fscale.train import Step, TrainState
+from fscale.plan import TrainState
+
+if TYPE_CHECKING:
+    from fscale.parallel.fsdp.plan import FullyShardPlan
 
 __all__ = ["consolidate_fully_sharded", "shard_fully_sharded"]
 
 
-def consolidate_fully_sharded(step: Step, state: TrainState) -> TrainState:
+def consolidate_fully_sharded(plan: FullyShardPlan, step: Any, state: TrainState) -> TrainState:
     """The full, unsharded TrainState of a `fully_shard` step, on every rank.
 
     A collective over the step's shard axis: every rank must call it. Parameters come back as
@@ -36,7 +38,8 @@ def consolidate_fully_sharded(step: Step, state: TrainState) -> TrainState:
     with `state`.
 
     Args:
-        step: the `fully_shard` step the state belongs to.
+        plan: the step's `fully_shard` layer.
+        step: the step the state belongs to.
         state: this rank's sharded state.
 
     Returns:
@@ -48,15 +51,14 @@ def consolidate_fully_sharded(step: Step, state: TrainState) -> TrainState:
             does not have the structure and shapes the step's optimizer gives (the message
             names the first difference).
     """
-    plan = _plan(step, "consolidate")
-    shards = plan._checked_shards(state.params)
+    shards = plan.checked_shards(state.params)
     layout = plan.layout
     mesh, axis = plan.mesh, plan.axis
     rank = mesh.rank(axis)
     devices = {
         name: shards[unit.name].device for unit in layout.units for name in unit.names
     }
-    state_map = _state_map(step.optimizer, layout, devices)
+    state_map = _state_map(plan_state_init(plan.inner, step), layout, devices)
     check_state(
         "consolidate", "state.opt_state", state.opt_state, state_map.ranks[rank],
         f"it is not rank {rank}'s optimizer state of this step",
@@ -76,14 +78,15 @@ def consolidate_fully_sharded(step: Step, state: TrainState) -> TrainState:
     return TrainState(params, state.buffers, opt_state, state.step, state.key)
 
 
-def shard_fully_sharded(step: Step, full_state: TrainState) -> TrainState:
+def shard_fully_sharded(plan: FullyShardPlan, step: Any, full_state: TrainState) -> TrainState:
     """This rank's sharded state for `step` from a full state (from `consolidate` or a run).
 
     Works at any world size: the full state does not remember how it was sharded. Every rank
     must pass the same full state. Nothing is communicated.
 
     Args:
-        step: a `fully_shard` step.
+        plan: the step's `fully_shard` layer.
+        step: the step.
         full_state: a TrainState with full ``{name: tensor}`` params and the optimizer state of
             ``step.optimizer.init(full params)``'s structure.
 
@@ -94,15 +97,10 @@ def shard_fully_sharded(step: Step, full_state: TrainState) -> TrainState:
         TypeError / ValueError: `step` is not a fully_shard step, or the state's optimizer
             state has another structure or shapes than the step's optimizer makes.
     """
-    plan = _plan(step, "shard_state")
-    if not isinstance(full_state, TrainState):
-        raise TypeError(
-            f"shard_state: `full_state` must be a TrainState, got {type(full_state).__name__}"
-        )
     layout = plan.layout_for(full_state.params)
     rank = plan.mesh.rank(plan.axis)
     devices = {name: tensor.device for name, tensor in full_state.params.items()}
-    state_map = _state_map(step.optimizer, layout, devices)
+    state_map = _state_map(plan_state_init(plan.inner, step), layout, devices)
     check_state(
         "shard_state", "full_state.opt_state", full_state.opt_state, state_map.full,
         "pass the full state of this step's optimizer on these params",
@@ -115,7 +113,7 @@ def shard_fully_sharded(step: Step, full_state: TrainState) -> TrainState:
 
 
 def _state_map(
-    optimizer: optim_lib.Optimizer, layout: ShardLayout, devices: dict[str, torch.device]
+    init: InitFn, layout: ShardLayout, devices: dict[str, torch.device]
 ) -> StateMap:
     """The optimizer's state on the full parameters and on every rank's fragments.
 
@@ -124,22 +122,11 @@ def _state_map(
     """
     # In the leaf order of the params dict (optree sorts its keys), as state_spec flattens it.
     leaf_devices = tree.leaves({name: devices[name] for name in layout.param_order})
-    full = state_spec(optimizer, layout.meta_params(), devices=leaf_devices)
+    full = state_spec(init, layout.meta_params(), devices=leaf_devices)
     ranks = [
         state_spec(
-            optimizer, layout.meta_fragments(rank), layout.fragments(rank), devices=leaf_devices
+            init, layout.meta_fragments(rank), layout.fragments(rank), devices=leaf_devices
         )
         for rank in range(layout.num_shards)
     ]
     return StateMap(full, ranks)
-
-
-def _plan(step: Any, caller: str) -> Any:
-    from fscale.parallel.fsdp.transform import FullyShardPlan
-
-    if not isinstance(step, Step) or not isinstance(step.plan, FullyShardPlan):
-        raise TypeError(
-            f"{caller}: `step` must be a step made by fscale.parallel.fully_shard, got "
-            f"{step!r}"
-        )
-    return step.plan

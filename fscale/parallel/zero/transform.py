@@ -59,11 +59,15 @@ gloo's reduce-scatter and all-reduce associate the four terms differently for so
 results agree to rounding. Non-pointwise statistics are sums over fragments completed by an
 all-reduce, which also differ from the unsharded sums by rounding.
 
-Composition. `shard_optimizer` takes a Step from `train_step` or from `data_parallel` over the
-same axis; in the latter case it *replaces* the data-parallel all-reduce (the reduce-scatter
-already averages the gradients). Combining it with data parallelism over another axis (HSDP) or
-sharding twice is refused. `fscale.checkpoint` inside the loss and `fscale.offload_optimizer`
-around the optimizer compose unchanged (each rank offloads its own shard).
+Composition. `shard_optimizer` wraps any plan: the layer makes the step's gradient reducer
+scatter over its axis and runs the optimizer on the owned fragments (its `ZeroOptimizer` role),
+so a plan of your own inside it (local SGD, DiLoCo) has its optimizer state sharded without
+knowing it. Around `data_parallel` over the same axis it *replaces* the data-parallel all-reduce
+(the reduce-scatter already averages the gradients); with data parallelism over another axis,
+each bucket's shard is then all-reduced over that axis (ZeRO within a replica, replicas
+averaged). Sharding twice, or with `fully_shard`, is refused. `fscale.checkpoint` inside the
+loss, `fs.accumulate` (one reduce-scatter per step) and `fscale.offload_optimizer` around the
+optimizer compose unchanged (each rank offloads its own shard).
 
 State in and out: `consolidate(step, state)` returns the full, unsharded TrainState on every
 rank (what a single-process step takes); `shard_state(step, full_state)` builds the sharded
@@ -73,18 +77,17 @@ from the full one on some rank is a per-element leaf whose ranks' pieces tile it
 rank order, any other leaf is replicated.
 
 Code: this module holds the transformation; the plan that runs a step is
-`fscale.parallel.zero.plan`, the bucket layout `fscale.parallel.zero.layout`.
+`fscale.parallel.zero.plan`, the bucket layout `fscale.parallel.bucket_layout`.
 """
 
 from __future__ import annotations
 
 from fscale.distributed.mesh import Mesh
-from fscale.parallel import common
-from fscale.parallel.ddp import DataParallelPlan
-from fscale.parallel.zero.plan import ShardedOptimizerPlan, ShardedOptState
-from fscale.train import LocalPlan, Step
+from fscale.parallel import layers
+from fscale.parallel.zero.plan import ShardedOptimizerPlan
+from fscale.train import Step
 
-__all__ = ["ShardedOptState", "ShardedOptimizerPlan", "shard_optimizer"]
+__all__ = ["shard_optimizer"]
 
 
 def shard_optimizer(
@@ -104,8 +107,8 @@ def shard_optimizer(
     See the module docstring for layout, traffic, memory and numerics.
 
     Args:
-        step: a Step from `fscale.train_step`, or from `data_parallel` over the same `axis`
-            (whose all-reduce this replaces: the reduce-scatter already averages gradients).
+        step: any Step: from `fscale.train_step`, `data_parallel` (over `axis`: replaced; over
+            another axis: kept), `accumulate`, or a plan of your own.
         mesh: the mesh; `axis` must be one of its axes.
         axis: the data-parallel axis the state is sharded over; each rank reads its own slice
             of the global batch.
@@ -114,13 +117,14 @@ def shard_optimizer(
 
     Returns:
         A Step whose state holds replicated parameters and a `ShardedOptState`; its metrics
-        (the loss and scalar extras) are means over the axis, plus ``grad_bytes`` and
+        (the loss and scalar extras) are means over the data axes, plus ``grad_bytes`` and
         ``grad_peak_bytes``. Use `consolidate` / `shard_state` to convert states.
 
     Raises:
         TypeError: `step` is not a Step, `mesh` is not a Mesh, or `shard_grads` is not a bool.
-        ValueError: `mesh` lacks `axis`; `step` is already sharded, data parallel over another
-            axis, or transformed otherwise; `bucket_mb` is not positive. At init, ranks that
+        ValueError: `mesh` lacks `axis`; the step already shards its optimizer (here or with
+            `fully_shard`), or another layer splits the batch over `axis`; `bucket_mb` is not
+            positive; a data-parallel reduction hook is in the step. At init, ranks that
             disagree on the parameter tree get an error naming the first difference.
 
     Example::
@@ -129,38 +133,26 @@ def shard_optimizer(
         state = step.init(params, buffers)
         state, metrics = step(state, local_batch)
     """
-    if not isinstance(step, Step):
-        raise TypeError(
-            f"shard_optimizer: `step` must be a Step from fscale.train_step, got "
-            f"{type(step).__name__}"
-        )
-    common.check_axis(mesh, axis, "shard_optimizer")
+    layers.check_step(step, "shard_optimizer")
     if not isinstance(shard_grads, bool):
         raise TypeError(
             f"shard_optimizer: `shard_grads` must be True or False, got {shard_grads!r}"
         )
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+    bucket_bytes = layers.bucket_bytes(bucket_mb, "shard_optimizer")
+    sharding = layers.sharding_layer(step.plan)
+    if sharding is not None:
         raise ValueError(
-            f"shard_optimizer: `bucket_mb` must be a positive number, got {bucket_mb!r}"
+            f"shard_optimizer: the step already shards its optimizer state ({sharding.describe()}); "
+            "shard it once: shard_optimizer for ZeRO-1/2 or fully_shard for ZeRO-3"
         )
-    plan = step.plan
-    if isinstance(plan, ShardedOptimizerPlan):
+    dp = layers.find(step.plan, "data_parallel")
+    if dp is not None and getattr(dp, "hook", None) is not None:
         raise ValueError(
-            f"shard_optimizer: the step already shards its optimizer ({plan!r}); shard it once, "
-            "from a step of fscale.train_step or fscale.data_parallel"
+            "shard_optimizer: the step's data_parallel layer has a reduction hook, which "
+            "compresses full-gradient all-reduces; ZeRO reduce-scatters instead. Drop the hook "
+            "or the sharding"
         )
-    if isinstance(plan, DataParallelPlan) and plan.axis != axis:
-        raise ValueError(
-            f"shard_optimizer: the step is data parallel over axis {plan.axis!r} but the "
-            f"optimizer would be sharded over {axis!r}; replicating over one axis while sharding "
-            "over another (HSDP) is not supported: shard over the data-parallel axis, "
-            f"shard_optimizer(step, mesh, axis={plan.axis!r})"
-        )
-    if not isinstance(plan, (LocalPlan, DataParallelPlan)):
-        raise ValueError(
-            f"shard_optimizer: cannot shard the optimizer of a step with plan {plan!r}; apply it "
-            "to a step from fscale.train_step or fscale.data_parallel"
-        )
+    layers.check_axis_free(step, mesh, axis, "shard_optimizer", replaces=("data_parallel",))
     return step.replace(
-        plan=ShardedOptimizerPlan(mesh, axis, int(bucket_mb * 2**20), shard_grads)
+        plan=ShardedOptimizerPlan(step.plan, mesh, axis, bucket_bytes, shard_grads)
     )

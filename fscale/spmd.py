@@ -1,4 +1,14 @@
-"""What every parallel plan needs: argument checks, cross-rank agreement, metrics reduction."""
+"""What every multi-rank plan needs, public for strategy authors: agreement, broadcast, keys, means.
+
+- `check_axis`: a mesh with the named axis, or a clear error at the boundary.
+- `check_same_on_all_ranks` / `describe_tree`: ranks that build different models fail at once,
+  naming the first difference, instead of hanging in a collective whose shapes disagree.
+- `broadcast_tree`: index 0's values on every rank (the start of a data-parallel run).
+- `rank_key`: the key of one step on one rank: folded by the step count and the rank's
+  coordinate along the data axes, so dropout differs across ranks and replays exactly.
+- `average_updated_buffers`, `mean_floating_leaves`, `reduce_metrics`: the end of a step.
+- `all_gather_objects`: set-up metadata from every rank (not recorded in the comm ledger).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fscale import random as fsrandom
 from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 
 __all__ = [
     "all_gather_objects",
+    "rank_key",
     "average_updated_buffers",
     "broadcast_tree",
     "check_axis",
@@ -22,6 +34,15 @@ __all__ = [
     "mean_floating_leaves",
     "reduce_metrics",
 ]
+
+
+def rank_key(key: torch.Tensor, step: int, mesh: Mesh | None, axes: tuple[str, ...]) -> torch.Tensor:
+    """The key of step `step` on this rank: `key` folded with the step, then with this rank's
+    row-major index over the data `axes` (not folded when there are none)."""
+    step_key = fsrandom.fold_in(key, step)
+    if mesh is None or not axes:
+        return step_key
+    return fsrandom.fold_in(step_key, mesh.rank(axes if len(axes) > 1 else axes[0]))
 
 
 def check_axis(mesh: Any, axis: str, caller: str) -> None:

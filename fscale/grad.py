@@ -1,0 +1,216 @@
+"""`value_and_grad`: the loss and its gradient w.r.t. a parameter pytree, the one place it is taken.
+
+Gradients are taken with ``torch.autograd.grad`` w.r.t. detached aliases (no copies) of the
+parameter leaves (measured: as fast as eager ``loss.backward()`` and the least memory), or with
+``torch.func.grad`` (``grad_mode="func"``) for a step that outer torch.func transforms can see
+through (it builds a second-order graph: about 2x the peak memory).
+
+Plans change what happens around the differentiation through a `fscale.plan.Context`, so that a
+plan need not know the plans wrapped around it:
+
+- ``ctx.param_maps``: differentiable maps from the live leaves to what ``loss_fn`` receives (a
+  fully sharded plan gathers its shards here);
+- ``ctx.reducer``: how the gradients of the live leaves are reduced across ranks (bucketed and
+  overlapped with backward through per-leaf hooks, or after backward under torch.func);
+- ``ctx.accumulated`` / ``ctx.final``: gradients of earlier micro-batches to add in, and
+  whether this backward completes the step's gradient (reductions run only then, once);
+- ``ctx.loss_weight``: the factor the loss is scaled by before differentiation (a micro-batch's
+  share of the batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from fscale import tree
+
+if TYPE_CHECKING:
+    from fscale.plan import Context
+
+__all__ = ["GRAD_MODES", "LossOutput", "normalize_loss_output", "value_and_grad"]
+
+PyTree = Any
+Metrics = dict[str, Any]
+GRAD_MODES = ("autograd", "func")
+
+
+class LossOutput(NamedTuple):
+    """What a loss function returned, normalised: the loss, the new buffers, extra metrics."""
+
+    loss: torch.Tensor
+    buffers: PyTree
+    metrics: Metrics
+
+
+def normalize_loss_output(out: Any, buffers: PyTree) -> LossOutput:
+    """Accept ``loss``, ``(loss, new_buffers)`` or ``(loss, new_buffers, metrics)``."""
+    if isinstance(out, torch.Tensor):
+        loss, new_buffers, metrics = out, buffers, {}
+    elif isinstance(out, tuple) and len(out) in (2, 3):
+        loss, new_buffers = out[0], out[1]
+        metrics = dict(out[2]) if len(out) == 3 else {}
+        if new_buffers is None:
+            new_buffers = buffers
+    else:
+        raise TypeError(
+            "loss_fn must return the loss, (loss, new_buffers) or (loss, new_buffers, metrics); "
+            f"got {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, tuple) else "")
+        )
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() > 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"loss_fn must return a scalar loss (the mean over the local batch), got {shape}; "
+            "reduce it with .mean() inside loss_fn"
+        )
+    if not loss.is_floating_point():
+        raise TypeError(f"loss_fn returned a loss of dtype {loss.dtype}; expected a float tensor")
+    return LossOutput(loss.reshape(()), new_buffers, metrics)
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any],
+    params: PyTree,
+    buffers: PyTree,
+    batch: Any,
+    key: torch.Tensor,
+    *,
+    grad_mode: str = "autograd",
+    prepare: Callable[[PyTree], PyTree] | None = None,
+    grad_hooks: list[Callable[[torch.Tensor], torch.Tensor] | None] | None = None,
+    ctx: Context | None = None,
+) -> tuple[LossOutput, PyTree]:
+    """Loss outputs and the gradient of the loss w.r.t. every leaf of `params`.
+
+    Args:
+        loss_fn: ``loss_fn(params, buffers, batch, key)`` returning the mean loss over the
+            batch, ``(loss, new_buffers)`` or ``(loss, new_buffers, metrics)``.
+        params: the pytree to differentiate w.r.t.; it is not modified.
+        buffers, batch, key: passed through to `loss_fn`.
+        grad_mode: ``"autograd"`` (default, first-order, least memory) or ``"func"``
+            (``torch.func.grad``; composes with outer torch.func transforms).
+        prepare: a differentiable map applied to the live parameters before `loss_fn` sees
+            them, after the context's maps.
+        grad_hooks: one hook per leaf of `params` (``None`` entries allowed), registered on the
+            live leaves on the autograd path; each runs as soon as that leaf's gradient is
+            complete and may return a replacement.
+        ctx: what the plans around the caller ask for (see the module docstring); None is
+            the empty context.
+
+    Returns:
+        ``(LossOutput(loss, new_buffers, metrics), grads)`` with `grads` shaped like `params`
+        (zeros for leaves the loss does not use) or, when the context's reducer scatters
+        them, in the reducer's layout. The loss is detached and unweighted; the metrics
+        include what the reducer reports (e.g. ``grad_peak_bytes``).
+    """
+    if grad_mode not in GRAD_MODES:
+        raise ValueError(f"`grad_mode` must be one of {GRAD_MODES}, got {grad_mode!r}")
+    leaves, treedef = tree.flatten(params)
+    maps = list(ctx.param_maps) if ctx is not None else []
+    if prepare is not None:
+        maps.append(prepare)
+    weight = ctx.loss_weight if ctx is not None else 1.0
+    reducing = ctx is not None and ctx.reducer is not None and ctx.final
+    session = ctx.reducer.session(params, grad_mode) if reducing else None  # type: ignore[union-attr]
+    accumulated = None
+    if ctx is not None and ctx.accumulated is not None:
+        accumulated = _accumulated_leaves(ctx.accumulated, treedef)
+    if session is not None:
+        session.seed(accumulated)
+        maps.insert(0, session.prepare)
+
+    def call_loss(live_tree: PyTree) -> LossOutput:
+        for fn in maps:
+            live_tree = fn(live_tree)
+        out = normalize_loss_output(loss_fn(live_tree, buffers, batch, key), buffers)
+        for fn in maps:
+            after_forward = getattr(fn, "after_forward", None)
+            if after_forward is not None:
+                after_forward()
+        return out
+
+    if grad_mode == "func":
+        out, grads = _value_and_grad_func(call_loss, leaves, treedef, weight)
+    else:
+        hooks = list(grad_hooks) if grad_hooks is not None else [None] * len(leaves)
+        if session is not None:
+            hooks = _chain_hooks(hooks, session.hooks())
+        out, grads = _value_and_grad_autograd(call_loss, leaves, treedef, hooks, weight)
+    for fn in maps:
+        finish = getattr(fn, "after_backward", None)
+        if finish is not None:
+            finish()
+    if session is not None:
+        grads = session.finish(grads)
+        out = out._replace(metrics={**out.metrics, **session.metrics()})
+    elif accumulated is not None:
+        grads = tree.unflatten(
+            treedef, [g + a for g, a in zip(tree.leaves(grads), accumulated)]
+        )
+    return out, grads
+
+
+def _accumulated_leaves(accumulated: PyTree, treedef: Any) -> list[torch.Tensor]:
+    leaves, accumulated_def = tree.flatten(accumulated)
+    if accumulated_def != treedef:
+        raise ValueError(
+            f"value_and_grad: `ctx.accumulated` has structure {accumulated_def} but the params "
+            f"have {treedef}; accumulate gradients in the layout of the params they belong to"
+        )
+    return leaves
+
+
+def _chain_hooks(first: list[Any], second: list[Any]) -> list[Any]:
+    def both(a: Callable[[torch.Tensor], Any], b: Callable[[torch.Tensor], Any]) -> Any:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            replaced = a(grad)
+            return b(grad if replaced is None else replaced)
+
+        return hook
+
+    return [b if a is None else a if b is None else both(a, b) for a, b in zip(first, second)]
+
+
+def _weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
+    return loss if weight == 1.0 else loss * weight
+
+
+def _value_and_grad_autograd(
+    call_loss: Callable[[PyTree], LossOutput],
+    leaves: list[torch.Tensor],
+    treedef: Any,
+    hooks: list[Any],
+    weight: float,
+) -> tuple[LossOutput, PyTree]:
+    with torch.enable_grad():
+        live = [leaf.detach().requires_grad_(True) for leaf in leaves]
+        for leaf, hook in zip(live, hooks):
+            if hook is not None:
+                leaf.register_hook(hook)
+        out = call_loss(tree.unflatten(treedef, live))
+        if not out.loss.requires_grad:
+            raise ValueError(
+                "the loss does not depend on `params`: check that loss_fn uses the params it is "
+                "given (not the module's own parameters)"
+            )
+        grads = torch.autograd.grad(
+            _weighted(out.loss, weight), live, allow_unused=True, materialize_grads=True
+        )
+    return out._replace(loss=out.loss.detach()), tree.unflatten(treedef, list(grads))
+
+
+def _value_and_grad_func(
+    call_loss: Callable[[PyTree], LossOutput],
+    leaves: list[torch.Tensor],
+    treedef: Any,
+    weight: float,
+) -> tuple[LossOutput, PyTree]:
+    def objective(*flat_params: torch.Tensor) -> tuple[torch.Tensor, LossOutput]:
+        out = call_loss(tree.unflatten(treedef, list(flat_params)))
+        return _weighted(out.loss, weight), out
+
+    argnums = tuple(range(len(leaves)))
+    grads, out = torch.func.grad(objective, argnums=argnums, has_aux=True)(*leaves)
+    return out._replace(loss=out.loss.detach()), tree.unflatten(treedef, list(grads))

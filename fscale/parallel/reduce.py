@@ -1,0 +1,366 @@
+"""The one gradient-reduction engine: bucketed, overlapped with backward, for every data axis.
+
+Data parallel layers add their axis to a `GradReducer` (mean over the axis); `shard_optimizer`
+makes it scatter over its axis; the innermost plan opens a session on the state's parameter
+leaves for the backward pass that completes a step's gradient (`fscale.grad.value_and_grad`).
+So ``data_parallel(data_parallel(step, mesh, "a"), mesh, "b")`` is one all-reduce over
+``("a", "b")``, ZeRO inside data parallelism over another axis reduce-scatters over its own
+axis and then all-reduces the shard over the other, and data parallelism around `fully_shard`
+(HSDP) all-reduces the gradient shards — whatever the order the transformations were written in.
+
+Autograd path. Leaves are packed into buckets (`fscale.parallel.buckets`: reverse order of use,
+a small first bucket as torch DDP); each leaf's gradient is copied into its bucket by a hook the
+moment it is final, and the bucket's collective starts as soon as the bucket is complete:
+
+- all-reduce (mean) over the axes, or the user's reduction hook on the bucket's flat gradient;
+- with a scatter axis (ZeRO), the aligned bucket layout of `fscale.parallel.bucket_layout`: a
+  reduce-scatter (mean) during backward (``shard_grads=True``, at most two in flight, full
+  buckets freed once their reduction starts) or after it (ZeRO-1), then an all-reduce of the
+  shard over the remaining axes. Gradients come back as each bucket's shard.
+
+torch.func path (no hooks run): a differentiable `replicate` per leaf places the all-reduce in
+the graph (so outer torch.func transforms see it); with a scatter axis or gradients carried from
+earlier micro-batches, the reduction runs after backward instead.
+
+A reduction hook ``hook(flat_grad, bucket, state) -> (Pending, new_state)`` replaces the
+bucket's all-reduce (gradient compression in the overlapped path, as DDP's comm hooks). `state`
+is the hook's state for that bucket, kept in the TrainState by `data_parallel`
+(`hook.init(bucket)` makes it; a hook without ``init`` has the state None).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from fscale import tree
+from fscale.distributed import collectives
+from fscale.distributed.mesh import Mesh
+from fscale.parallel.buckets import Bucket, GradBuckets, assign_buckets, forward_order
+from fscale.parallel.bucket_layout import BucketLayout, layout_of
+
+__all__ = ["BucketInfo", "FIRST_BUCKET_BYTES", "GradReducer", "ReduceHook", "bucket_infos"]
+
+PyTree = Any
+
+# As torch DDP: the first bucket (the last layers' gradients) is small, so the first all-reduce
+# starts early in backward; later buckets use the reducer's bucket size.
+FIRST_BUCKET_BYTES = 1 << 20
+
+# Reductions allowed in flight before the oldest is waited for (ZeRO-2's memory bound).
+MAX_IN_FLIGHT = 2
+
+
+class BucketInfo(NamedTuple):
+    """What a reduction hook is told about the bucket it reduces."""
+
+    index: int
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    mesh: Mesh
+    axes: tuple[str, ...]
+
+
+ReduceHook = Callable[[torch.Tensor, BucketInfo, Any], tuple[collectives.Pending, Any]]
+
+
+def _axis(axes: tuple[str, ...]) -> str | tuple[str, ...]:
+    return axes[0] if len(axes) == 1 else axes
+
+
+@dataclasses.dataclass(frozen=True)
+class GradReducer:
+    """How the gradients of the state's leaves are reduced; see the module docstring.
+
+    Attributes:
+        mesh: the mesh of the axes.
+        mean_axes: axes the gradients are averaged over (outermost layer first).
+        scatter_axis: the axis they are reduce-scattered over (ZeRO), or None.
+        bucket_bytes: the bucket size.
+        shard_grads: with a scatter axis, reduce-scatter during backward (ZeRO-2) or after.
+        hook: a reduction hook replacing each bucket's all-reduce, or None.
+        hook_states: the hook's per-bucket states for this step.
+        hook_out: where the session leaves the hook's new states (one dict per step call).
+    """
+
+    mesh: Mesh
+    mean_axes: tuple[str, ...] = ()
+    scatter_axis: str | None = None
+    bucket_bytes: int = 25 << 20
+    shard_grads: bool = True
+    hook: ReduceHook | None = None
+    hook_states: tuple[Any, ...] | None = None
+    hook_out: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def all_reduce_axes(self) -> tuple[str, ...]:
+        """The axes left for the all-reduce once the scatter axis has averaged its own."""
+        return tuple(a for a in self.mean_axes if a != self.scatter_axis)
+
+    def session(self, params: PyTree, grad_mode: str) -> Any:
+        if self.scatter_axis is not None:
+            return _ScatterSession(self, params, grad_mode)
+        return _AllReduceSession(self, params, grad_mode)
+
+
+def add_mean_axis(reducer: GradReducer | None, mesh: Mesh, axis: str, bucket_bytes: int,
+                  hook: ReduceHook | None = None, hook_states: Any = None,
+                  hook_out: dict[str, Any] | None = None) -> GradReducer:
+    """`reducer` (or a new one) that also averages over `axis`."""
+    if reducer is None:
+        return GradReducer(mesh, (axis,), None, bucket_bytes, True, hook, hook_states, hook_out)
+    changes: dict[str, Any] = {"mean_axes": (*reducer.mean_axes, axis)}
+    if hook is not None:
+        changes.update(hook=hook, hook_states=hook_states, hook_out=hook_out)
+    return dataclasses.replace(reducer, **changes)
+
+
+def add_scatter_axis(reducer: GradReducer | None, mesh: Mesh, axis: str, bucket_bytes: int,
+                     shard_grads: bool) -> GradReducer:
+    """`reducer` (or a new one) that reduce-scatters over `axis` (the ZeRO layout's buckets)."""
+    if reducer is None:
+        return GradReducer(mesh, (), axis, bucket_bytes, shard_grads)
+    return dataclasses.replace(
+        reducer, scatter_axis=axis, bucket_bytes=bucket_bytes, shard_grads=shard_grads
+    )
+
+
+def bucket_infos(params: PyTree, reducer_bucket_bytes: int, mesh: Mesh,
+                 axes: tuple[str, ...]) -> list[BucketInfo]:
+    """The buckets a data-parallel reducer forms over `params` (for a hook's `init`)."""
+    leaves = tree.leaves(params)
+    buckets = assign_buckets(leaves, reducer_bucket_bytes, order=forward_order(params),
+                             first_bucket_bytes=FIRST_BUCKET_BYTES)
+    return [_info(bucket, mesh, axes) for bucket in buckets]
+
+
+def _info(bucket: Bucket, mesh: Mesh, axes: tuple[str, ...]) -> BucketInfo:
+    layout = bucket.layout
+    return BucketInfo(bucket.index, layout.numel, layout.dtype, layout.device, mesh, axes)
+
+
+class _AllReduceSession:
+    """Buckets of full gradients, each all-reduced (mean) or hooked as soon as it is complete."""
+
+    def __init__(self, reducer: GradReducer, params: PyTree, grad_mode: str) -> None:
+        self.reducer = reducer
+        self.axes = reducer.all_reduce_axes
+        self.leaves, self.treedef = tree.flatten(params)
+        self.func = grad_mode == "func"
+        self.initial: list[torch.Tensor] | None = None
+        self.in_flight: dict[int, collectives.Pending] = {}
+        self.new_states: dict[int, Any] = {}
+        self.collector: GradBuckets | None = None
+
+    def seed(self, initial: Sequence[torch.Tensor] | None) -> None:
+        self.initial = None if initial is None else list(initial)
+
+    def prepare(self, live: PyTree) -> PyTree:
+        if not self.func or self.initial is not None:
+            return live
+        # torch.func runs no hooks: place the dual pair in the graph, one replicate per leaf.
+        axis, mesh = _axis(self.axes), self.reducer.mesh
+        return tree.map(lambda p: collectives.replicate(p, axis, "mean", mesh=mesh), live)
+
+    def hooks(self) -> list[Any]:
+        if self.func:
+            return [None] * len(self.leaves)
+        self.buckets = assign_buckets(
+            self.leaves, self.reducer.bucket_bytes, order=forward_order(
+                tree.unflatten(self.treedef, self.leaves)),
+            first_bucket_bytes=FIRST_BUCKET_BYTES,
+        )
+        # Each hook copies its gradient into the bucket and hands autograd a stride-0 zero, so
+        # once a bucket's reduction has started the only copy is the one being reduced.
+        self.collector = GradBuckets(self.buckets, len(self.leaves), self._start,
+                                     keep_grads=False, initial=self.initial)
+        return self.collector.hooks()
+
+    def _start(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
+        reducer = self.reducer
+        if reducer.hook is None:
+            self.in_flight[bucket.index] = collectives.all_reduce_start(
+                flat_grad, _axis(self.axes), "mean", mesh=reducer.mesh
+            )
+        else:
+            state = None if reducer.hook_states is None else reducer.hook_states[bucket.index]
+            pending, self.new_states[bucket.index] = reducer.hook(
+                flat_grad, _info(bucket, reducer.mesh, self.axes), state
+            )
+            if not isinstance(pending, collectives.Pending):
+                raise TypeError(
+                    "data_parallel: the reduction hook must return (fscale.distributed.Pending, "
+                    f"new_state), got a {type(pending).__name__} first"
+                )
+            self.in_flight[bucket.index] = pending
+        self.collector.release(bucket.index)  # type: ignore[union-attr]
+
+    def finish(self, grads: PyTree) -> PyTree:
+        if self.func:
+            if self.initial is None:
+                return grads
+            axis, mesh = _axis(self.axes), self.reducer.mesh
+            summed = [g + a for g, a in zip(tree.leaves(grads), self.initial)]
+            return tree.unflatten(self.treedef, [
+                collectives.all_reduce(g, axis, "mean", mesh=mesh) for g in summed
+            ])
+        assert self.collector is not None
+        self.collector.flush()
+        reduced: list[Any] = [None] * len(self.leaves)
+        for bucket in self.buckets:
+            flat = self.in_flight.pop(bucket.index).wait()
+            for leaf_index, view in zip(bucket.leaf_indices, bucket.layout.views(flat)):
+                reduced[leaf_index] = view
+        if self.reducer.hook_out is not None:
+            self.reducer.hook_out["states"] = tuple(
+                self.new_states.get(b.index) for b in self.buckets
+            )
+        return tree.unflatten(self.treedef, reduced)
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
+
+
+class _ShardedGradBuckets(GradBuckets):
+    """`GradBuckets` whose buffers start zeroed (the aligned layout's gaps included)."""
+
+    def __init__(self, buckets: Sequence[Bucket], num_leaves: int,
+                 on_ready: Callable[[Bucket, torch.Tensor], None],
+                 on_allocate: Callable[[torch.Tensor], None],
+                 initial: Sequence[torch.Tensor] | None) -> None:
+        super().__init__(buckets, num_leaves, on_ready, keep_grads=False, initial=initial)
+        self._on_allocate = on_allocate
+
+    def _deliver(self, bucket_index: int, slot: int, grad: torch.Tensor) -> torch.Tensor:
+        if self._data[bucket_index] is None:
+            layout = self.buckets[bucket_index].layout
+            data = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
+            self._data[bucket_index] = data
+            self._on_allocate(data)
+        return super()._deliver(bucket_index, slot, grad)
+
+    def release(self, bucket_index: int) -> None:
+        self._data[bucket_index] = None
+
+
+class _ScatterSession:
+    """ZeRO's buckets: reduce-scattered (mean) over the scatter axis, then all-reduced."""
+
+    def __init__(self, reducer: GradReducer, params: PyTree, grad_mode: str) -> None:
+        self.reducer = reducer
+        self.func = grad_mode == "func"
+        self.params = params
+        self.layout: BucketLayout
+        self.layout, self.treedef = layout_of(
+            params, reducer.bucket_bytes, reducer.mesh.size(reducer.scatter_axis)  # type: ignore[arg-type]
+        )
+        self.live = _LiveBytes()
+        self.initial: list[torch.Tensor] | None = None
+        self.shards: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
+        self.in_flight: collections.deque = collections.deque()
+        self.collector: _ShardedGradBuckets | None = None
+
+    def seed(self, initial: Sequence[torch.Tensor] | None) -> None:
+        self.initial = None if initial is None else list(initial)
+
+    def prepare(self, live: PyTree) -> PyTree:
+        return live
+
+    def hooks(self) -> list[Any]:
+        if self.func:
+            return [None] * self.layout.num_leaves
+        on_ready = self._start_and_release if self.reducer.shard_grads else _keep
+        self.collector = _ShardedGradBuckets(
+            self.layout.buckets, self.layout.num_leaves, on_ready, self.live.track, self.initial
+        )
+        return self.collector.hooks()
+
+    def _reduce_start(self, flat_grad: torch.Tensor) -> collectives.Pending:
+        reducer = self.reducer
+        return collectives.reduce_scatter_start(
+            flat_grad, reducer.scatter_axis, 0, "mean", mesh=reducer.mesh  # type: ignore[arg-type]
+        )
+
+    def _start_and_release(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
+        self.in_flight.append((bucket.index, self._reduce_start(flat_grad)))
+        self.collector.release(bucket.index)  # type: ignore[union-attr]
+        del flat_grad
+        self.live.sample()
+        self._settle(MAX_IN_FLIGHT)
+
+    def _settle(self, keep: int) -> None:
+        while len(self.in_flight) > keep:
+            index, pending = self.in_flight.popleft()
+            self.shards[index] = pending.wait()
+            self.live.track(self.shards[index])  # type: ignore[arg-type]
+
+    def finish(self, grads: PyTree) -> list[torch.Tensor]:
+        if self.func:
+            self._after_backward(grads)
+        else:
+            assert self.collector is not None
+            self.collector.flush()
+            if not self.reducer.shard_grads:
+                for bucket in self.layout.buckets:
+                    self.in_flight.append(
+                        (bucket.index, self._reduce_start(
+                            self.collector.bucket_data(bucket.index)))  # type: ignore[arg-type]
+                    )
+                    self.collector.release(bucket.index)
+        self._settle(0)
+        axes = self.reducer.all_reduce_axes
+        if axes:  # the shard's mean over the other data axes (ZeRO inside data parallelism)
+            self.shards = [
+                collectives.all_reduce(s, _axis(axes), "mean", mesh=self.reducer.mesh)
+                for s in self.shards  # type: ignore[arg-type]
+            ]
+        return self.shards  # type: ignore[return-value]
+
+    def _after_backward(self, grads: PyTree) -> None:
+        """torch.func gradients run no hooks: the full gradients, then a reduce-scatter each."""
+        grad_leaves = tree.leaves(grads)
+        if self.initial is not None:
+            grad_leaves = [g + a for g, a in zip(grad_leaves, self.initial)]
+        for leaf in grad_leaves:
+            self.live.track(leaf)
+        flat_grads = self.layout.pack(grad_leaves)
+        for flat in flat_grads:
+            self.live.track(flat)
+        del grads, grad_leaves
+        for index, flat in enumerate(flat_grads):
+            self.in_flight.append((index, self._reduce_start(flat)))
+        del flat_grads
+
+    def metrics(self) -> dict[str, Any]:
+        return {"grad_peak_bytes": self.live.peak}
+
+
+class _LiveBytes:
+    """The peak of storage bytes alive among the tensors registered with `track`.
+
+    Weak references to the storages tell exactly when the last tensor using one is gone
+    (including views held by a collective in flight), so the figure is measured, not assumed.
+    """
+
+    def __init__(self) -> None:
+        self._storages: list[tuple[weakref.ref, int]] = []
+        self.peak = 0
+
+    def track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self._storages.append((weakref.ref(storage), storage.nbytes()))
+        self.sample()
+
+    def sample(self) -> None:
+        self._storages = [(ref, n) for ref, n in self._storages if ref() is not None]
+        self.peak = max(self.peak, sum(n for _, n in self._storages))
+
+
+def _keep(bucket: Bucket, flat_grad: torch.Tensor) -> None:
+    """ZeRO-1: full gradient buckets stay until backward ends."""

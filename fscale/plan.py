@@ -1,0 +1,286 @@
+"""The Plan protocol: how a Step holds its state and runs its phases, and how plans nest.
+
+A plan is a chain of layers, outermost first: ``data_parallel(fully_shard(train_step(...)))``
+has the plan ``data_parallel ∘ fully_shard ∘ local``. Every layer provides the same five
+methods, and a layer that has nothing to say about one of them passes it to the layer inside:
+
+- ``init(step, params, buffers, key, ctx) -> TrainState``
+- ``gradients(step, state, batch, ctx) -> (grads, GradAux)``: gradients in the plan's own layout
+  (full, reduced, or sharded) and what the update needs besides them;
+- ``apply_gradients(step, state, grads, aux, ctx) -> (TrainState, metrics)``;
+- ``consolidate(step, state) -> TrainState`` and ``shard_state(step, full_state) -> TrainState``:
+  the state to and from its full (unsharded) form. A layer whose state is full writes neither.
+
+A layer never needs to know which layers surround it. It changes what the layers *inside* it do
+through the `Context` it passes inward (`Plan.context`): maps from the state's parameters to what
+the loss sees (a fully sharded layer gathers its shards), the reducer of the state's gradients
+(data parallel layers add their axes to it; ZeRO scatters it), the `OptimizerRole` that
+initialises and applies the optimizer on the state's layout (ZeRO and FSDP run it on their
+shards), and accumulation (micro-batch weights and gradients carried between micro-batches).
+The innermost layer, `LocalPlan`, is the only one that computes: it takes the gradients with
+`fscale.grad.value_and_grad` under the context and applies the optimizer through the role.
+
+What every multi-rank plan needs at the edges — ranks agreeing on the model and starting from
+rank 0's values, the per-rank key, buffers averaged and metrics reduced over the data axes — is
+done once, by the `Step`, over the union of the layers' `data_axes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import torch
+
+from fscale import optim as optim_lib
+from fscale.grad import value_and_grad
+from fscale.memory import tree_bytes
+
+if TYPE_CHECKING:
+    from fscale.distributed.mesh import Mesh
+    from fscale.train import Step
+
+__all__ = [
+    "Context",
+    "GradAux",
+    "LocalPlan",
+    "OptimizerRole",
+    "Plan",
+    "PlainOptimizer",
+    "Reducer",
+    "TrainState",
+]
+
+PyTree = Any
+Metrics = dict[str, Any]
+
+
+class TrainState(NamedTuple):
+    """Everything a run needs to continue: a pytree, so it saves, shards and compares as one."""
+
+    params: PyTree
+    buffers: PyTree
+    opt_state: PyTree
+    step: torch.Tensor
+    key: torch.Tensor
+
+
+class GradAux(NamedTuple):
+    """What the update phase needs besides the gradients.
+
+    Attributes:
+        loss: this rank's mean loss over its batch (detached; reduced over the data axes only
+            in the update's metrics).
+        buffers: the buffers the loss function returned.
+        metrics: the loss function's extra metrics and the plan's (``grad_bytes`` ...).
+        carry: per-layer values a layer's update needs from its gradient phase, keyed by the
+            layer's name (e.g. a stateful reduction hook's new state).
+    """
+
+    loss: torch.Tensor
+    buffers: PyTree
+    metrics: Metrics
+    carry: dict[str, Any] = {}  # noqa: RUF012 - NamedTuple defaults are shared, never mutated
+
+
+class OptimizerRole(Protocol):
+    """How the optimizer is initialised on, and applied to, the state's parameter layout."""
+
+    def init(self, optimizer: optim_lib.Optimizer, params: PyTree) -> PyTree: ...
+
+    def apply(
+        self,
+        optimizer: optim_lib.Optimizer,
+        grads: PyTree,
+        opt_state: PyTree,
+        params: PyTree,
+        *,
+        donate: bool,
+    ) -> tuple[PyTree, PyTree]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainOptimizer:
+    """The optimizer on the parameters as they are (a `fscale.optim.Layout` may name fragments)."""
+
+    layout: optim_lib.Layout | None = None
+
+    def init(self, optimizer: optim_lib.Optimizer, params: PyTree) -> PyTree:
+        return optimizer.init(params, layout=self.layout)
+
+    def apply(self, optimizer, grads, opt_state, params, *, donate):  # type: ignore[no-untyped-def]
+        return optim_lib.step(optimizer, grads, opt_state, params, layout=self.layout, donate=donate)
+
+
+class Reducer(Protocol):
+    """How the gradients of the state's parameter leaves are reduced across ranks.
+
+    ``session(params, grad_mode)`` is opened for the backward pass that completes a step's
+    gradient; it gives per-leaf hooks (autograd path), a differentiable map of the live leaves
+    (torch.func path), takes the gradients of earlier micro-batches to add in (`seed`), and
+    returns the reduced gradients from `finish`.
+    """
+
+    def session(self, params: PyTree, grad_mode: str) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What the layers around a plan ask of it; passed inward, never mutated.
+
+    Attributes:
+        key: this rank's key for this step (and micro-batch); None outside the gradient phase.
+        param_maps: differentiable maps from the state's live parameter leaves to what the
+            loss function receives, applied in order. A map may have ``after_forward()`` and
+            ``after_backward()`` methods, called when the loss returns and after backward.
+        reducer: how the state's gradients are reduced (None: they are not).
+        optimizer: the `OptimizerRole` that initialises and applies the optimizer.
+        accumulated: gradients of earlier micro-batches of this step, in the state's layout,
+            to add to this backward's (None: none).
+        loss_weight: the factor the loss is multiplied by before differentiation.
+        final: whether this backward completes the step's gradient: reductions run only then.
+    """
+
+    key: torch.Tensor | None = None
+    param_maps: tuple[Callable[[PyTree], PyTree], ...] = ()
+    reducer: Reducer | None = None
+    optimizer: OptimizerRole = PlainOptimizer()
+    accumulated: PyTree | None = None
+    loss_weight: float = 1.0
+    final: bool = True
+
+    def replace(self, **changes: Any) -> Context:
+        return dataclasses.replace(self, **changes)
+
+
+class Plan:
+    """A layer of a plan; subclass it to write a strategy (see the README's guide).
+
+    Subclasses hold the layer inside them in `inner` (None only for the innermost layer) and
+    override what they change; every method's default passes the call inward, under
+    `context`. A layer that adds to the optimizer state (wraps ``state.opt_state``) overrides
+    `consolidate` and `shard_state` to unwrap and rewrap it.
+    """
+
+    # Subclasses set it (a dataclass field, typically); the base class only declares it, so a
+    # dataclass subclass's `inner` field has no inherited default.
+    inner: Plan | None
+
+    # ---- composition ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """This layer's name in a plan's description (the transformation that made it)."""
+        return type(self).__name__
+
+    def describe(self) -> str:
+        """This layer alone, e.g. ``data_parallel(axis='dp' of size 2)``."""
+        return self.name
+
+    def layers(self) -> Iterator[Plan]:
+        """This layer and the ones inside it, outermost first."""
+        layer: Plan | None = self
+        while layer is not None:
+            yield layer
+            layer = getattr(layer, "inner", None)
+
+    def find(self, name: str) -> Plan | None:
+        """The outermost layer called `name` (e.g. ``"fully_shard"``), or None."""
+        return next((layer for layer in self.layers() if layer.name == name), None)
+
+    def own_data_axes(self) -> tuple[str, ...]:
+        """The mesh axes this layer splits the batch over (each rank reads its own slice)."""
+        return ()
+
+    def own_mesh(self) -> Mesh | None:
+        """The mesh this layer's axes are on (None for a layer with no axes)."""
+        return None
+
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes the whole plan splits the batch over, outermost layer first, each once."""
+        axes: list[str] = []
+        for layer in self.layers():
+            axes.extend(a for a in layer.own_data_axes() if a not in axes)
+        return tuple(axes)
+
+    def data_mesh(self) -> Mesh | None:
+        """The mesh of the plan's axes (every layer's mesh is the same)."""
+        for layer in self.layers():
+            mesh = layer.own_mesh()
+            if mesh is not None:
+                return mesh
+        return None
+
+    def context(self, ctx: Context) -> Context:
+        """The context the layers inside this one run under (default: unchanged)."""
+        return ctx
+
+    def _inner(self) -> Plan:
+        inner = getattr(self, "inner", None)
+        if inner is None:
+            raise NotImplementedError(
+                f"{self.name}: the innermost layer of a plan must implement init, gradients and "
+                "apply_gradients itself (or wrap another plan in `inner`)"
+            )
+        return inner
+
+    # ---- phases --------------------------------------------------------------------------
+
+    def init(self, step: Step, params: PyTree, buffers: PyTree, key: torch.Tensor,
+             ctx: Context) -> TrainState:
+        return self._inner().init(step, params, buffers, key, self.context(ctx))
+
+    def gradients(self, step: Step, state: TrainState, batch: Any,
+                  ctx: Context) -> tuple[PyTree, GradAux]:
+        return self._inner().gradients(step, state, batch, self.context(ctx))
+
+    def apply_gradients(self, step: Step, state: TrainState, grads: PyTree, aux: GradAux,
+                        ctx: Context) -> tuple[TrainState, Metrics]:
+        return self._inner().apply_gradients(step, state, grads, aux, self.context(ctx))
+
+    def consolidate(self, step: Step, state: TrainState) -> TrainState:
+        return self._inner().consolidate(step, state)
+
+    def shard_state(self, step: Step, full_state: TrainState) -> TrainState:
+        return self._inner().shard_state(step, full_state)
+
+    def __repr__(self) -> str:
+        return " ∘ ".join(layer.describe() for layer in self.layers())
+
+
+class LocalPlan(Plan):
+    """The innermost layer: gradients by `value_and_grad`, the update by the context's role."""
+
+    inner = None
+
+    @property
+    def name(self) -> str:
+        return "local"
+
+    def init(self, step, params, buffers, key, ctx):  # type: ignore[no-untyped-def]
+        opt_state = ctx.optimizer.init(step.optimizer, params)
+        return TrainState(params, buffers, opt_state, torch.zeros((), dtype=torch.int64), key)
+
+    def gradients(self, step, state, batch, ctx):  # type: ignore[no-untyped-def]
+        if ctx.key is None:
+            raise ValueError("LocalPlan.gradients: `ctx.key` is None; call step.gradients(...)")
+        out, grads = value_and_grad(
+            step.loss_fn, state.params, state.buffers, batch, ctx.key,
+            grad_mode=step.grad_mode, ctx=ctx,
+        )
+        metrics = {**out.metrics, "grad_bytes": tree_bytes(grads)}
+        return grads, GradAux(out.loss, out.buffers, metrics)
+
+    def apply_gradients(self, step, state, grads, aux, ctx):  # type: ignore[no-untyped-def]
+        params, opt_state = ctx.optimizer.apply(
+            step.optimizer, grads, state.opt_state, state.params, donate=step.donate
+        )
+        new_state = TrainState(params, aux.buffers, opt_state, state.step + 1, state.key)
+        return new_state, {"loss": aux.loss, **aux.metrics}
+
+    def consolidate(self, step, state):  # type: ignore[no-untyped-def]
+        return state
+
+    def shard_state(self, step, full_state):  # type: ignore[no-untyped-def]
+        return full_state
