@@ -11,9 +11,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fscale.random as fsrandom
-import fscale.remat
 from fscale.model import functionalize
 from fscale.models import GPT, GPTConfig, ResNetConfig, lm_loss, resnet
+from fscale.offload import transfer
 from fscale.remat import checkpoint, name, save_matmuls, save_names, track
 
 # ----------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_returning_an_input_or_a_view_of_it_under_offload():
 def test_parked_copies_restore_exactly(monkeypatch, path, policy):
     # On CPU offloading is a no-op; pretending the tensors live on an accelerator sends the
     # inputs and kept values through the host copies a CUDA run uses.
-    monkeypatch.setattr(fscale.remat, "_in_host_memory", lambda t: False)
+    monkeypatch.setattr(transfer, "on_host", lambda t: False)
     x, w = _f64(6, 5, seed=0), _f64(5, 5, seed=1)
     expected = _first_order(_seeded_loss(_block), path, x, w)
     remat = checkpoint(_block, offload=True, policy=policy)
