@@ -217,7 +217,10 @@ class _Call:
         return any(isinstance(kept, transfer.Parked) for kept in self.kept)
 
     def restore_inputs(self, saved: tuple[Any, ...]) -> list[torch.Tensor]:
-        return [from_ctx if kept is None else transfer.unpark(kept) for from_ctx, kept in zip(saved, self.kept)]
+        return [
+            from_ctx if kept is None else transfer.unpark(kept)
+            for from_ctx, kept in zip(saved, self.kept)
+        ]
 
     @contextlib.contextmanager
     def replaying(self, use_kept_values: bool) -> Iterator[None]:
@@ -389,11 +392,15 @@ def checkpoint_call(
     if not callable(fn):
         raise TypeError(f"checkpoint_call: `fn` must be callable, got {type(fn).__name__}")
     if not isinstance(args, (tuple, list)):
-        raise TypeError(f"checkpoint_call: `args` must be a tuple or list, got {type(args).__name__}")
+        raise TypeError(
+            f"checkpoint_call: `args` must be a tuple or list, got {type(args).__name__}"
+        )
     if kwargs is None:
         kwargs = {}
     elif not isinstance(kwargs, Mapping):
-        raise TypeError(f"checkpoint_call: `kwargs` must be a mapping, got {type(kwargs).__name__}")
+        raise TypeError(
+            f"checkpoint_call: `kwargs` must be a mapping, got {type(kwargs).__name__}"
+        )
     state = list(state)
     for i, value in enumerate(state):
         if not isinstance(value, torch.Tensor):
@@ -401,18 +408,18 @@ def checkpoint_call(
                 f"checkpoint_call: `state[{i}]` must be a tensor, got {type(value).__name__}"
             )
     buffer_indexes = frozenset(mutable)
-    outside = sorted(i for i in buffer_indexes if not (isinstance(i, int) and 0 <= i < len(state)))
+    outside = [i for i in buffer_indexes if not (isinstance(i, int) and 0 <= i < len(state))]
     if outside:
         raise ValueError(
             f"checkpoint_call: `mutable` must hold indexes into `state` (0..{len(state) - 1}), "
-            f"got {outside}"
+            f"got {sorted(outside, key=repr)}"
         )
     if not isinstance(offload, bool):
         raise TypeError(f"checkpoint_call: `offload` must be True or False, got {offload!r}")
     if policy is not None and not isinstance(policy, SavePolicy):
         raise TypeError(
-            "checkpoint_call: `policy` must be None or a SavePolicy from "
-            f"fscale.remat.save_names(...) or fscale.remat.save_matmuls(), got {type(policy).__name__}"
+            "checkpoint_call: `policy` must be None or a SavePolicy from fscale.remat.save_names"
+            f"(...) or fscale.remat.save_matmuls(), got {type(policy).__name__}"
         )
 
     def run(inputs: Any) -> Any:

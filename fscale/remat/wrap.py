@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -27,10 +27,17 @@ __all__ = ["checkpoint"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class _Options(NamedTuple):
+    """A checkpointed module's `checkpoint_call` options."""
+
+    offload: bool
+    policy: SavePolicy | None
+
+
 class _CheckpointedModule(nn.Module):
     """Mixin placed before a module's own class: its forward is checkpointed."""
 
-    _checkpoint_options: dict[str, Any]  # checkpoint_call's `offload` and `policy`
+    _checkpoint_options: _Options
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         base_forward = super().forward
@@ -54,7 +61,8 @@ class _CheckpointedModule(nn.Module):
             kwargs,
             state=state,
             mutable=range(num_parameters, len(state)),
-            **self._checkpoint_options,
+            offload=self._checkpoint_options.offload,
+            policy=self._checkpoint_options.policy,
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -73,7 +81,7 @@ def _new_checkpointed(base: type[nn.Module]) -> nn.Module:
     return cls.__new__(cls)
 
 
-def _checkpoint_module(module: nn.Module, options: dict[str, Any]) -> nn.Module:
+def _checkpoint_module(module: nn.Module, options: _Options) -> nn.Module:
     if isinstance(module, _CheckpointedModule):
         raise ValueError(  # noqa: TRY004 - the type is right, the module is the wrong one
             f"checkpoint: {type(module).__name__} is already checkpointed; pass the original "
@@ -156,7 +164,7 @@ def checkpoint(
             "checkpoint: `policy` must be None or a SavePolicy from fscale.remat.save_names(...)"
             f" or fscale.remat.save_matmuls(), got {type(policy).__name__}"
         )
-    options = {"offload": offload, "policy": policy}
+    options = _Options(offload, policy)
     if fn is None:
         return functools.partial(checkpoint, offload=offload, policy=policy)
     if isinstance(fn, nn.Module):
@@ -168,6 +176,8 @@ def checkpoint(
 
     @functools.wraps(fn)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint_call(lambda _state, *a, **k: fn(*a, **k), args, kwargs, **options)
+        return checkpoint_call(
+            lambda _state, *a, **k: fn(*a, **k), args, kwargs, offload=offload, policy=policy
+        )
 
     return checkpointed
