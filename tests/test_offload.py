@@ -12,7 +12,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from fscale import optim, tree  # noqa: E402
-from fscale.offload import OffloadState, offload_optimizer, offload_params, transfer  # noqa: E402
+from fscale.offload import (  # noqa: E402
+    OffloadState,
+    PrefetchSchedule,
+    ResidencyEvent,
+    offload_optimizer,
+    offload_params,
+    transfer,
+)
 from fscale.train import train_step  # noqa: E402
 
 _NO_CUDA = "needs a CUDA device: the asynchronous pinned-memory path only runs there"
@@ -569,3 +576,61 @@ def test_asynchronous_transfer_round_trips_on_side_streams():
     parked = transfer.park(value)
     assert parked.ready is not None and parked.host.is_pinned()
     assert torch.equal(transfer.unpark(parked), value)
+
+
+# ----------------------------------------------------------------------------- prefetch schedule
+
+
+def _schedule(num_items: int, prefetch: int):
+    started = []
+
+    def start(item):
+        started.append(item)
+        return f"copy of {item}"
+
+    return PrefetchSchedule(num_items, prefetch, start, lambda handle: handle.upper()), started
+
+
+def _use_in_order(schedule, items, phase):
+    for item in items:
+        value = schedule.acquire(item, phase)
+        assert value == f"COPY OF {item}"
+        if phase == "forward":
+            schedule.prefetch_after(item)
+        else:
+            schedule.prefetch_before(item, among={0, 2, 3})
+        schedule.record(phase, "compute", item)
+        schedule.release(item, phase)
+
+
+def test_prefetch_schedule_fetches_ahead_and_bounds_residency():
+    schedule, started = _schedule(4, prefetch=1)
+    _use_in_order(schedule, range(4), "forward")
+    assert started == [0, 1, 2, 3]  # each item copied once: prefetches are used, not repeated
+    assert schedule.log[:4] == [
+        ResidencyEvent("forward", "fetch", 0, (0,)),
+        ResidencyEvent("forward", "fetch", 1, (0, 1)),  # issued before item 0 computes
+        ResidencyEvent("forward", "compute", 0, (0, 1)),
+        ResidencyEvent("forward", "release", 0, (1,)),
+    ]
+    assert max(len(event.resident) for event in schedule.log) == 2  # prefetch + 1
+    assert schedule.resident == ()
+
+
+def test_prefetch_schedule_backward_skips_items_outside_among_and_adopts_copies():
+    schedule, started = _schedule(4, prefetch=2)
+    _use_in_order(schedule, [3], "backward")
+    assert started == [3, 2]  # item 1 is not among the items the backward will use
+    schedule.adopt(2, "backward")  # the caller makes item 2's copy itself: the prefetch is dropped
+    assert schedule.resident == (2,)
+    schedule.release(2, "backward")
+    assert schedule.resident == () and started == [3, 2]
+
+
+def test_prefetch_schedule_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="`num_items` must be an int >= 0"):
+        PrefetchSchedule(-1, 1, str, str)
+    with pytest.raises(ValueError, match="`prefetch` must be an int >= 0"):
+        PrefetchSchedule(2, True, str, str)
+    with pytest.raises(TypeError, match="`finish` must be callable"):
+        PrefetchSchedule(2, 1, str, None)

@@ -15,97 +15,51 @@ schedule runs with synchronous copies, so results are identical and it is testab
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from fscale import tree
+from fscale.offload.schedule import PrefetchSchedule, ResidencyEvent
 from fscale.offload.transfer import HOST, Transfer, checked_device, pinned_packed_copy
 from fscale.random import RngState
 
-__all__ = ["OffloadedStages", "ResidencyEvent", "offload_params"]
+__all__ = ["OffloadedStages", "offload_params"]
 
 PyTree = Any
 
 
-class ResidencyEvent(NamedTuple):
-    """One entry of `OffloadedStages.residency_log`.
+class _Pass:
+    """One forward pass over the stages and the backward passes through it.
 
-    Attributes:
-        phase: "forward" or "backward".
-        action: "fetch" (a copy of the stage's params to the device was issued: from here on
-            they occupy device memory), "compute" (the stage runs on its device params) or
-            "release" (the device copy was dropped).
-        stage: the stage's index.
-        resident: the stages whose params are on the device after the event, sorted.
-    """
-
-    phase: str
-    action: str
-    stage: int
-    resident: tuple[int, ...]
-
-
-class _Schedule:
-    """The device residency of one forward pass and the backward passes through it.
-
-    A stage's params are *resident* from the moment their upload is issued until they are
-    released; `fetch` issues uploads ahead (prefetch), `acquire` returns a stage's usable device
-    params, issuing the upload itself if no prefetch did.
+    Residency (which stages' params are on the device, fetched how far ahead) is a
+    `PrefetchSchedule` whose copies are uploads of the stages' host leaves.
     """
 
     def __init__(self, stages: OffloadedStages, host_leaves: list[list[torch.Tensor]]) -> None:
         self.stages = stages
-        self.host_leaves = host_leaves
-        self.in_flight: dict[int, tuple[list[torch.Tensor], Any]] = {}
-        self.resident: set[int] = set()
+        copies = stages.transfer
+        self.residency = PrefetchSchedule(
+            len(host_leaves),
+            stages.prefetch,
+            start=lambda stage: copies.start_upload(host_leaves[stage]),
+            finish=lambda started: copies.finish_upload(*started),
+        )
         self.in_graph: set[int] = set()  # stages whose backward autograd will run
         # Dropout and other random ops must draw the same numbers when a stage is recomputed.
         self.rng_states: dict[int, RngState] = {}
-        self.log: list[ResidencyEvent] = []
-
-    def _record(self, phase: str, action: str, stage: int) -> None:
-        self.log.append(ResidencyEvent(phase, action, stage, tuple(sorted(self.resident))))
-
-    def fetch(self, stage: int, phase: str) -> None:
-        if stage in self.resident:
-            return
-        self.in_flight[stage] = self.stages.transfer.start_upload(self.host_leaves[stage])
-        self.resident.add(stage)
-        self._record(phase, "fetch", stage)
-
-    def acquire(self, stage: int, phase: str) -> list[torch.Tensor]:
-        self.fetch(stage, phase)
-        on_device, event = self.in_flight.pop(stage)
-        return self.stages.transfer.finish_upload(on_device, event)
-
-    def release(self, stage: int, phase: str) -> None:
-        self.in_flight.pop(stage, None)
-        self.resident.discard(stage)
-        self._record(phase, "release", stage)
-
-    def prefetch_after(self, stage: int) -> None:
-        last = min(stage + self.stages.prefetch, len(self.host_leaves) - 1)
-        for ahead in range(stage + 1, last + 1):
-            self.fetch(ahead, "forward")
-
-    def prefetch_before(self, stage: int) -> None:
-        first = max(stage - self.stages.prefetch, 0)
-        for behind in range(stage - 1, first - 1, -1):
-            # A stage outside the graph gets no backward call, so its copy would never be freed.
-            if behind in self.in_graph:
-                self.fetch(behind, "backward")
 
     # -- the two halves of one stage
 
     def forward(self, stage: int, x: torch.Tensor) -> torch.Tensor:
-        on_device = self.acquire(stage, "forward")
-        self.prefetch_after(stage)  # issued before this stage's kernels, so it overlaps them
+        residency = self.residency
+        on_device = residency.acquire(stage, "forward")
+        residency.prefetch_after(stage)  # issued before this stage's kernels, so it overlaps them
         self.rng_states[stage] = RngState.capture([self.stages.device])
-        self._record("forward", "compute", stage)
+        residency.record("forward", "compute", stage)
         y = self._run(stage, on_device, x)
         del on_device
-        self.release(stage, "forward")
+        residency.release(stage, "forward")
         return y
 
     def backward(
@@ -118,9 +72,11 @@ class _Schedule:
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         if torch.is_grad_enabled():
             return self._backward_differentiable(stage, x, host_leaves, grad_y, needs)
-        on_device = self.acquire(stage, "backward")
-        self.prefetch_before(stage)
-        self._record("backward", "compute", stage)
+        residency = self.residency
+        on_device = residency.acquire(stage, "backward")
+        # A stage outside the graph gets no backward call, so its copy would never be freed.
+        residency.prefetch_before(stage, among=self.in_graph)
+        residency.record("backward", "compute", stage)
         with torch.enable_grad(), self.rng_states[stage].restored():
             live_x = x.detach().requires_grad_(needs[0])
             live = [t.detach().requires_grad_(need) for t, need in zip(on_device, needs[1:])]
@@ -132,7 +88,7 @@ class _Schedule:
                 else [None] * len(wanted)
             )
         del y, live, on_device
-        self.release(stage, "backward")
+        residency.release(stage, "backward")
         found = iter(grads)
         grad_x = next(found) if needs[0] else None
         param_grads = [next(found) if need else None for need in needs[1:]]
@@ -151,11 +107,9 @@ class _Schedule:
         The params come up through differentiable copies, so the gradient reaching the host
         leaves is itself differentiable; no prefetch (the copies must be made inside the graph).
         """
-        self.in_flight.pop(stage, None)
-        if stage not in self.resident:
-            self.resident.add(stage)  # the copy is made inside `objective` below
-            self._record("backward", "fetch", stage)
-        self._record("backward", "compute", stage)
+        residency = self.residency
+        residency.adopt(stage, "backward")  # the copy is made inside `objective` below
+        residency.record("backward", "compute", stage)
         device = self.stages.device
         treedef = self.stages.treedefs[stage]
         fn = self.stages.fns[stage]
@@ -167,7 +121,7 @@ class _Schedule:
 
         with self.rng_states[stage].restored():
             grad_x, grad_leaves = torch.func.grad(objective, argnums=(0, 1))(x, list(host_leaves))
-        self.release(stage, "backward")
+        residency.release(stage, "backward")
         return (
             grad_x if needs[0] else None,
             [g if need else None for g, need in zip(grad_leaves, needs[1:])],
@@ -201,7 +155,7 @@ class _OffloadedStage(torch.autograd.Function):
     """One stage as a rematerialised autograd node: saves its input, recomputes in backward."""
 
     @staticmethod
-    def forward(x: torch.Tensor, schedule: _Schedule, stage: int, *host_leaves: torch.Tensor):
+    def forward(x: torch.Tensor, schedule: _Pass, stage: int, *host_leaves: torch.Tensor):
         y = schedule.forward(stage, x)
         # An output that *is* an input would make autograd treat the node as a view; a stage
         # that passes its input through gets a fresh tensor instead.
@@ -252,11 +206,11 @@ class OffloadedStages:
         self.prefetch = prefetch
         # Pinned staging for gradient downloads only pays off (and only exists) with CUDA.
         self.transfer = Transfer(device, pin_memory=device.type == "cuda")
-        self._last: _Schedule | None = None
+        self._last: _Pass | None = None
 
     @property
     def residency_log(self) -> list[ResidencyEvent]:
-        return list(self._last.log) if self._last is not None else []
+        return list(self._last.residency.log) if self._last is not None else []
 
     def __len__(self) -> int:
         return len(self.fns)
@@ -275,7 +229,7 @@ class OffloadedStages:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"offload_params: the input must be a tensor, got {type(x).__name__}")
         host_leaves = self._host_leaves(self.params if params is None else params)
-        schedule = _Schedule(self, host_leaves)
+        schedule = _Pass(self, host_leaves)
         self._last = schedule
         x = x.to(self.device)
         for stage, leaves in enumerate(host_leaves):
