@@ -550,7 +550,7 @@ def test_synchronous_transfer_round_trips():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_CUDA)
-def test_pinned_packed_copy_packs_one_pinned_buffer_per_dtype():
+def test_cuda_pinned_packed_copy_packs_one_pinned_buffer_per_dtype():
     leaves = [torch.ones(3), torch.zeros(2, dtype=torch.float64), torch.arange(4.0).cuda()]
     packed = transfer.pinned_packed_copy(leaves)
     assert all(p.is_pinned() and p.device.type == "cpu" for p in packed)
@@ -559,7 +559,7 @@ def test_pinned_packed_copy_packs_one_pinned_buffer_per_dtype():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_CUDA)
-def test_asynchronous_transfer_round_trips_on_side_streams():
+def test_cuda_transfer_round_trips_on_side_streams():
     device = torch.device("cuda", torch.cuda.current_device())
     copier = transfer.Transfer(device, pin_memory=True)
     assert copier.is_async
