@@ -109,7 +109,7 @@ class _Call:
         self._leaves = leaves
         self._treedef = treedef
         self._tensor_positions = tensor_positions
-        # Tensor inputs [0, module_state) are a module's parameters and buffers.
+        # Tensor inputs [0, module_state) are the call's `state` (see `checkpoint_call`).
         self._module_state = module_state
         self._buffer_indexes = buffer_indexes
         self.options = options
