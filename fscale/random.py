@@ -1,4 +1,4 @@
-"""Explicit random keys: randomness is a value folded with (step, micro-batch, layer, rank).
+"""Randomness as a value: explicit keys folded with (step, micro-batch, layer, rank), and replay.
 
 A key is a CPU int64 tensor of shape ``(2,)`` (so it lives in a TrainState pytree and is saved
 with a checkpoint). Keys never advance hidden state: `fold_in` derives a new key from a key and
@@ -10,13 +10,22 @@ identical under any split of the batch, any number of ranks, and under remateria
 The mixing function is SplitMix64's finaliser, a bijection on 64-bit integers with good
 avalanche, applied to (key word, data); it is cheap, deterministic and identical on every
 platform.
+
+Code that runs a function twice (rematerialisation, offloaded stages recomputed in backward)
+replays torch's own generators instead: `RngState.capture` records the CPU generator and the
+CUDA generators of the devices involved before the first run, and `RngState.restored` sets them
+back for the second, so the same dropout masks are drawn, then returns the generators to where
+the caller left them (the replay does not advance the caller's random stream).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
+
 import torch
 
-__all__ = ["fold_in", "is_key", "key", "seed", "split"]
+__all__ = ["RngState", "fold_in", "is_key", "key", "seed", "split"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -86,3 +95,62 @@ def seed(k: torch.Tensor) -> int:
     """A non-negative 63-bit torch seed determined by `k` (for `torch.manual_seed`)."""
     hi, lo = _words(k)
     return _mix64(hi ^ (lo << 1)) & ((1 << 63) - 1)
+
+
+class RngState:
+    """The CPU generator's state and those of some CUDA generators, captured for a replay.
+
+    Attributes:
+        cpu: the CPU generator's state.
+        cuda: per CUDA device, its generator's state.
+    """
+
+    __slots__ = ("cpu", "cuda")
+
+    def __init__(self, cpu: torch.Tensor, cuda: dict[torch.device, torch.Tensor]) -> None:
+        self.cpu = cpu
+        self.cuda = cuda
+
+    @classmethod
+    def capture(cls, where: Iterable[torch.Tensor | torch.device | str] = ()) -> RngState:
+        """The current states of the CPU generator and of the CUDA devices among `where`.
+
+        Args:
+            where: tensors and devices whose generators a replay must restore; the CUDA devices
+                among them (a tensor stands for its device) are captured, others need nothing
+                beyond the CPU generator, which is always captured.
+
+        Returns:
+            An `RngState`.
+
+        Raises:
+            TypeError: if an item of `where` is not a tensor, a torch.device or a device string.
+        """
+        devices: set[torch.device] = set()
+        for item in where:
+            if isinstance(item, torch.Tensor):
+                device = item.device
+            elif isinstance(item, (torch.device, str)):
+                device = torch.device(item)
+            else:
+                raise TypeError(
+                    "RngState.capture: `where` must hold tensors or devices, "
+                    f"got a {type(item).__name__}"
+                )
+            if device.type == "cuda":
+                devices.add(device)
+        cuda = {d: torch.cuda.get_rng_state(d) for d in sorted(devices, key=str)}
+        return cls(torch.get_rng_state(), cuda)
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Inside the block the generators hold the captured states; on exit, the caller's."""
+        # fork_rng puts the caller's generators back on exit; with no devices it forks the CPU.
+        with torch.random.fork_rng(devices=list(self.cuda)):
+            torch.set_rng_state(self.cpu)
+            for device, state in self.cuda.items():
+                torch.cuda.set_rng_state(state, device)
+            yield
+
+    def __repr__(self) -> str:
+        return f"RngState(cpu, cuda={[str(d) for d in self.cuda]})"

@@ -12,7 +12,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from fscale import optim, tree  # noqa: E402
-from fscale.offload import OffloadState, offload_optimizer, offload_params  # noqa: E402
+from fscale.offload import (  # noqa: E402
+    OffloadState,
+    PrefetchSchedule,
+    ResidencyEvent,
+    offload_optimizer,
+    offload_params,
+    transfer,
+)
 from fscale.train import train_step  # noqa: E402
 
 _NO_CUDA = "needs a CUDA device: the asynchronous pinned-memory path only runs there"
@@ -501,3 +508,129 @@ def test_init_on_meta_params_gives_the_state_shapes_without_memory():
     assert [(t.shape, t.dtype) for t in tree.leaves(state)] == [
         (t.shape, t.dtype) for t in tree.leaves(real)
     ]
+
+
+# ----------------------------------------------------------------------------- host transfer
+
+
+def test_checked_device_names_the_argument():
+    assert transfer.checked_device("f", "where", "cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="f: `where`='gpu0' is not a device torch knows"):
+        transfer.checked_device("f", "where", "gpu0")
+    with pytest.raises(TypeError, match="f: `where` must be a device string or torch.device"):
+        transfer.checked_device("f", "where", 0)
+
+
+def test_parking_on_the_host_copies_and_restores_exactly():
+    t = torch.arange(6.0).reshape(2, 3)
+    assert transfer.on_host(t) and not transfer.on_host(torch.empty(0, device="meta"))
+    assert transfer.park_unless_on_host(t) is t  # nothing to move
+    assert transfer.unpark(t) is t
+    parked = transfer.park(t)
+    assert isinstance(parked, transfer.Parked) and parked.ready is None
+    t.add_(1)  # the parked value is a copy, not a view
+    restored = transfer.unpark(parked)
+    assert restored.device == t.device and torch.equal(restored, torch.arange(6.0).reshape(2, 3))
+
+
+def test_synchronous_transfer_round_trips():
+    copier = transfer.Transfer(torch.device("cpu"), pin_memory=False)
+    assert not copier.is_async
+    host = [torch.arange(3.0), torch.ones(2, 2, dtype=torch.float64)]
+    on_device, event = copier.start_upload(host)
+    assert event is None
+    on_device = copier.finish_upload(on_device, event)
+    assert all(torch.equal(a, b) and a is not b for a, b in zip(on_device, host))
+    targets = [torch.zeros(3), torch.zeros(2, 2, dtype=torch.float64)]
+    assert copier.upload_into(host, targets) == targets
+    assert all(torch.equal(a, b) for a, b in zip(targets, host))
+    copier.wait_for_sources()
+    down = copier.download(on_device)
+    assert all(torch.equal(a, b) for a, b in zip(down, host))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_CUDA)
+def test_cuda_pinned_packed_copy_packs_one_pinned_buffer_per_dtype():
+    leaves = [torch.ones(3), torch.zeros(2, dtype=torch.float64), torch.arange(4.0).cuda()]
+    packed = transfer.pinned_packed_copy(leaves)
+    assert all(p.is_pinned() and p.device.type == "cpu" for p in packed)
+    assert all(torch.equal(p, t.cpu()) for p, t in zip(packed, leaves))
+    assert packed[0].untyped_storage().data_ptr() == packed[2].untyped_storage().data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=_NO_CUDA)
+def test_cuda_transfer_round_trips_on_side_streams():
+    device = torch.device("cuda", torch.cuda.current_device())
+    copier = transfer.Transfer(device, pin_memory=True)
+    assert copier.is_async
+    host = transfer.pinned_packed_copy([torch.randn(1000), torch.randn(10, 10)])
+    on_device = copier.finish_upload(*copier.start_upload(host))
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(on_device, host))
+    down = copier.download([t * 2 for t in on_device])
+    assert all(d.is_pinned() and torch.equal(d, 2 * h) for d, h in zip(down, host))
+    targets = [torch.zeros_like(t) for t in on_device]
+    copier.upload_into(host, targets)
+    copier.wait_for_sources()
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(targets, host))
+    value = torch.randn(256, device=device)
+    parked = transfer.park(value)
+    assert parked.ready is not None and parked.host.is_pinned()
+    assert torch.equal(transfer.unpark(parked), value)
+
+
+# ----------------------------------------------------------------------------- prefetch schedule
+
+
+def _schedule(num_items: int, prefetch: int):
+    started = []
+
+    def start(item):
+        started.append(item)
+        return f"copy of {item}"
+
+    return PrefetchSchedule(num_items, prefetch, start, lambda handle: handle.upper()), started
+
+
+def _use_in_order(schedule, items, phase):
+    for item in items:
+        value = schedule.acquire(item, phase)
+        assert value == f"COPY OF {item}"
+        if phase == "forward":
+            schedule.prefetch_after(item)
+        else:
+            schedule.prefetch_before(item, among={0, 2, 3})
+        schedule.record(phase, "compute", item)
+        schedule.release(item, phase)
+
+
+def test_prefetch_schedule_fetches_ahead_and_bounds_residency():
+    schedule, started = _schedule(4, prefetch=1)
+    _use_in_order(schedule, range(4), "forward")
+    assert started == [0, 1, 2, 3]  # each item copied once: prefetches are used, not repeated
+    assert schedule.log[:4] == [
+        ResidencyEvent("forward", "fetch", 0, (0,)),
+        ResidencyEvent("forward", "fetch", 1, (0, 1)),  # issued before item 0 computes
+        ResidencyEvent("forward", "compute", 0, (0, 1)),
+        ResidencyEvent("forward", "release", 0, (1,)),
+    ]
+    assert max(len(event.resident) for event in schedule.log) == 2  # prefetch + 1
+    assert schedule.resident == ()
+
+
+def test_prefetch_schedule_backward_skips_items_outside_among_and_adopts_copies():
+    schedule, started = _schedule(4, prefetch=2)
+    _use_in_order(schedule, [3], "backward")
+    assert started == [3, 2]  # item 1 is not among the items the backward will use
+    schedule.adopt(2, "backward")  # the caller makes item 2's copy itself: the prefetch is dropped
+    assert schedule.resident == (2,)
+    schedule.release(2, "backward")
+    assert schedule.resident == () and started == [3, 2]
+
+
+def test_prefetch_schedule_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="`num_items` must be an int >= 0"):
+        PrefetchSchedule(-1, 1, str, str)
+    with pytest.raises(ValueError, match="`prefetch` must be an int >= 0"):
+        PrefetchSchedule(2, True, str, str)
+    with pytest.raises(TypeError, match="`finish` must be callable"):
+        PrefetchSchedule(2, 1, str, None)

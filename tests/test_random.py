@@ -38,3 +38,47 @@ def test_errors():
         fsr.split(fsr.key(0), 0)
     with pytest.raises(TypeError, match="int"):
         fsr.fold_in(fsr.key(0), "x")
+
+
+# ----------------------------------------------------------------------------- RngState
+
+
+def _mask(device="cpu"):
+    return torch.nn.functional.dropout(torch.ones(64, device=device), 0.5, training=True)
+
+
+def test_rng_state_restored_draws_the_same_mask_and_leaves_the_caller_stream_alone():
+    torch.manual_seed(0)
+    state = fsr.RngState.capture([torch.zeros(1)])
+    first = _mask()
+    after_first = torch.get_rng_state()
+    with state.restored():
+        replayed = _mask()
+    assert torch.equal(replayed, first)
+    # The replay neither rewinds nor advances the caller's generator.
+    assert torch.equal(torch.get_rng_state(), after_first)
+    with state.restored():
+        assert torch.equal(_mask(), first)  # a state can be replayed again
+    assert not torch.equal(_mask(), first)  # the caller's stream moved on from `first`
+
+
+def test_rng_state_capture_ignores_non_cuda_devices_and_refuses_other_items():
+    state = fsr.RngState.capture(["cpu", torch.device("meta"), torch.zeros(2)])
+    assert state.cuda == {}
+    assert torch.equal(state.cpu, torch.get_rng_state())
+    with pytest.raises(TypeError, match="`where` must hold tensors or devices, got a int"):
+        fsr.RngState.capture([3])
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device: replays its generator"
+)
+def test_rng_state_replays_cuda_generators():
+    device = torch.device("cuda", torch.cuda.current_device())
+    state = fsr.RngState.capture([torch.zeros(1, device=device)])
+    assert list(state.cuda) == [device]
+    first = _mask(device)
+    after_first = torch.cuda.get_rng_state(device)
+    with state.restored():
+        assert torch.equal(_mask(device), first)
+    assert torch.equal(torch.cuda.get_rng_state(device), after_first)

@@ -11,10 +11,17 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fscale.random as fsrandom
-import fscale.remat
 from fscale.model import functionalize
 from fscale.models import GPT, GPTConfig, ResNetConfig, lm_loss, resnet
-from fscale.remat import checkpoint, name, save_matmuls, save_names, track
+from fscale.offload import transfer
+from fscale.remat import (
+    checkpoint,
+    checkpoint_call,
+    name,
+    save_matmuls,
+    save_names,
+    track,
+)
 
 # ----------------------------------------------------------------------------------------------
 # helpers
@@ -169,7 +176,7 @@ def test_returning_an_input_or_a_view_of_it_under_offload():
 def test_parked_copies_restore_exactly(monkeypatch, path, policy):
     # On CPU offloading is a no-op; pretending the tensors live on an accelerator sends the
     # inputs and kept values through the host copies a CUDA run uses.
-    monkeypatch.setattr(fscale.remat, "_in_host_memory", lambda t: False)
+    monkeypatch.setattr(transfer, "on_host", lambda t: False)
     x, w = _f64(6, 5, seed=0), _f64(5, 5, seed=1)
     expected = _first_order(_seeded_loss(_block), path, x, w)
     remat = checkpoint(_block, offload=True, policy=policy)
@@ -461,3 +468,84 @@ def test_recompute_replays_the_train_mode_of_its_forward(module_mode, call_mode)
     expected, actual = grads(plain), grads(checkpointed)
     for name in expected:
         assert torch.equal(actual[name], expected[name]), name
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint_call: one call with extra inputs
+
+
+def _scaled_block(state, x, *, shift):
+    """fn for checkpoint_call: `state` = (weight, buffer), the buffer updated in place when it
+    is a float64 one (torch.func refuses in-place updates of tensors it did not create)."""
+    w, running = state
+    if running.dtype == torch.float64:
+        with torch.no_grad():
+            running.mul_(0.5).add_(x.detach().mean())
+    return torch.tanh(x @ w + shift) * running.sum()
+
+
+@pytest.mark.parametrize("path", ["autograd", "func.grad"])
+def test_checkpoint_call_extra_inputs_get_exact_gradients_and_fn_is_recomputed(path):
+    x, w = _f64(4, 3, seed=0), _f64(3, 3, seed=1)
+    shift = _f64(3, seed=2)
+
+    def loss(fn, x, w, shift, running):
+        return fn([w, running], x, shift=shift).sin().sum()
+
+    calls = []
+
+    def counted(state, x, *, shift):
+        calls.append(1)
+        return _scaled_block(state, x, shift=shift)
+
+    def remat(state, x, *, shift):
+        return checkpoint_call(counted, (x,), {"shift": shift}, state=state, mutable=[1])
+
+    results = {}
+    for label, fn in (("plain", _scaled_block), ("remat", remat)):
+        running = torch.ones(2, dtype=torch.float64 if path == "autograd" else torch.float32)
+        if path == "autograd":
+            grads = torch.autograd.grad(loss(fn, x, w, shift, running), (x, w, shift))
+        else:
+            grads = torch.func.grad(
+                lambda x, w, shift, fn=fn, running=running: loss(fn, x, w, shift, running),
+                argnums=(0, 1, 2),
+            )(x, w, shift)
+        results[label] = (grads, running)
+    _assert_equal(results["remat"][0], results["plain"][0])
+    # The buffer is updated once (by the forward), not again by the recompute.
+    _assert_equal((results["remat"][1],), (results["plain"][1],))
+    assert path != "autograd" or not torch.equal(results["remat"][1], torch.ones(2))
+    assert len(calls) == 2  # the forward, and the recompute in backward
+
+
+def test_checkpoint_call_keeps_arguments_but_not_state():
+    x, w = _f64(4, 3, seed=0), _f64(3, 3, seed=1)
+    with track() as stats:
+        y = checkpoint_call(lambda state, x: x @ state[0], (x,), state=[w])
+        torch.autograd.grad(y.sum(), (x, w))
+    assert stats.calls == 1 and stats.recomputations == 1
+    assert stats.saved_bytes == 4 * 3 * 8  # x only: the caller holds w anyway
+    with torch.no_grad():
+        assert torch.equal(checkpoint_call(lambda state, x: x @ state[0], [x], state=[w]), x @ w)
+
+
+def test_checkpoint_call_refuses_bad_arguments():
+    x = _f64(2, seed=0)
+    def fn(state, x):
+        return x * 2
+
+    with pytest.raises(TypeError, match="`fn` must be callable"):
+        checkpoint_call(3, (x,))
+    with pytest.raises(TypeError, match="`args` must be a tuple or list"):
+        checkpoint_call(fn, x)
+    with pytest.raises(TypeError, match="`kwargs` must be a mapping"):
+        checkpoint_call(fn, (x,), [1])
+    with pytest.raises(TypeError, match=r"`state\[1\]` must be a tensor"):
+        checkpoint_call(fn, (x,), state=[x, 1.0])
+    with pytest.raises(ValueError, match="`mutable` must hold indexes into `state`"):
+        checkpoint_call(fn, (x,), state=[x], mutable=[1])
+    with pytest.raises(TypeError, match="`offload` must be True or False"):
+        checkpoint_call(fn, (x,), offload=1)
+    with pytest.raises(TypeError, match="`policy` must be None or a SavePolicy"):
+        checkpoint_call(fn, (x,), policy="attn")

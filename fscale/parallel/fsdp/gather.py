@@ -262,9 +262,9 @@ class ShardedUnit:
     def _remat_call(self, call: UnitCall) -> Any:
         runs = 0
 
-        def gathered_call(inputs: Any) -> Any:
+        def gathered_call(inputs: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
             nonlocal runs
-            shard, state, args, kwargs = inputs
+            shard, *state = inputs
             runs += 1
             if runs == 1:
                 # The forward: no graph is recorded here, so the prefetched buffer serves.
@@ -275,19 +275,15 @@ class ShardedUnit:
                 gathered = self.gatherer.now(self, shard)
             return call.run(self.views(gathered), state, args, kwargs)
 
-        # The shard and the submodule's other state are the remat's "module state" inputs, so
+        # The shard and the submodule's other state are the checkpoint's `state` inputs, so
         # buffers updated in place (BatchNorm) are snapshotted and updated once.
-        state = list(call.state)
-        return remat._checkpointed_call(
+        return remat.checkpoint_call(
             gathered_call,
-            (self.shard, state, call.args, call.kwargs),
-            _NO_OFFLOAD,
-            module_state=1 + len(state),
-            buffer_indexes=frozenset(1 + i for i in call.mutable),
+            call.args,
+            call.kwargs,
+            state=[self.shard, *call.state],
+            mutable=[1 + i for i in call.mutable],
         )
 
     def __repr__(self) -> str:
         return f"ShardedUnit({self.name!r}, {len(self.names)} params)"
-
-
-_NO_OFFLOAD = remat._Options(offload=False, policy=None)

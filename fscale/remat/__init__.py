@@ -1,0 +1,28 @@
+"""Rematerialisation: trade compute for activation memory, under every grad path.
+
+`checkpoint(fn)` (`fscale.remat.wrap`) returns a function or module whose forward keeps nothing
+for backward but its inputs and whose backward runs it again; `checkpoint_call`
+(`fscale.remat.engine`, the one recompute engine) is the same for one call with extra inputs.
+Save policies and `name` (`fscale.remat.policy`) choose intermediates to keep instead of
+recomputing; `track` (`fscale.remat.stats`) counts what is kept and recomputed.
+"""
+
+from fscale.remat.engine import checkpoint_call as checkpoint_call
+from fscale.remat.policy import SavePolicy as SavePolicy
+from fscale.remat.policy import name as name
+from fscale.remat.policy import save_matmuls as save_matmuls
+from fscale.remat.policy import save_names as save_names
+from fscale.remat.stats import RematStats as RematStats
+from fscale.remat.stats import track as track
+from fscale.remat.wrap import checkpoint as checkpoint
+
+__all__ = [
+    "RematStats",
+    "SavePolicy",
+    "checkpoint",
+    "checkpoint_call",
+    "name",
+    "save_matmuls",
+    "save_names",
+    "track",
+]
