@@ -259,12 +259,16 @@ def _fscale_state():
     import fscale as fs
     from fscale.distributed import ledger
 
-    return fs.distributed.debug_enabled(), fs.distributed.current_mesh() is None, len(ledger._ACTIVE)
+    return (
+        fs.distributed.debug_enabled(),
+        fs.distributed.current_mesh() is None,
+        len(ledger.open_ledgers()),
+    )
 
 
 def test_fscale_state_left_by_one_call_does_not_reach_the_next():
-    from fscale.distributed import collectives
+    from fscale.distributed import debug
 
     run_spmd(_leave_fscale_state_behind, 2)
-    debug_at_start = collectives._debug_from_env()  # ranks get this process's environment
+    debug_at_start = debug.debug_from_env()  # ranks get this process's environment
     assert run_spmd(_fscale_state, 2) == [(debug_at_start, True, 0)] * 2

@@ -13,6 +13,7 @@ from fscale.distributed.collectives import all_gather_start as all_gather_start
 from fscale.distributed.collectives import all_reduce as all_reduce
 from fscale.distributed.collectives import all_reduce_start as all_reduce_start
 from fscale.distributed.collectives import all_to_all as all_to_all
+from fscale.distributed.collectives import broadcast as broadcast
 from fscale.distributed.collectives import debug_enabled as debug_enabled
 from fscale.distributed.collectives import ppermute as ppermute
 from fscale.distributed.collectives import recv as recv
@@ -46,6 +47,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_start",
     "all_to_all",
+    "broadcast",
     "comm_ledger",
     "current_mesh",
     "debug_enabled",
