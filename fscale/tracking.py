@@ -44,11 +44,13 @@ class Stack(Generic[T]):
         name: the name the stack is registered under.
     """
 
-    __slots__ = ("_items", "name")
+    __slots__ = ("_cleared", "_items", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._items: list[T] = []
+        # What the last `clear` closed: a block still open across a reset may exit normally.
+        self._cleared: list[T] = []
 
     def push(self, item: T) -> T:
         """Open `item`: it sees every event reported from now until it is popped."""
@@ -58,13 +60,17 @@ class Stack(Generic[T]):
     def pop(self, item: T) -> None:
         """Close `item` (the innermost occurrence of that very object).
 
+        An item that the last `clear` (or `reset`) closed may be popped again, so a ``with``
+        block that spans a reset exits without error.
+
         Raises:
             ValueError: `item` is not open on this stack.
         """
-        for index in range(len(self._items) - 1, -1, -1):
-            if self._items[index] is item:
-                del self._items[index]
-                return
+        for items in (self._items, self._cleared):
+            for index in range(len(items) - 1, -1, -1):
+                if items[index] is item:
+                    del items[index]
+                    return
         raise ValueError(f"tracking stack {self.name!r}: {item!r} is not open")
 
     @contextlib.contextmanager
@@ -86,7 +92,7 @@ class Stack(Generic[T]):
 
     def clear(self) -> None:
         """Close every open item."""
-        self._items.clear()
+        self._cleared, self._items = self._items, []
 
     def __bool__(self) -> bool:
         return bool(self._items)

@@ -22,17 +22,17 @@ from fscale.distributed.collectives import reduce_scatter_start as reduce_scatte
 from fscale.distributed.collectives import replicate as replicate
 from fscale.distributed.collectives import send as send
 from fscale.distributed.collectives import set_debug as set_debug
+from fscale.distributed.ledger import CommLedger as CommLedger
+from fscale.distributed.ledger import CommRecord as CommRecord
+from fscale.distributed.ledger import comm_ledger as comm_ledger
+from fscale.distributed.mesh import Mesh as Mesh
+from fscale.distributed.mesh import current_mesh as current_mesh
 from fscale.distributed.spawn import RankError as RankError
 from fscale.distributed.spawn import RankTimeoutError as RankTimeoutError
 from fscale.distributed.spawn import init as init
 from fscale.distributed.spawn import launch as launch
 from fscale.distributed.spawn import rank as rank
 from fscale.distributed.spawn import world_size as world_size
-from fscale.distributed.ledger import CommLedger as CommLedger
-from fscale.distributed.ledger import CommRecord as CommRecord
-from fscale.distributed.ledger import comm_ledger as comm_ledger
-from fscale.distributed.mesh import Mesh as Mesh
-from fscale.distributed.mesh import current_mesh as current_mesh
 
 __all__ = [
     "CollectiveMismatchError",

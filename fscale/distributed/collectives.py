@@ -75,22 +75,18 @@ collective is an identity (``ppermute`` without a self-pair gives zeros) and not
 recorded.
 """
 
-from fscale.distributed.debug import CollectiveMismatchError as CollectiveMismatchError
-from fscale.distributed.debug import debug_enabled as debug_enabled
-from fscale.distributed.debug import set_debug as set_debug
-from fscale.distributed.dispatch import all_to_all as all_to_all
-from fscale.distributed.pending import Pending as Pending
-from fscale.distributed.point_to_point import ppermute as ppermute
-from fscale.distributed.point_to_point import recv as recv
-from fscale.distributed.point_to_point import send as send
-from fscale.distributed.replication import all_reduce as all_reduce
-from fscale.distributed.replication import all_reduce_start as all_reduce_start
-from fscale.distributed.replication import replicate as replicate
-from fscale.distributed.rooted import broadcast as broadcast
-from fscale.distributed.sharding import all_gather as all_gather
-from fscale.distributed.sharding import all_gather_start as all_gather_start
-from fscale.distributed.sharding import reduce_scatter as reduce_scatter
-from fscale.distributed.sharding import reduce_scatter_start as reduce_scatter_start
+from fscale.distributed.debug import CollectiveMismatchError, debug_enabled, set_debug
+from fscale.distributed.dispatch import all_to_all
+from fscale.distributed.pending import Pending
+from fscale.distributed.point_to_point import ppermute, recv, send
+from fscale.distributed.replication import all_reduce, all_reduce_start, replicate
+from fscale.distributed.rooted import broadcast
+from fscale.distributed.sharding import (
+    all_gather,
+    all_gather_start,
+    reduce_scatter,
+    reduce_scatter_start,
+)
 
 __all__ = [
     "CollectiveMismatchError",

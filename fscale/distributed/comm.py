@@ -25,8 +25,8 @@ __all__ = [
     "check_op",
     "check_tensor",
     "normalize_dim",
-    "resolve_comm",
     "reduce_scatter_flat",
+    "resolve_comm",
 ]
 
 Tensor = torch.Tensor

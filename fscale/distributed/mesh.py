@@ -151,7 +151,8 @@ class Mesh:
     # ---- the current mesh ----------------------------------------------------------------
 
     def __enter__(self) -> Mesh:
-        return _CURRENT.push(self)
+        _CURRENT.push(self)
+        return self
 
     def __exit__(self, *exc_info: object) -> None:
         _CURRENT.pop(self)
