@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["Stack", "active", "register", "registered", "reset", "stack"]
 
@@ -105,17 +105,17 @@ class Stack(Generic[T]):
 
 
 _RESETS: dict[str, Callable[[], None]] = {}
-_STACKS: dict[str, Stack] = {}
+_STACKS: dict[str, Stack[Any]] = {}
 
 
-def stack(name: str) -> Stack:
+def stack(name: str) -> Stack[Any]:
     """A new, empty `Stack` registered under `name`; `reset` clears it.
 
     Raises:
         TypeError: `name` is not a non-empty string.
     """
     _check_name(name, "stack")
-    new = Stack(name)
+    new: Stack[Any] = Stack(name)
     _STACKS[name] = new
     _RESETS[name] = new.clear
     return new
@@ -139,7 +139,7 @@ def registered() -> tuple[str, ...]:
     return tuple(_RESETS)
 
 
-def active(name: str) -> tuple:
+def active(name: str) -> tuple[Any, ...]:
     """The open items of the stack registered as `name` (see `Stack.active`).
 
     Raises:

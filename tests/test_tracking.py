@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 import fscale as fs
 from fscale import tracking
 from fscale.distributed import debug, ledger, mesh
-from fscale.testing.pool import run_spmd
 
 
 def test_stack_push_pop_open_and_snapshots():

@@ -9,7 +9,7 @@ all-gather of a fixed-size metadata row per collective (a send/recv pair swaps o
 every rank must use the same setting.
 
 Then the collective is recorded in every open `fscale.distributed.ledger` (`issue`; send and
-recv record through `check_pair` + `ledger.record` themselves).
+recv run `check_pair` and record themselves).
 
 The flag is process state registered with `fscale.tracking`: `fscale.tracking.reset` sets it
 back to what ``FSCALE_DEBUG`` says.
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from fscale import tracking
-from fscale.distributed import ledger
 from fscale.distributed.comm import Comm, all_gather_flat
+from fscale.distributed.ledger import record
 
 __all__ = [
     "CollectiveMismatchError",
@@ -167,4 +167,4 @@ def issue(comm: Comm, op: str, x: Tensor, numel: int, extra: int = 0) -> None:
     """
     if _DEBUG:
         check_group(comm, op, x, extra)
-    ledger.record(op, comm.axis, x.dtype, numel, comm.size)
+    record(op, comm.axis, x.dtype, numel, comm.size)

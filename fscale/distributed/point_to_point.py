@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fscale.distributed import ledger
 from fscale.distributed.comm import Comm, check_index, check_tensor, resolve_comm
 from fscale.distributed.debug import check_pair, debug_enabled, issue
+from fscale.distributed.ledger import record
 from fscale.distributed.mesh import Mesh
 
 __all__ = ["ppermute", "recv", "send"]
@@ -50,7 +50,7 @@ class _Exchange(torch.autograd.Function):
             peer = send_to if kind == "send" else recv_from
             if debug_enabled():
                 check_pair(comm, kind, x, peer)
-            ledger.record(kind, comm.axis, x.dtype, x.numel(), comm.size)
+            record(kind, comm.axis, x.dtype, x.numel(), comm.size)
         if send_to is not None and send_to == comm.index:
             return x.clone()  # a self-pair moves nothing
         works = []
