@@ -1,20 +1,28 @@
-"""Exact memory accounting: the bytes a pytree of tensors actually holds.
+"""Exact memory accounting: the bytes tensors actually hold, now and at their peak.
 
 Views share storage (flat buffers hand out per-leaf views; a tied weight is one tensor used
-twice), so summing ``numel * element_size`` over leaves over-counts. `tree_bytes` counts each
-underlying storage once, which is what a rank really holds. Stride-0 expanded tensors (a scalar
-broadcast to a shape) count as the one element they store.
+twice), so summing ``numel * element_size`` over leaves over-counts. Both measures here count
+each underlying storage once, which is what a rank really holds:
+
+- `tree_bytes`: the bytes a pytree of tensors references now. Stride-0 expanded tensors (a
+  scalar broadcast to a shape) count as the one element they store.
+- `LiveBytes`: the peak, over time, of the bytes alive among tensors registered with it. It
+  keeps a weak reference to each registered tensor's storage, so a storage counts exactly until
+  the last tensor viewing it is freed (including views that autograd saved or a collective in
+  flight holds): the figure is measured, not assumed. The peak is sampled when a tensor is
+  registered and whenever `LiveBytes.sample` is called.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from fscale import tree
 
-__all__ = ["state_bytes", "tree_bytes"]
+__all__ = ["LiveBytes", "state_bytes", "tree_bytes"]
 
 
 def tree_bytes(values: Any) -> int:
@@ -43,3 +51,49 @@ def state_bytes(state: Any) -> dict[str, int]:
         "buffers": tree_bytes(state.buffers),
         "opt_state": tree_bytes(state.opt_state),
     }
+
+
+class LiveBytes:
+    """The peak of storage bytes alive among the tensors registered with `track`.
+
+    Attributes:
+        peak: the most bytes alive at any sample so far.
+    """
+
+    def __init__(self) -> None:
+        # (weak reference to a storage, its size); a storage registered twice counts once.
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}
+        self.peak = 0
+
+    @property
+    def live(self) -> int:
+        """Bytes of the registered storages alive now."""
+        self._drop_dead()
+        return sum(nbytes for _, nbytes in self._storages.values())
+
+    def track(self, tensor: torch.Tensor) -> None:
+        """Count `tensor`'s storage until it is freed, and sample the peak.
+
+        Raises:
+            TypeError: `tensor` is not a torch.Tensor.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"LiveBytes.track: `tensor` must be a torch.Tensor, got {type(tensor).__name__}"
+            )
+        storage = tensor.untyped_storage()
+        self._drop_dead()
+        self._storages.setdefault(id(storage), (weakref.ref(storage), storage.nbytes()))
+        self.sample()
+
+    def sample(self) -> None:
+        """Update `peak` with the bytes alive now."""
+        self.peak = max(self.peak, self.live)
+
+    def _drop_dead(self) -> None:
+        self._storages = {
+            key: entry for key, entry in self._storages.items() if entry[0]() is not None
+        }
+
+    def __repr__(self) -> str:
+        return f"LiveBytes(live={self.live}, peak={self.peak})"

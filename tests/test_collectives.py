@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fscale import distributed as fd
-from fscale.distributed import collectives
+from fscale.distributed import collectives, debug
 from fscale.testing.pool import run_spmd
 
 F64 = torch.float64
@@ -698,9 +698,9 @@ def test_debug_check_on_send_recv_and_consistent_calls():
 
 
 def test_debug_flag_from_environment():
-    assert collectives._debug_from_env({"FSCALE_DEBUG": "1"})
-    assert not collectives._debug_from_env({"FSCALE_DEBUG": "0"})
-    assert not collectives._debug_from_env({})
+    assert debug.debug_from_env({"FSCALE_DEBUG": "1"})
+    assert not debug.debug_from_env({"FSCALE_DEBUG": "0"})
+    assert not debug.debug_from_env({})
     before = fd.debug_enabled()
     try:
         fd.set_debug(True)
@@ -709,3 +709,8 @@ def test_debug_flag_from_environment():
         assert not fd.debug_enabled()
     finally:
         fd.set_debug(before)
+
+
+def test_collectives_module_reexports_the_package_collectives():
+    for name in collectives.__all__:
+        assert getattr(collectives, name) is getattr(fd, name), name

@@ -74,14 +74,14 @@ def test_summary_groups_by_op_and_axis():
 
 
 def test_ledgers_nest_and_cost_nothing_when_closed():
-    assert ledger_module._ACTIVE == []
+    assert ledger_module.open_ledgers() == ()
     ledger_module.record("all_reduce", "dp", torch.float32, 4, 2)  # nobody listening: dropped
     with fd.comm_ledger() as outer:
         ledger_module.record("all_reduce", "dp", torch.float32, 4, 2)
         with fd.comm_ledger() as inner:
             ledger_module.record("all_gather", "dp", torch.float32, 4, 2)
-        assert ledger_module._ACTIVE == [outer]
-    assert ledger_module._ACTIVE == []
+        assert ledger_module.open_ledgers() == (outer,)
+    assert ledger_module.open_ledgers() == ()
     assert [r.op for r in outer.records] == ["all_reduce", "all_gather"]
     assert [r.op for r in inner.records] == ["all_gather"]
     assert outer.records[0] == CommRecord("all_reduce", "dp", torch.float32, 4, 16.0, 2)

@@ -247,24 +247,68 @@ def test_unpicklable_result_is_reported_as_a_rank_failure():
         run_spmd(_unpicklable_result, 1)
 
 
+# Context managers a rank function entered and never exited; a generator-based one that is
+# garbage-collected runs its exit, so the rank keeps them here to really leave them open.
+_left_open: list = []
+
+
 def _leave_fscale_state_behind():
     import fscale as fs
 
     fs.distributed.set_debug(not fs.distributed.debug_enabled())
     fs.Mesh(dp=dist.get_world_size()).__enter__()  # never exited
-    fs.distributed.comm_ledger().__enter__()  # never closed
+    _left_open.append(fs.distributed.comm_ledger())
+    _left_open[-1].__enter__()  # never closed
 
 
 def _fscale_state():
     import fscale as fs
     from fscale.distributed import ledger
 
-    return fs.distributed.debug_enabled(), fs.distributed.current_mesh() is None, len(ledger._ACTIVE)
+    return (
+        fs.distributed.debug_enabled(),
+        fs.distributed.current_mesh() is None,
+        len(ledger.open_ledgers()),
+    )
 
 
 def test_fscale_state_left_by_one_call_does_not_reach_the_next():
-    from fscale.distributed import collectives
+    from fscale.distributed import debug
 
     run_spmd(_leave_fscale_state_behind, 2)
-    debug_at_start = collectives._debug_from_env()  # ranks get this process's environment
+    debug_at_start = debug.debug_from_env()  # ranks get this process's environment
     assert run_spmd(_fscale_state, 2) == [(debug_at_start, True, 0)] * 2
+
+
+def _open_ledger_then(fail):
+    import fscale as fs
+
+    _left_open.append(fs.distributed.comm_ledger())  # held, so never closed by collection
+    _left_open[-1].__enter__()
+    fs.Mesh(dp=dist.get_world_size()).__enter__()  # never exited
+    if fail:
+        raise RuntimeError("a failing test left its ledger open")
+    return len(fs.distributed.ledger.open_ledgers())
+
+
+def _collect_a_collective():
+    import torch
+
+    import fscale as fs
+    from fscale import tracking
+
+    open_before = tracking.active("fscale.distributed.ledger")
+    mesh = fs.Mesh(dp=dist.get_world_size())
+    with fs.distributed.comm_ledger() as ledger:
+        fs.distributed.all_reduce(torch.ones(4), "dp", mesh=mesh)
+    return len(open_before), fs.distributed.current_mesh() is None, ledger.count()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_ledger_left_open_does_not_record_the_next_call(fail):
+    if fail:
+        with pytest.raises(RankError, match="left its ledger open"):
+            run_spmd(_open_ledger_then, 2, True)
+    else:
+        assert run_spmd(_open_ledger_then, 2, False) == [1, 1]
+    assert run_spmd(_collect_a_collective, 2) == [(0, True, 1)] * 2

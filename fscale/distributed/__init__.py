@@ -13,6 +13,7 @@ from fscale.distributed.collectives import all_gather_start as all_gather_start
 from fscale.distributed.collectives import all_reduce as all_reduce
 from fscale.distributed.collectives import all_reduce_start as all_reduce_start
 from fscale.distributed.collectives import all_to_all as all_to_all
+from fscale.distributed.collectives import broadcast as broadcast
 from fscale.distributed.collectives import debug_enabled as debug_enabled
 from fscale.distributed.collectives import ppermute as ppermute
 from fscale.distributed.collectives import recv as recv
@@ -21,17 +22,17 @@ from fscale.distributed.collectives import reduce_scatter_start as reduce_scatte
 from fscale.distributed.collectives import replicate as replicate
 from fscale.distributed.collectives import send as send
 from fscale.distributed.collectives import set_debug as set_debug
+from fscale.distributed.ledger import CommLedger as CommLedger
+from fscale.distributed.ledger import CommRecord as CommRecord
+from fscale.distributed.ledger import comm_ledger as comm_ledger
+from fscale.distributed.mesh import Mesh as Mesh
+from fscale.distributed.mesh import current_mesh as current_mesh
 from fscale.distributed.spawn import RankError as RankError
 from fscale.distributed.spawn import RankTimeoutError as RankTimeoutError
 from fscale.distributed.spawn import init as init
 from fscale.distributed.spawn import launch as launch
 from fscale.distributed.spawn import rank as rank
 from fscale.distributed.spawn import world_size as world_size
-from fscale.distributed.ledger import CommLedger as CommLedger
-from fscale.distributed.ledger import CommRecord as CommRecord
-from fscale.distributed.ledger import comm_ledger as comm_ledger
-from fscale.distributed.mesh import Mesh as Mesh
-from fscale.distributed.mesh import current_mesh as current_mesh
 
 __all__ = [
     "CollectiveMismatchError",
@@ -46,6 +47,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_start",
     "all_to_all",
+    "broadcast",
     "comm_ledger",
     "current_mesh",
     "debug_enabled",

@@ -20,14 +20,22 @@ all_reduce          ``2 (N-1)/N * S``          a reduce-scatter followed by an a
 all_gather          ``(N-1)/N * S``            each rank forwards the N-1 shards it does not own
 reduce_scatter      ``(N-1)/N * S``            each rank forwards N-1 partial sums of one shard
 all_to_all          ``(N-1)/N * S``            every chunk but its own leaves the rank
+broadcast           ``(N-1)/N * S``            a pipelined chain from the source: every rank but
+                                               the last forwards the whole tensor once
+reduce              ``(N-1)/N * S``            the same chain run towards the destination,
+                                               adding as it goes (broadcast's adjoint)
 send / ppermute     ``S`` (0 if it sends none) the whole tensor goes to one peer
 recv                ``0``                      receiving costs the sender, not this rank
 ==================  =========================  ==================================================
 
-The ring counts are averages, so they are fractional when ``S`` is not a multiple of ``N``.
+The ring counts are averages over the ranks of the axis (for broadcast and reduce, where one
+rank of the chain sends nothing and the others ``S``, the average is ``(N-1)/N * S``: the total
+``(N-1) * S`` any algorithm must move to reach N-1 ranks, shared out), so they are fractional
+when ``S`` is not a multiple of ``N``.
 Collectives over an axis of size 1 move nothing and record nothing.
 
-When no ledger is open, recording costs one truth test of a module-level list.
+Open ledgers live on a `fscale.tracking` stack, so `fscale.tracking.reset` closes any a
+program left open. When none is open, recording costs one truth test of that stack.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["CommLedger", "CommRecord", "comm_ledger", "ring_bytes"]
+from fscale import tracking
+
+__all__ = ["CommLedger", "CommRecord", "comm_ledger", "open_ledgers", "ring_bytes"]
 
 
 class CommRecord(NamedTuple):
@@ -46,7 +56,7 @@ class CommRecord(NamedTuple):
 
     Attributes:
         op: the operation: "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-            "ppermute", "send" or "recv".
+            "broadcast", "reduce", "ppermute", "send" or "recv".
         axis: the mesh axis it ran over.
         dtype: the element type of the tensor it moved.
         numel: elements of the full tensor (the unsharded one for all-gather and
@@ -88,7 +98,7 @@ def ring_bytes(op: str, numel: int, dtype: torch.dtype, axis_size: int) -> float
     # Multiply before dividing so the result is exact whenever it is a whole number.
     if op == "all_reduce":
         return 2 * (n - 1) * size / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce"):
         return (n - 1) * size / n
     if op in ("send", "ppermute"):
         return float(size)
@@ -97,7 +107,10 @@ def ring_bytes(op: str, numel: int, dtype: torch.dtype, axis_size: int) -> float
     raise ValueError(f"ring_bytes: unknown op {op!r}; expected one of {sorted(_OPS)}")
 
 
-_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute", "send", "recv")
+_OPS = (
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
+    "ppermute", "send", "recv",
+)  # fmt: skip
 
 
 class CommLedger:
@@ -165,8 +178,8 @@ class CommLedger:
         return f"CommLedger({len(self.records)} records, {_human_bytes(self.total_bytes())})"
 
 
-# Open ledgers, innermost last. Kept as a plain list so that `record` can test it in one step.
-_ACTIVE: list[CommLedger] = []
+# Open ledgers, innermost last.
+_LEDGERS: tracking.Stack[CommLedger] = tracking.stack(__name__)
 
 
 @contextlib.contextmanager
@@ -178,20 +191,21 @@ def comm_ledger() -> Iterator[CommLedger]:
     Yields:
         The ledger, which keeps its records after the block ends.
     """
-    ledger = CommLedger()
-    _ACTIVE.append(ledger)
-    try:
+    with _LEDGERS.open(CommLedger()) as ledger:
         yield ledger
-    finally:
-        _ACTIVE.remove(ledger)
+
+
+def open_ledgers() -> tuple[CommLedger, ...]:
+    """The ledgers open now, outermost first."""
+    return _LEDGERS.active()
 
 
 def record(op: str, axis: str, dtype: torch.dtype, numel: int, axis_size: int) -> None:
     """Append a record of a collective to every open ledger (a no-op when none is open)."""
-    if not _ACTIVE:
+    if not _LEDGERS:
         return
     entry = CommRecord(op, axis, dtype, numel, ring_bytes(op, numel, dtype, axis_size), axis_size)
-    for ledger in _ACTIVE:
+    for ledger in _LEDGERS.active():
         ledger.records.append(entry)
 
 

@@ -17,6 +17,9 @@ An axis of size 1 needs no process group and every collective over it is an iden
 Building a mesh with axes of size > 1 is a collective call over the default group: every rank
 must build the same meshes in the same order. Meshes with the same axes share their process
 groups, so building one again is cheap.
+
+The ``with mesh:`` blocks open now are a `fscale.tracking` stack, which
+`fscale.tracking.reset` empties.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
+
+from fscale import tracking
 
 __all__ = ["Mesh", "current_mesh"]
 
@@ -146,11 +151,11 @@ class Mesh:
     # ---- the current mesh ----------------------------------------------------------------
 
     def __enter__(self) -> Mesh:
-        _CURRENT.append(self)
+        _CURRENT.push(self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        _CURRENT.pop()
+        _CURRENT.pop(self)
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{name}={size}" for name, size in zip(self._names, self._shape))
@@ -182,7 +187,7 @@ class Mesh:
 
 def current_mesh() -> Mesh | None:
     """The mesh of the innermost active ``with mesh:`` block, or None outside any."""
-    return _CURRENT[-1] if _CURRENT else None
+    return _CURRENT.top()
 
 
 def resolve_mesh(mesh: Mesh | None, caller: str) -> Mesh:
@@ -199,7 +204,7 @@ def resolve_mesh(mesh: Mesh | None, caller: str) -> Mesh:
     return mesh
 
 
-_CURRENT: list[Mesh] = []
+_CURRENT: tracking.Stack[Mesh] = tracking.stack(__name__)
 
 
 def _unknown_axis_message(name: Any, mesh: Mesh) -> str:

@@ -33,15 +33,15 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fscale.distributed._ranks import (
+from fscale.distributed.ranks import (
     RankError,
     RankSetup,
     RankTimeoutError,
     Task,
-    _check_backend,
-    _cuda_device_count,
+    check_backend,
     check_seconds,
     check_world_size,
+    cuda_device_count,
     error_reply,
     gather_replies,
     join_group,
@@ -114,7 +114,7 @@ def init(backend: str | None = None, timeout: float = DEFAULT_PG_TIMEOUT) -> Ran
         ValueError: a bad `backend` or `timeout`, or a launcher environment that is incomplete
             or inconsistent.
     """
-    _check_backend(backend)
+    check_backend(backend)
     check_seconds("timeout", timeout, "init")
     if _group_is_initialized():
         return RankInfo(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", 0))
@@ -132,7 +132,7 @@ def init(backend: str | None = None, timeout: float = DEFAULT_PG_TIMEOUT) -> Ran
     if not 0 <= global_rank < size:
         raise ValueError(f"init: RANK={global_rank} is outside [0, WORLD_SIZE={size}).")
     if backend is None:
-        backend = "nccl" if local_rank < _cuda_device_count() else "gloo"
+        backend = "nccl" if local_rank < cuda_device_count() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     dist.init_process_group(

@@ -8,13 +8,13 @@ process that has imported torch once, so even a restart costs a fraction of a se
 
 Each call is isolated as far as a shared process allows: before the function runs, every rank
 resets the seeds of ``random``, ``torch`` and (if imported) ``numpy`` to 1234 and fscale's own
-process-wide state to its start-up values (no current mesh, no open comm ledger, the debug
-check as ``FSCALE_DEBUG`` says), so a function that leaves a ``with mesh:`` or ``set_debug``
-behind does not change the next one; and a call never sees a pool that something went wrong
-in. A failure on only some ranks wedges a
-gloo group (the others sit in a collective until the process-group timeout), so after ANY
-failure or timeout the pool is torn down at once and a fresh one is spawned lazily on the
-next call.
+process-wide state to its start-up values with `fscale.tracking.reset` (no current mesh, no
+open comm ledger or other accounting block, the debug check as ``FSCALE_DEBUG`` says), so a
+function that leaves a ``with mesh:`` or ``set_debug`` behind does not change the next one;
+and a call never sees a pool that something went wrong in. A failure on only some ranks
+wedges a gloo group (the others sit in a collective until the process-group timeout), so
+after ANY failure or timeout the pool is torn down at once and a fresh one is spawned lazily
+on the next call.
 
 Functions are sent by reference: they must be defined at module level. A rank imports the
 function's module by name, and from its file when the name is not importable there (e.g. a
@@ -76,7 +76,7 @@ from typing import Any
 
 import torch
 
-from fscale.distributed._ranks import (
+from fscale.distributed.ranks import (
     RankError,
     RankSetup,
     Task,
@@ -368,13 +368,12 @@ def _pool_rank_main(setup: RankSetup, connection: multiprocessing.connection.Con
 
 
 def _reset_rank_state() -> None:
-    # Imported here: the fork server preloads this module, and fscale.distributed pulls in more
-    # than a rank that never runs a task needs.
-    from fscale.distributed import collectives, ledger, mesh
+    # fscale's process-wide state (open ledgers and meshes, the debug flag, accounting stacks)
+    # is registered with fscale.tracking by the modules that own it, so one reset reaches all
+    # of it, whatever the previous task imported.
+    from fscale import tracking
 
-    mesh._CURRENT.clear()
-    ledger._ACTIVE.clear()
-    collectives.set_debug(collectives._debug_from_env())
+    tracking.reset()
     random.seed(SEED)
     torch.manual_seed(SEED)
     numpy = sys.modules.get("numpy")

@@ -240,8 +240,8 @@ def new_store(pg_timeout: float) -> dist.TCPStore:
 
 def resolve_backend(backend: str | None, world_size: int) -> str:
     """The backend to use for `world_size` local ranks; checks that NCCL has enough GPUs."""
-    _check_backend(backend)
-    gpus = _cuda_device_count()
+    check_backend(backend)
+    gpus = cuda_device_count()
     if backend is None:
         return "nccl" if gpus >= world_size else "gloo"
     if backend == "nccl" and gpus < world_size:
@@ -408,7 +408,8 @@ def _ensure_importable(module_name: str, module_file: str | None) -> None:
         raise
 
 
-def _cuda_device_count() -> int:
+def cuda_device_count() -> int:
+    """GPUs visible to this process (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -418,17 +419,20 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-def _check_backend(backend: str | None) -> None:
+def check_backend(backend: str | None) -> None:
+    """Raise unless `backend` is one fscale launches ranks with, or None (choose)."""
     if backend is not None and backend not in _BACKENDS:
         raise ValueError(f"`backend` must be one of {_BACKENDS} or None, got {backend!r}.")
 
 
 def check_world_size(size: Any, caller: str) -> None:
+    """Raise unless `size` is a number of ranks (an int >= 1)."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"{caller}: `world_size` must be an integer >= 1, got {size!r}.")
 
 
 def check_seconds(name: str, value: Any, caller: str) -> None:
+    """Raise unless argument `name` is a positive, finite number of seconds."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
