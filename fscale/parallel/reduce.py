@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -41,6 +40,7 @@ import torch
 from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
+from fscale.memory import LiveBytes
 from fscale.parallel.buckets import Bucket, GradBuckets, assign_buckets, forward_order
 from fscale.parallel.bucket_layout import BucketLayout, layout_of
 
@@ -260,7 +260,7 @@ class _ScatterSession:
         self.layout, self.treedef = layout_of(
             params, reducer.bucket_bytes, reducer.mesh.size(reducer.scatter_axis)  # type: ignore[arg-type]
         )
-        self.live = _LiveBytes()
+        self.live = LiveBytes()
         self.initial: list[torch.Tensor] | None = None
         self.shards: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
         self.in_flight: collections.deque = collections.deque()
@@ -339,27 +339,6 @@ class _ScatterSession:
 
     def metrics(self) -> dict[str, Any]:
         return {"grad_peak_bytes": self.live.peak}
-
-
-class _LiveBytes:
-    """The peak of storage bytes alive among the tensors registered with `track`.
-
-    Weak references to the storages tell exactly when the last tensor using one is gone
-    (including views held by a collective in flight), so the figure is measured, not assumed.
-    """
-
-    def __init__(self) -> None:
-        self._storages: list[tuple[weakref.ref, int]] = []
-        self.peak = 0
-
-    def track(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        self._storages.append((weakref.ref(storage), storage.nbytes()))
-        self.sample()
-
-    def sample(self) -> None:
-        self._storages = [(ref, n) for ref, n in self._storages if ref() is not None]
-        self.peak = max(self.peak, sum(n for _, n in self._storages))
 
 
 def _keep(bucket: Bucket, flat_grad: torch.Tensor) -> None:

@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
+from fscale import tracking
+
 __all__ = ["RematStats", "count", "track"]
 
 
@@ -32,7 +34,7 @@ class RematStats:
     recomputations: int = 0
 
 
-_TRACKERS: list[RematStats] = []
+_TRACKERS: tracking.Stack[RematStats] = tracking.stack(__name__)
 
 
 @contextlib.contextmanager
@@ -43,16 +45,12 @@ def track() -> Iterator[RematStats]:
         A `RematStats` filled in as checkpointed functions run; nested `track()` blocks each
         see every event.
     """
-    stats = RematStats()
-    _TRACKERS.append(stats)
-    try:
+    with _TRACKERS.open(RematStats()) as stats:
         yield stats
-    finally:
-        _TRACKERS.remove(stats)
 
 
 def count(**increments: int) -> None:
     """Add `increments` (`RematStats` field -> amount) to every open `track()` block."""
-    for stats in _TRACKERS:
+    for stats in _TRACKERS.active():
         for field, amount in increments.items():
             setattr(stats, field, getattr(stats, field) + amount)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fscale import remat
+from fscale import remat, tracking
 from fscale.distributed import collectives
 from fscale.distributed.collectives import Pending
 from fscale.distributed.mesh import Mesh
@@ -54,14 +54,15 @@ class GatherStats:
     peak_units: int = 0
     peak_bytes: int = 0
 
-    def _add(self, units: int, nbytes: int) -> None:
+    def add(self, units: int, nbytes: int) -> None:
+        """Count `units` more gathered units of `nbytes` (negative: released)."""
         self.live_units += units
         self.live_bytes += nbytes
         self.peak_units = max(self.peak_units, self.live_units)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
 
-_TRACKERS: list[GatherStats] = []
+_TRACKERS: tracking.Stack[GatherStats] = tracking.stack(__name__)
 
 
 class track_gathers:  # noqa: N801 - a context manager used like a function
@@ -75,12 +76,11 @@ class track_gathers:  # noqa: N801 - a context manager used like a function
     """
 
     def __enter__(self) -> GatherStats:
-        self.stats = GatherStats()
-        _TRACKERS.append(self.stats)
+        self.stats = _TRACKERS.push(GatherStats())
         return self.stats
 
     def __exit__(self, *exc_info: object) -> None:
-        _TRACKERS.remove(self.stats)
+        _TRACKERS.pop(self.stats)
 
 
 def _track(unit: UnitLayout) -> Callable[[torch.Tensor], None]:
@@ -88,14 +88,14 @@ def _track(unit: UnitLayout) -> Callable[[torch.Tensor], None]:
     if unit.name == ROOT or not _TRACKERS:
         return lambda tensor: None
     nbytes = unit.numel * unit.dtype.itemsize
-    trackers = list(_TRACKERS)
+    trackers = _TRACKERS.active()
     for stats in trackers:
         stats.gathers += 1
-        stats._add(1, nbytes)
+        stats.add(1, nbytes)
 
     def release() -> None:
         for stats in trackers:
-            stats._add(-1, -nbytes)
+            stats.add(-1, -nbytes)
 
     def tie(tensor: torch.Tensor) -> None:
         # Views keep their base alive, so the base's lifetime is the gathered buffer's.
