@@ -49,20 +49,37 @@ InitFn = Callable[..., PyTree]
 """``init(params, layout=...) -> state``: an optimizer's init, or a plan's opt_state init."""
 
 
-def plan_state_init(plan: Any, step: Any) -> InitFn:
-    """The optimizer state `plan`'s init makes (with the layers inside it) on given params.
+def plan_state_init(plan: Any, step: Any, plan_params: PyTree | None = None) -> InitFn:
+    """``init(params, layout=...)``: the optimizer state `plan`'s init makes (with the layers
+    inside it) when its optimizer is initialised on `params` with `layout`.
 
     Sharded layers build their state specs from it, so a user plan between them and the
-    innermost layer that adds per-parameter state (e.g. a copy of the params) is sharded and
-    consolidated by the same rule as the optimizer's own state.
+    innermost layer that adds state (e.g. a copy of the params) is sharded and consolidated by
+    the same rule as the optimizer's own state. `plan_params` are the parameters the plan
+    itself is given, when they differ from what its optimizer sees (ZeRO gives the plan full
+    parameters and the optimizer this rank's fragments); None: the same.
     """
     key = fsrandom.key(0)
 
     def init(params: PyTree, *, layout: optim_lib.Layout | None = None) -> PyTree:
-        ctx = Context(optimizer=PlainOptimizer(layout))
-        return plan.init(step, params, {}, key, ctx).opt_state
+        ctx = Context(optimizer=_OnGiven(params, layout))
+        given = params if plan_params is None else plan_params
+        return plan.init(step, given, {}, key, ctx).opt_state
 
     return init
+
+
+class _OnGiven:
+    """An optimizer role that initialises on fixed params, whatever the plan passes it."""
+
+    def __init__(self, params: PyTree, layout: optim_lib.Layout | None) -> None:
+        self.params, self.layout = params, layout
+
+    def init(self, optimizer: optim_lib.Optimizer, params: PyTree) -> PyTree:
+        return optimizer.init(self.params, layout=self.layout)
+
+    def apply(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("a state spec is only initialised, never stepped")
 
 
 def state_spec(

@@ -74,6 +74,18 @@ def _axis(axes: tuple[str, ...]) -> str | tuple[str, ...]:
     return axes[0] if len(axes) == 1 else axes
 
 
+def _all_reduce_start(
+    flat: torch.Tensor, axes: tuple[str, ...], mesh: Mesh
+) -> collectives.Pending:
+    """The mean over `axes`: the first axis asynchronously, then each further one in turn."""
+    pending = collectives.all_reduce_start(flat, axes[0], "mean", mesh=mesh)
+    for axis in axes[1:]:
+        pending = pending.then(
+            lambda t, axis=axis: collectives.all_reduce(t, axis, "mean", mesh=mesh)
+        )
+    return pending
+
+
 @dataclasses.dataclass(frozen=True)
 class GradReducer:
     """How the gradients of the state's leaves are reduced; see the module docstring.
@@ -185,9 +197,7 @@ class _AllReduceSession:
     def _start(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
         reducer = self.reducer
         if reducer.hook is None:
-            self.in_flight[bucket.index] = collectives.all_reduce_start(
-                flat_grad, _axis(self.axes), "mean", mesh=reducer.mesh
-            )
+            self.in_flight[bucket.index] = _all_reduce_start(flat_grad, self.axes, reducer.mesh)
         else:
             state = None if reducer.hook_states is None else reducer.hook_states[bucket.index]
             pending, self.new_states[bucket.index] = reducer.hook(

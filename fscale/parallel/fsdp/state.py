@@ -18,7 +18,7 @@ import torch
 
 from fscale import tree
 from fscale.distributed import collectives
-from fscale.parallel.opt_state import InitFn, StateMap, check_state, plan_state_init, state_spec
+from fscale.parallel.opt_state import StateMap, check_state, plan_state_init, state_spec
 from fscale.parallel.fsdp.units import ShardLayout
 from fscale.plan import TrainState
 
@@ -58,7 +58,7 @@ def consolidate_fully_sharded(plan: FullyShardPlan, step: Any, state: TrainState
     devices = {
         name: shards[unit.name].device for unit in layout.units for name in unit.names
     }
-    state_map = _state_map(plan_state_init(plan.inner, step), layout, devices)
+    state_map = _state_map(plan, step, layout, devices)
     check_state(
         "consolidate", "state.opt_state", state.opt_state, state_map.ranks[rank],
         f"it is not rank {rank}'s optimizer state of this step",
@@ -100,7 +100,7 @@ def shard_fully_sharded(plan: FullyShardPlan, step: Any, full_state: TrainState)
     layout = plan.layout_for(full_state.params)
     rank = plan.mesh.rank(plan.axis)
     devices = {name: tensor.device for name, tensor in full_state.params.items()}
-    state_map = _state_map(plan_state_init(plan.inner, step), layout, devices)
+    state_map = _state_map(plan, step, layout, devices)
     check_state(
         "shard_state", "full_state.opt_state", full_state.opt_state, state_map.full,
         "pass the full state of this step's optimizer on these params",
@@ -113,7 +113,7 @@ def shard_fully_sharded(plan: FullyShardPlan, step: Any, full_state: TrainState)
 
 
 def _state_map(
-    init: InitFn, layout: ShardLayout, devices: dict[str, torch.device]
+    plan: FullyShardPlan, step: Any, layout: ShardLayout, devices: dict[str, torch.device]
 ) -> StateMap:
     """The optimizer's state on the full parameters and on every rank's fragments.
 
@@ -122,11 +122,21 @@ def _state_map(
     """
     # In the leaf order of the params dict (optree sorts its keys), as state_spec flattens it.
     leaf_devices = tree.leaves({name: devices[name] for name in layout.param_order})
-    full = state_spec(init, layout.meta_params(), devices=leaf_devices)
+    full = state_spec(plan_state_init(plan.inner, step), layout.meta_params(),
+                      devices=leaf_devices)
     ranks = [
         state_spec(
-            init, layout.meta_fragments(rank), layout.fragments(rank), devices=leaf_devices
+            plan_state_init(plan.inner, step, _meta_shards(layout)),
+            layout.meta_fragments(rank), layout.fragments(rank), devices=leaf_devices,
         )
         for rank in range(layout.num_shards)
     ]
     return StateMap(full, ranks)
+
+
+def _meta_shards(layout: ShardLayout) -> dict[str, torch.Tensor]:
+    """Stand-ins for a rank's ``{unit name: 1-D shard}`` (every rank's have the same shapes)."""
+    return {
+        unit.name: torch.empty(unit.shard_size, dtype=unit.dtype, device="meta")
+        for unit in layout.units
+    }

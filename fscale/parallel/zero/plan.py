@@ -292,9 +292,12 @@ class ShardedOptimizerPlan(Plan):
         self, step: Any, layout: BucketLayout, treedef: Any, rank: int | None
     ) -> StateSpec:
         """What the inner plan's init makes on `rank`'s fragments, or on the full leaves (None)."""
+        full = tree.unflatten(treedef, layout.stand_ins(None))
+        if rank is None:
+            return state_spec(plan_state_init(self.inner, step), full, devices=layout.devices())
         params = tree.unflatten(treedef, layout.stand_ins(rank))
-        fragments = None if rank is None else tree.unflatten(treedef, layout.fragments(rank))
-        return state_spec(plan_state_init(self.inner, step), params, fragments,
+        fragments = tree.unflatten(treedef, layout.fragments(rank))
+        return state_spec(plan_state_init(self.inner, step, full), params, fragments,
                           devices=layout.devices())
 
     def _state_map(self, step: Any, layout: BucketLayout, treedef: Any) -> StateMap:
