@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import _util
 import fscale as fs
-from fscale.parallel.common import all_gather_objects
+from fscale.spmd import all_gather_objects
 from fscale.models import GPT, lm_loss
 
 GOAL = 1.00

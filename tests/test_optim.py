@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fscale
 import fscale.optim as optim
 from fscale import tree
 from fscale.optim import _core, schedules
@@ -512,3 +513,14 @@ def test_clip_by_global_norm_keeps_scalar_leaves_scalar():
     clipped, _ = clip.update(grads, clip.init(grads))
     assert clipped["scale"].shape == () and clipped["w"].shape == (1,)
     assert torch.allclose(clipped["scale"], torch.tensor(0.6), atol=1e-6)
+
+
+def test_optimizers_print_the_call_that_made_them():
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-4, weight_decay=0.1))
+    assert repr(opt) == "chain(clip_by_global_norm(max_norm=1.0), adamw(lr=0.0003, weight_decay=0.1))"
+    assert repr(optim.partition(lambda path: "a", {"a": optim.sgd(0.1)})) == (
+        "partition(labels=<lambda>, optimizers={'a': sgd(lr=0.1)})"
+    )
+    assert repr(fscale.offload_optimizer(optim.sgd(0.1))) == "offload_optimizer(optimizer=sgd(lr=0.1))"
+    # The description is metadata only: optimizers with and without it behave the same.
+    assert optim.sgd(0.1)._replace(description="").pointwise

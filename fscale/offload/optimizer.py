@@ -16,6 +16,7 @@ import optree
 import torch
 
 from fscale import optim as optim_lib
+from fscale.optim.base import described
 from fscale import tree
 from fscale.offload.transfer import HOST, Transfer, checked_device, pinned_packed_copy
 
@@ -61,6 +62,7 @@ def _master_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+@described
 def offload_optimizer(
     optimizer: optim_lib.Optimizer,
     device: str | torch.device = "cpu",

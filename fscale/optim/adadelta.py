@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale.optim import _core
-from fscale.optim.base import Optimizer
+from fscale.optim.base import Optimizer, described
 
 __all__ = ["AdadeltaState", "adadelta"]
 
@@ -33,6 +33,7 @@ class AdadeltaState(NamedTuple):
     acc_delta: PyTree
 
 
+@described
 def adadelta(
     lr: _core.LearningRate = 1.0,
     *,

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale.optim import _core
-from fscale.optim.base import Layout, Optimizer, resolve_layout
+from fscale.optim.base import Layout, Optimizer, resolve_layout, described
 from fscale.tree import Fragment
 
 __all__ = ["AdafactorState", "adafactor"]
@@ -49,6 +49,7 @@ class AdafactorState(NamedTuple):
     exp_avg: PyTree
 
 
+@described
 def adafactor(
     lr: _core.LearningRate | None = None,
     *,

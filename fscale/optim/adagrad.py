@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale.optim import _core
-from fscale.optim.base import Optimizer
+from fscale.optim.base import Optimizer, described
 
 __all__ = ["AdagradState", "adagrad"]
 
@@ -27,6 +27,7 @@ class AdagradState(NamedTuple):
     sum: PyTree
 
 
+@described
 def adagrad(
     lr: _core.LearningRate = 1e-2,
     *,

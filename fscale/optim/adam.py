@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale.optim import _core
-from fscale.optim.base import Optimizer
+from fscale.optim.base import Optimizer, described
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -40,6 +40,7 @@ class AdamState(NamedTuple):
     max_exp_avg_sq: PyTree
 
 
+@described
 def adam(
     lr: _core.LearningRate = 1e-3,
     *,
@@ -83,6 +84,7 @@ def adam(
     )
 
 
+@described
 def adamw(
     lr: _core.LearningRate = 1e-3,
     *,

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale.optim import _core
-from fscale.optim.base import Optimizer
+from fscale.optim.base import Optimizer, described
 
 __all__ = ["AdamaxState", "adamax"]
 
@@ -34,6 +34,7 @@ class AdamaxState(NamedTuple):
     exp_inf: PyTree
 
 
+@described
 def adamax(
     lr: _core.LearningRate = 2e-3,
     *,

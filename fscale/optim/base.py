@@ -22,7 +22,9 @@ share the pieces.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+import functools
+import inspect
+from typing import Any, NamedTuple, TypeVar
 
 import optree
 import torch
@@ -54,6 +56,50 @@ class Optimizer(NamedTuple):
     update: Callable[..., tuple[PyTree, Any]]
     apply: Callable[..., tuple[PyTree, Any]] | None
     pointwise: bool
+    description: str = ""
+
+    def __repr__(self) -> str:
+        # The call that made it (``adamw(0.0003, weight_decay=0.1)``), so `print(step)` says
+        # which optimizer a step runs.
+        return self.description or f"Optimizer(pointwise={self.pointwise})"
+
+
+F = TypeVar("F", bound=Callable[..., Optimizer])
+
+
+def described(factory: F) -> F:
+    """Record on each Optimizer `factory` returns the call that made it, as its repr."""
+    signature = inspect.signature(factory)
+
+    @functools.wraps(factory)
+    def make(*args: Any, **kwargs: Any) -> Optimizer:
+        optimizer = factory(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return optimizer
+        parts = []
+        for name, value in bound.arguments.items():
+            kind = signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                parts.extend(_describe(v) for v in value)
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                parts.extend(f"{k}={_describe(v)}" for k, v in value.items())
+            else:
+                parts.append(f"{name}={_describe(value)}")
+        return optimizer._replace(description=f"{factory.__name__}({', '.join(parts)})")
+
+    return make  # type: ignore[return-value]
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Optimizer):
+        return repr(value)
+    if callable(value) and not isinstance(value, type):
+        return getattr(value, "__name__", type(value).__name__)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+    return repr(value)
 
 
 class EmptyState(NamedTuple):
@@ -156,6 +202,7 @@ def step(
     return apply_updates(params, updates), new_state
 
 
+@described
 def chain(*optimizers: Optimizer) -> Optimizer:
     """Run gradients through `optimizers` in order; the last one produces the new params.
 

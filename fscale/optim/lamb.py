@@ -14,7 +14,7 @@ import torch
 
 from fscale import tree
 from fscale.optim import _core
-from fscale.optim.base import Layout, Optimizer, resolve_layout
+from fscale.optim.base import Layout, Optimizer, resolve_layout, described
 
 __all__ = ["LambState", "lamb"]
 
@@ -35,6 +35,7 @@ class LambState(NamedTuple):
     exp_avg_sq: PyTree
 
 
+@described
 def lamb(
     lr: _core.LearningRate = 1e-3,
     *,

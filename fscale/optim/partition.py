@@ -9,7 +9,7 @@ import optree
 import torch
 
 from fscale import tree
-from fscale.optim.base import Layout, Optimizer, _is_fragment, resolve_layout
+from fscale.optim.base import Layout, Optimizer, _is_fragment, resolve_layout, described
 from fscale.optim.base import step as optimizer_step
 
 __all__ = ["PartitionState", "partition"]
@@ -27,6 +27,7 @@ class PartitionState(NamedTuple):
     inner: dict[str, Any]
 
 
+@described
 def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
     """Route each parameter to the optimizer of its label.
 

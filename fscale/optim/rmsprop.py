@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale.optim import _core
-from fscale.optim.base import Optimizer
+from fscale.optim.base import Optimizer, described
 
 __all__ = ["RMSpropState", "rmsprop"]
 
@@ -37,6 +37,7 @@ class RMSpropState(NamedTuple):
     grad_avg: PyTree
 
 
+@described
 def rmsprop(
     lr: _core.LearningRate = 1e-2,
     *,

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale.optim import _core
-from fscale.optim.base import Optimizer
+from fscale.optim.base import Optimizer, described
 
 __all__ = ["SGDState", "sgd"]
 
@@ -27,6 +27,7 @@ class SGDState(NamedTuple):
     momentum_buffer: PyTree
 
 
+@described
 def sgd(
     lr: _core.LearningRate,
     *,

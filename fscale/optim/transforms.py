@@ -8,13 +8,14 @@ import torch
 
 from fscale import tree
 from fscale.optim import _core
-from fscale.optim.base import EmptyState, Layout, Optimizer, resolve_layout
+from fscale.optim.base import EmptyState, Layout, Optimizer, resolve_layout, described
 
 __all__ = ["clip_by_global_norm", "scale"]
 
 PyTree = Any
 
 
+@described
 def clip_by_global_norm(max_norm: float) -> Optimizer:
     """Scale the gradients so that their global L2 norm is at most `max_norm`.
 
@@ -56,6 +57,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
     return Optimizer(init=init, update=update, apply=None, pointwise=False)
 
 
+@described
 def scale(factor: float) -> Optimizer:
     """Multiply the gradients by `factor` (any float; e.g. -1 to turn them into a descent step).
 
