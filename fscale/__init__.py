@@ -5,11 +5,13 @@ from fscale import distributed as distributed
 from fscale import memory as memory
 from fscale import models as models
 from fscale import optim as optim
+from fscale import parallel as parallel
 from fscale import offload as offload
 from fscale import random as random
 from fscale import remat as remat
 from fscale import spmd as spmd
 from fscale import testing as testing
+from fscale import tracking as tracking
 from fscale import tree as tree
 from fscale.distributed import Mesh as Mesh
 from fscale.distributed import init as init

@@ -7,7 +7,10 @@
 - `rank_key`: the key of one step on one rank: folded by the step count and the rank's
   coordinate along the data axes, so dropout differs across ranks and replays exactly.
 - `average_updated_buffers`, `mean_floating_leaves`, `reduce_metrics`: the end of a step.
-- `all_gather_objects`: set-up metadata from every rank (not recorded in the comm ledger).
+- `all_gather_objects`: set-up metadata from every rank.
+
+The set-up traffic (`check_same_on_all_ranks`, `broadcast_tree`, `all_gather_objects`) is not
+recorded in the comm ledger, which counts what a training step moves.
 """
 
 from __future__ import annotations

@@ -41,9 +41,6 @@ Batch = Any
 LossFn = Callable[[PyTree, PyTree, Batch, torch.Tensor], Any]
 Metrics = dict[str, Any]
 
-_GRAD_MODES = GRAD_MODES
-
-
 @dataclasses.dataclass(frozen=True)
 class Step:
     """A training step ``(TrainState, batch) -> (TrainState, metrics)``; build with `train_step`.
@@ -214,6 +211,6 @@ def train_step(
             "train_step: `optimizer` must be an fscale.optim.Optimizer (e.g. fscale.optim.adamw(3e-4)), "
             f"got {type(optimizer).__name__}"
         )
-    if grad_mode not in _GRAD_MODES:
-        raise ValueError(f"train_step: `grad_mode` must be one of {_GRAD_MODES}, got {grad_mode!r}")
+    if grad_mode not in GRAD_MODES:
+        raise ValueError(f"train_step: `grad_mode` must be one of {GRAD_MODES}, got {grad_mode!r}")
     return Step(loss_fn=loss_fn, optimizer=optimizer, grad_mode=grad_mode, donate=bool(donate))

@@ -400,3 +400,15 @@ def test_readme_support_matrix_is_current():
         "README.md's support matrix is stale; paste the output of "
         "`python -c 'import tests.test_compose as t; print(t.support_matrix())'`"
     )
+
+
+def test_a_hooked_data_parallel_layer_is_the_only_one():
+    step = fs.train_step(lambda p, b, x, k: p["w"].sum(), fs.optim.sgd(0.1))
+    mesh = fs.Mesh(replica=1, dp=1)
+    hook = _example("powersgd").PowerSGD(rank=1)
+    with pytest.raises(ValueError, match="already data parallel over another axis"):
+        fs.data_parallel(fs.data_parallel(step, mesh), mesh, "replica", reduce_hook=hook)
+    with pytest.raises(ValueError, match="use a single data_parallel layer when it has a hook"):
+        fs.data_parallel(fs.data_parallel(step, mesh, reduce_hook=hook), mesh, "replica")
+    # HSDP with compression of the gradient shards is fine.
+    fs.data_parallel(fs.fully_shard(step, mesh, "dp"), mesh, "replica", reduce_hook=hook)

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import _core
+from fscale.optim import core
 from fscale.optim.base import Optimizer, described
 
 __all__ = ["AdadeltaState", "adadelta"]
@@ -35,7 +35,7 @@ class AdadeltaState(NamedTuple):
 
 @described
 def adadelta(
-    lr: _core.LearningRate = 1.0,
+    lr: core.LearningRate = 1.0,
     *,
     rho: float = 0.9,
     eps: float = 1e-6,
@@ -60,15 +60,15 @@ def adadelta(
         ValueError: for negative hyper-parameters or `rho` outside [0, 1).
     """
     name = "adadelta"
-    lr_at = _core.learning_rate(name, lr)
-    rho = _core.check_unit_interval(name, "rho", rho)
-    eps = _core.check_non_negative(name, "eps", eps)
-    weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
+    lr_at = core.learning_rate(name, lr)
+    rho = core.check_unit_interval(name, "rho", rho)
+    eps = core.check_non_negative(name, "eps", eps)
+    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
     maximize = bool(maximize)
 
-    def update_group(group: _core.Group) -> None:
+    def update_group(group: core.Group) -> None:
         square_avg, acc_delta = group.buffers["square_avg"], group.buffers["acc_delta"]
-        grads = _core.regularized_grads(
+        grads = core.regularized_grads(
             group.grads, group.params, maximize=maximize, weight_decay=weight_decay
         )
         torch._foreach_mul_(square_avg, rho)
@@ -83,6 +83,6 @@ def adadelta(
         torch._foreach_addcmul_(acc_delta, delta, delta, value=1 - rho)
         torch._foreach_add_(group.params, delta, alpha=-group.lr)
 
-    return _core.pointwise_optimizer(
+    return core.pointwise_optimizer(
         name, AdadeltaState, ("square_avg", "acc_delta"), update_group, lr=lr_at
     )

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import _core
+from fscale.optim import core
 from fscale.optim.base import Layout, Optimizer, resolve_layout, described
 from fscale.tree import Fragment
 
@@ -51,7 +51,7 @@ class AdafactorState(NamedTuple):
 
 @described
 def adafactor(
-    lr: _core.LearningRate | None = None,
+    lr: core.LearningRate | None = None,
     *,
     decay_rate: float = 0.8,
     eps: tuple[float, float] = (1e-30, 1e-3),
@@ -101,25 +101,25 @@ def adafactor(
         ValueError: for negative hyper-parameters or `beta1` outside [0, 1).
     """
     name = "adafactor"
-    lr_at = None if lr is None else _core.learning_rate(name, lr)
-    decay_rate = _core.check_non_negative(name, "decay_rate", decay_rate)
+    lr_at = None if lr is None else core.learning_rate(name, lr)
+    decay_rate = core.check_non_negative(name, "decay_rate", decay_rate)
     if not isinstance(eps, (tuple, list)) or len(eps) != 2:
         raise ValueError(f"adafactor: `eps` must be a pair (eps1, eps2), got {eps!r}")
-    eps1 = _core.check_non_negative(name, "eps[0]", eps[0])
-    eps2 = _core.check_non_negative(name, "eps[1]", eps[1])
+    eps1 = core.check_non_negative(name, "eps[0]", eps[0])
+    eps2 = core.check_non_negative(name, "eps[1]", eps[1])
     if clip_threshold is not None:
-        clip_threshold = _core.check_non_negative(name, "clip_threshold", clip_threshold)
+        clip_threshold = core.check_non_negative(name, "clip_threshold", clip_threshold)
         if clip_threshold == 0:
             raise ValueError("adafactor: `clip_threshold` must be > 0 (or None for no clipping)")
     if beta1 is not None:
-        beta1 = _core.check_unit_interval(name, "beta1", beta1)
-    weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
+        beta1 = core.check_unit_interval(name, "beta1", beta1)
+    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
 
     def is_factored(frag: Fragment) -> bool:
         return factored and len(frag.shape) >= 2
 
     def init(params: PyTree, *, layout: Layout | None = None) -> AdafactorState:
-        leaves, treedef = _core.float_leaves(name, params)
+        leaves, treedef = core.float_leaves(name, params)
         fragments, _ = resolve_layout(name, layout, leaves, treedef)
         rows, cols, vs = [], [], []
         for leaf, frag in zip(leaves, fragments):
@@ -131,13 +131,13 @@ def adafactor(
                 rows.append(leaf.new_zeros(0))
                 cols.append(leaf.new_zeros(0))
                 vs.append(torch.zeros_like(leaf))
-        unflatten = _core.unflattener(treedef)
+        unflatten = core.unflattener(treedef)
         return AdafactorState(
-            count=_core.new_count(),
+            count=core.new_count(),
             row=unflatten(rows),
             col=unflatten(cols),
             v=unflatten(vs),
-            exp_avg=unflatten(_core.packed_full(leaves)) if beta1 is not None else None,
+            exp_avg=unflatten(core.packed_full(leaves)) if beta1 is not None else None,
         )
 
     def apply(
@@ -148,9 +148,9 @@ def adafactor(
         layout: Layout | None = None,
         donate: bool = False,
     ) -> tuple[PyTree, AdafactorState]:
-        _core.check_state(name, state, AdafactorState)
-        count = _core.read_count(name, state.count)
-        inputs = _core.step_inputs(
+        core.check_state(name, state, AdafactorState)
+        count = core.read_count(name, state.count)
+        inputs = core.step_inputs(
             name,
             grads,
             params,
@@ -186,16 +186,16 @@ def adafactor(
                 for leaf, update, rms in zip(leaves, updates, param_rms.tolist()):
                     alpha = rho * max(eps2, rms) if scale_parameter else rho
                     leaf.step(update, alpha, weight_decay)
-        unflatten = _core.unflattener(inputs.treedef)
+        unflatten = core.unflattener(inputs.treedef)
         return unflatten(inputs.params), AdafactorState(
-            count=_core.next_count(count),
+            count=core.next_count(count),
             row=unflatten(states["row"]),
             col=unflatten(states["col"]),
             v=unflatten(states["v"]),
             exp_avg=unflatten(states["exp_avg"]),
         )
 
-    return Optimizer(init=init, update=_core.derive_update(apply), apply=apply, pointwise=False)
+    return Optimizer(init=init, update=core.derive_update(apply), apply=apply, pointwise=False)
 
 
 class _Leaf:
@@ -270,7 +270,7 @@ def _second_moments(
             for part in leaf.partial_sums(eps1):
                 pieces.append(part.to(device))
                 sizes.append(part.numel())
-    param_squares = torch.stack([_core.sum_of_squares(leaf.param, device) for leaf in leaves])
+    param_squares = torch.stack([core.sum_of_squares(leaf.param, device) for leaf in leaves])
     totals = all_reduce(torch.cat([*pieces, param_squares]))
     sums = iter(totals[: sum(sizes)].split(sizes))
     for leaf, row, col, v in zip(leaves, rows, cols, vs):

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import _core
+from fscale.optim import core
 from fscale.optim.base import Optimizer, described
 
 __all__ = ["AdagradState", "adagrad"]
@@ -29,7 +29,7 @@ class AdagradState(NamedTuple):
 
 @described
 def adagrad(
-    lr: _core.LearningRate = 1e-2,
+    lr: core.LearningRate = 1e-2,
     *,
     lr_decay: float = 0.0,
     weight_decay: float = 0.0,
@@ -58,21 +58,21 @@ def adagrad(
         ValueError: for negative hyper-parameters.
     """
     name = "adagrad"
-    lr_at = _core.learning_rate(name, lr)
-    lr_decay = _core.check_non_negative(name, "lr_decay", lr_decay)
-    weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
-    initial = _core.check_non_negative(
+    lr_at = core.learning_rate(name, lr)
+    lr_decay = core.check_non_negative(name, "lr_decay", lr_decay)
+    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
+    initial = core.check_non_negative(
         name, "initial_accumulator_value", initial_accumulator_value
     )
-    eps = _core.check_non_negative(name, "eps", eps)
+    eps = core.check_non_negative(name, "eps", eps)
     maximize = bool(maximize)
 
-    def update_group(group: _core.Group) -> None:
+    def update_group(group: core.Group) -> None:
         torch._fused_adagrad_(
             group.params,
             group.grads,
             group.buffers["sum"],
-            _core.fused_steps(group),
+            core.fused_steps(group),
             lr=group.lr,
             lr_decay=lr_decay,
             weight_decay=weight_decay,
@@ -80,6 +80,6 @@ def adagrad(
             maximize=maximize,
         )
 
-    return _core.pointwise_optimizer(
+    return core.pointwise_optimizer(
         name, AdagradState, ("sum",), update_group, lr=lr_at, fill=initial
     )

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import _core
+from fscale.optim import core
 from fscale.optim.base import Optimizer, described
 
 __all__ = ["AdamState", "adam", "adamw"]
@@ -42,7 +42,7 @@ class AdamState(NamedTuple):
 
 @described
 def adam(
-    lr: _core.LearningRate = 1e-3,
+    lr: core.LearningRate = 1e-3,
     *,
     betas: Sequence[float] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -86,7 +86,7 @@ def adam(
 
 @described
 def adamw(
-    lr: _core.LearningRate = 1e-3,
+    lr: core.LearningRate = 1e-3,
     *,
     betas: Sequence[float] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -107,27 +107,27 @@ def adamw(
 def _adam_family(
     name: str,
     kernel: Any,
-    lr: _core.LearningRate,
+    lr: core.LearningRate,
     betas: Sequence[float],
     eps: float,
     weight_decay: float,
     amsgrad: bool,
     maximize: bool,
 ) -> Optimizer:
-    lr_at = _core.learning_rate(name, lr)
-    beta1, beta2 = _core.check_betas(name, betas)
-    eps = _core.check_non_negative(name, "eps", eps)
-    weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
+    lr_at = core.learning_rate(name, lr)
+    beta1, beta2 = core.check_betas(name, betas)
+    eps = core.check_non_negative(name, "eps", eps)
+    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
     amsgrad, maximize = bool(amsgrad), bool(maximize)
 
-    def update_group(group: _core.Group) -> None:
+    def update_group(group: core.Group) -> None:
         kernel(
             group.params,
             group.grads,
             group.buffers["exp_avg"],
             group.buffers["exp_avg_sq"],
             group.buffers["max_exp_avg_sq"] if amsgrad else [],
-            _core.fused_steps(group),
+            core.fused_steps(group),
             lr=group.lr,
             beta1=beta1,
             beta2=beta2,
@@ -138,4 +138,4 @@ def _adam_family(
         )
 
     buffers = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
-    return _core.pointwise_optimizer(name, AdamState, buffers, update_group, lr=lr_at)
+    return core.pointwise_optimizer(name, AdamState, buffers, update_group, lr=lr_at)

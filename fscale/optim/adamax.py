@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import _core
+from fscale.optim import core
 from fscale.optim.base import Optimizer, described
 
 __all__ = ["AdamaxState", "adamax"]
@@ -36,7 +36,7 @@ class AdamaxState(NamedTuple):
 
 @described
 def adamax(
-    lr: _core.LearningRate = 2e-3,
+    lr: core.LearningRate = 2e-3,
     *,
     betas: Sequence[float] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -61,15 +61,15 @@ def adamax(
         ValueError: for negative hyper-parameters or betas outside [0, 1).
     """
     name = "adamax"
-    lr_at = _core.learning_rate(name, lr)
-    beta1, beta2 = _core.check_betas(name, betas)
-    eps = _core.check_non_negative(name, "eps", eps)
-    weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
+    lr_at = core.learning_rate(name, lr)
+    beta1, beta2 = core.check_betas(name, betas)
+    eps = core.check_non_negative(name, "eps", eps)
+    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
     maximize = bool(maximize)
 
-    def update_group(group: _core.Group) -> None:
+    def update_group(group: core.Group) -> None:
         exp_avg, exp_inf = group.buffers["exp_avg"], group.buffers["exp_inf"]
-        grads = _core.regularized_grads(
+        grads = core.regularized_grads(
             group.grads, group.params, maximize=maximize, weight_decay=weight_decay
         )
         torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
@@ -77,9 +77,9 @@ def adamax(
         bounded = torch._foreach_abs(grads)
         torch._foreach_add_(bounded, eps)
         torch._foreach_maximum_(exp_inf, bounded)
-        step_size = group.lr / _core.bias_correction(beta1, group.step)
+        step_size = group.lr / core.bias_correction(beta1, group.step)
         torch._foreach_addcdiv_(group.params, exp_avg, exp_inf, value=-step_size)
 
-    return _core.pointwise_optimizer(
+    return core.pointwise_optimizer(
         name, AdamaxState, ("exp_avg", "exp_inf"), update_group, lr=lr_at
     )

@@ -125,7 +125,7 @@ class Layout(NamedTuple):
     all_reduce: Callable[[torch.Tensor], torch.Tensor]
 
 
-def _is_fragment(x: Any) -> bool:
+def is_fragment(x: Any) -> bool:
     return isinstance(x, Fragment)
 
 
@@ -138,9 +138,9 @@ def resolve_layout(
     if not isinstance(layout, Layout):
         raise TypeError(f"{name}: `layout` must be an fscale.optim.Layout, got {type(layout)}")
     fragments, fragments_def = optree.tree_flatten(
-        layout.fragments, is_leaf=_is_fragment, none_is_leaf=False
+        layout.fragments, is_leaf=is_fragment, none_is_leaf=False
     )
-    if fragments_def != treedef or not all(map(_is_fragment, fragments)):
+    if fragments_def != treedef or not all(map(is_fragment, fragments)):
         raise ValueError(
             f"{name}: `layout.fragments` has structure {fragments_def} but the params have "
             f"structure {treedef}; give one fscale.tree.Fragment per parameter leaf"

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale import tree
-from fscale.optim import _core
+from fscale.optim import core
 from fscale.optim.base import Layout, Optimizer, resolve_layout, described
 
 __all__ = ["LambState", "lamb"]
@@ -37,7 +37,7 @@ class LambState(NamedTuple):
 
 @described
 def lamb(
-    lr: _core.LearningRate = 1e-3,
+    lr: core.LearningRate = 1e-3,
     *,
     betas: Sequence[float] = (0.9, 0.999),
     eps: float = 1e-6,
@@ -69,18 +69,18 @@ def lamb(
         ValueError: for negative hyper-parameters or betas outside [0, 1).
     """
     name = "lamb"
-    lr_at = _core.learning_rate(name, lr)
-    beta1, beta2 = _core.check_betas(name, betas)
-    eps = _core.check_non_negative(name, "eps", eps)
-    weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
+    lr_at = core.learning_rate(name, lr)
+    beta1, beta2 = core.check_betas(name, betas)
+    eps = core.check_non_negative(name, "eps", eps)
+    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
 
     def init(params: PyTree, *, layout: Layout | None = None) -> LambState:
-        leaves, treedef = _core.float_leaves(name, params)
+        leaves, treedef = core.float_leaves(name, params)
 
         def zeros() -> PyTree:
-            return tree.unflatten(treedef, _core.packed_full(leaves))
+            return tree.unflatten(treedef, core.packed_full(leaves))
 
-        return LambState(count=_core.new_count(), exp_avg=zeros(), exp_avg_sq=zeros())
+        return LambState(count=core.new_count(), exp_avg=zeros(), exp_avg_sq=zeros())
 
     def apply(
         grads: PyTree,
@@ -90,9 +90,9 @@ def lamb(
         layout: Layout | None = None,
         donate: bool = False,
     ) -> tuple[PyTree, LambState]:
-        _core.check_state(name, state, LambState)
-        count = _core.read_count(name, state.count)
-        inputs = _core.step_inputs(
+        core.check_state(name, state, LambState)
+        count = core.read_count(name, state.count)
+        inputs = core.step_inputs(
             name,
             grads,
             params,
@@ -112,7 +112,7 @@ def lamb(
                 # One collective for all tensors: [||p_i||^2 ..., ||r_i||^2 ...] over fragments.
                 device = params_[0].device
                 partial = torch.stack(
-                    [_core.sum_of_squares(t, device) for t in (*params_, *direction)]
+                    [core.sum_of_squares(t, device) for t in (*params_, *direction)]
                 )
                 totals = all_reduce(partial)
                 param_norm, direction_norm = totals.sqrt().split(len(params_))
@@ -120,14 +120,14 @@ def lamb(
                 trust = torch.where(usable, param_norm / direction_norm, 1.0)
                 torch._foreach_mul_(direction, [lr_now * ratio for ratio in trust.tolist()])
                 torch._foreach_sub_(params_, direction)
-        unflatten = _core.unflattener(inputs.treedef)
+        unflatten = core.unflattener(inputs.treedef)
         return unflatten(params_), LambState(
-            count=_core.next_count(count),
+            count=core.next_count(count),
             exp_avg=unflatten(exp_avg),
             exp_avg_sq=unflatten(exp_avg_sq),
         )
 
-    return Optimizer(init=init, update=_core.derive_update(apply), apply=apply, pointwise=False)
+    return Optimizer(init=init, update=core.derive_update(apply), apply=apply, pointwise=False)
 
 
 def _direction(
@@ -145,10 +145,10 @@ def _direction(
     torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sq, beta2)
     torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
-    denominator = torch._foreach_div(exp_avg_sq, _core.bias_correction(beta2, step))
+    denominator = torch._foreach_div(exp_avg_sq, core.bias_correction(beta2, step))
     torch._foreach_sqrt_(denominator)
     torch._foreach_add_(denominator, eps)
-    direction = torch._foreach_div(exp_avg, _core.bias_correction(beta1, step))
+    direction = torch._foreach_div(exp_avg, core.bias_correction(beta1, step))
     torch._foreach_div_(direction, denominator)
     if weight_decay:
         torch._foreach_add_(direction, params, alpha=weight_decay)

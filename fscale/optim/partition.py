@@ -9,7 +9,7 @@ import optree
 import torch
 
 from fscale import tree
-from fscale.optim.base import Layout, Optimizer, _is_fragment, resolve_layout, described
+from fscale.optim.base import Layout, Optimizer, is_fragment, resolve_layout, described
 from fscale.optim.base import step as optimizer_step
 
 __all__ = ["PartitionState", "partition"]
@@ -96,7 +96,7 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
     def sub_layout(layout: Layout | None, idx: list[int]) -> Layout | None:
         if layout is None:
             return None
-        fragments = optree.tree_leaves(layout.fragments, is_leaf=_is_fragment, none_is_leaf=False)
+        fragments = optree.tree_leaves(layout.fragments, is_leaf=is_fragment, none_is_leaf=False)
         return Layout([fragments[i] for i in idx], layout.all_reduce)
 
     def pick(leaves: list[Any], idx: list[int]) -> list[Any]:

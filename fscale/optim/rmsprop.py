@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import _core
+from fscale.optim import core
 from fscale.optim.base import Optimizer, described
 
 __all__ = ["RMSpropState", "rmsprop"]
@@ -39,7 +39,7 @@ class RMSpropState(NamedTuple):
 
 @described
 def rmsprop(
-    lr: _core.LearningRate = 1e-2,
+    lr: core.LearningRate = 1e-2,
     *,
     alpha: float = 0.99,
     eps: float = 1e-8,
@@ -69,16 +69,16 @@ def rmsprop(
         ValueError: for negative hyper-parameters or `alpha` outside [0, 1).
     """
     name = "rmsprop"
-    lr_at = _core.learning_rate(name, lr)
-    alpha = _core.check_unit_interval(name, "alpha", alpha)
-    eps = _core.check_non_negative(name, "eps", eps)
-    weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
-    momentum = _core.check_non_negative(name, "momentum", momentum)
+    lr_at = core.learning_rate(name, lr)
+    alpha = core.check_unit_interval(name, "alpha", alpha)
+    eps = core.check_non_negative(name, "eps", eps)
+    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
+    momentum = core.check_non_negative(name, "momentum", momentum)
     centered, maximize = bool(centered), bool(maximize)
 
-    def update_group(group: _core.Group) -> None:
+    def update_group(group: core.Group) -> None:
         square_avg = group.buffers["square_avg"]
-        grads = _core.regularized_grads(
+        grads = core.regularized_grads(
             group.grads, group.params, maximize=maximize, weight_decay=weight_decay
         )
         torch._foreach_mul_(square_avg, alpha)
@@ -104,4 +104,4 @@ def rmsprop(
         buffers.append("momentum_buffer")
     if centered:
         buffers.append("grad_avg")
-    return _core.pointwise_optimizer(name, RMSpropState, buffers, update_group, lr=lr_at)
+    return core.pointwise_optimizer(name, RMSpropState, buffers, update_group, lr=lr_at)

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import _core
+from fscale.optim import core
 from fscale.optim.base import Optimizer, described
 
 __all__ = ["SGDState", "sgd"]
@@ -29,7 +29,7 @@ class SGDState(NamedTuple):
 
 @described
 def sgd(
-    lr: _core.LearningRate,
+    lr: core.LearningRate,
     *,
     momentum: float = 0.0,
     dampening: float = 0.0,
@@ -68,10 +68,10 @@ def sgd(
         tensor([-0.5000, -0.5000])
     """
     name = "sgd"
-    lr_at = _core.learning_rate(name, lr)
-    momentum = _core.check_non_negative(name, "momentum", momentum)
-    dampening = _core.check_non_negative(name, "dampening", dampening)
-    weight_decay = _core.check_non_negative(name, "weight_decay", weight_decay)
+    lr_at = core.learning_rate(name, lr)
+    momentum = core.check_non_negative(name, "momentum", momentum)
+    dampening = core.check_non_negative(name, "dampening", dampening)
+    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
     nesterov, maximize = bool(nesterov), bool(maximize)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(
@@ -80,7 +80,7 @@ def sgd(
         )
     has_buffer = momentum != 0
 
-    def update_group(group: _core.Group) -> None:
+    def update_group(group: core.Group) -> None:
         torch._fused_sgd_(
             group.params,
             group.grads,
@@ -96,4 +96,4 @@ def sgd(
         )
 
     buffers = ("momentum_buffer",) if has_buffer else ()
-    return _core.pointwise_optimizer(name, SGDState, buffers, update_group, lr=lr_at)
+    return core.pointwise_optimizer(name, SGDState, buffers, update_group, lr=lr_at)

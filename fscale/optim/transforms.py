@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from fscale import tree
-from fscale.optim import _core
+from fscale.optim import core
 from fscale.optim.base import EmptyState, Layout, Optimizer, resolve_layout, described
 
 __all__ = ["clip_by_global_norm", "scale"]
@@ -34,7 +34,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         ValueError: for a negative `max_norm`.
     """
     name = "clip_by_global_norm"
-    max_norm = _core.check_non_negative(name, "max_norm", max_norm)
+    max_norm = core.check_non_negative(name, "max_norm", max_norm)
 
     def init(params: PyTree, *, layout: Layout | None = None) -> EmptyState:
         return EmptyState()
@@ -48,7 +48,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         _, all_reduce = resolve_layout(name, layout, leaves, treedef)
         with torch.no_grad():
             device = leaves[0].device
-            squares = sum(_core.sum_of_squares(g, device) for g in leaves)
+            squares = sum(core.sum_of_squares(g, device) for g in leaves)
             norm = all_reduce(squares.reshape(1)).sqrt().reshape(())  # 0-d: keeps 0-d leaves 0-d
             coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             clipped = [g * coefficient.to(g) for g in leaves]

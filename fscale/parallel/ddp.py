@@ -29,7 +29,8 @@ Randomness: the step's key is folded with the step count and then with this rank
 
 Numerics: each rank computes the gradient of its local mean loss; the mean over N ranks of those
 gradients is the gradient of the mean loss over the global batch. The all-reduce pre-divides by
-N (as torch DDP does) and sums, so at N = 2 and N = 4 the result equals torch DDP bit for bit;
+N (as torch DDP does) and sums, so at N = 2 the result equals torch DDP bit for bit (at N = 4 to rtol 1e-4: the two lay out
+their buckets differently, and gloo's ring adds four terms in an order that depends on the offset);
 against one process on the concatenated batch it differs by reduction order only (one GEMM over
 the whole batch sums in another order than per-rank GEMMs plus an all-reduce).
 """
@@ -207,10 +208,23 @@ def data_parallel(
                 "data_parallel: a `reduce_hook` runs on gradient buckets during backward, which "
                 "torch.func gradients do not have; use grad_mode='autograd'"
             )
-        if layers.find(step.plan, "shard_optimizer") is not None:
+        if step.plan.find("data_parallel") is not None:
+            raise ValueError(
+                "data_parallel: a `reduce_hook` reduces each bucket over its own axis alone, but "
+                "the step is already data parallel over another axis; use a single "
+                "data_parallel layer when it has a hook"
+            )
+        if step.plan.find("shard_optimizer") is not None:
             raise ValueError(
                 "data_parallel: a `reduce_hook` replaces the all-reduce of full gradient "
                 "buckets, but shard_optimizer reduce-scatters them; put the hook on a step "
                 "without shard_optimizer"
             )
+    hooked = next((layer for layer in step.plan.layers()
+                   if isinstance(layer, DataParallelPlan) and layer.hook is not None), None)
+    if hooked is not None:
+        raise ValueError(
+            f"data_parallel: the step's {hooked.describe()} reduces each bucket over its own axis "
+            "alone with its hook; use a single data_parallel layer when it has a hook"
+        )
     return step.replace(plan=DataParallelPlan(step.plan, mesh, axis, bucket_bytes, reduce_hook))

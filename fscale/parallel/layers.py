@@ -15,7 +15,7 @@ from fscale.distributed.mesh import Mesh
 from fscale.plan import Plan
 from fscale.train import Step
 
-__all__ = ["bucket_bytes", "check_axis_free", "check_step", "find", "sharding_layer"]
+__all__ = ["bucket_bytes", "check_axis_free", "check_step", "sharding_layer"]
 
 # Layers whose state is sharded over an axis: at most one per plan.
 _SHARDING = ("shard_optimizer", "fully_shard")
@@ -33,11 +33,6 @@ def check_step(step: Any, caller: str) -> None:
             f"{caller}: the step's plan is a {type(step.plan).__name__}, not an fscale.Plan; "
             "write strategies as subclasses of fscale.Plan (see the README's guide)"
         )
-
-
-def find(plan: Plan, name: str) -> Plan | None:
-    """The outermost layer of `plan` called `name`, or None."""
-    return plan.find(name)
 
 
 def sharding_layer(plan: Plan) -> Plan | None:

@@ -44,7 +44,16 @@ from fscale.memory import LiveBytes
 from fscale.parallel.buckets import Bucket, GradBuckets, assign_buckets, forward_order
 from fscale.parallel.bucket_layout import BucketLayout, layout_of
 
-__all__ = ["BucketInfo", "FIRST_BUCKET_BYTES", "GradReducer", "ReduceHook", "bucket_infos"]
+__all__ = [
+    "FIRST_BUCKET_BYTES",
+    "MAX_IN_FLIGHT",
+    "BucketInfo",
+    "GradReducer",
+    "ReduceHook",
+    "add_mean_axis",
+    "add_scatter_axis",
+    "bucket_infos",
+]
 
 PyTree = Any
 

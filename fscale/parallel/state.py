@@ -54,9 +54,8 @@ def shard_state(step: Step, full_state: TrainState) -> TrainState:
 
     Works at any world size: the full state may come from `consolidate` over any number of
     ranks, or from a single-process `train_step`. Every rank passes the same full state and
-    keeps its own slices (no communication, besides a check under `shard_optimizer` that the
-    ranks' trees agree). For a
-    step whose state is full (`train_step`, `data_parallel`), returns `full_state`.
+    keeps its own slices (no communication). For a step whose state is full (`train_step`,
+    `data_parallel` without a stateful reduction hook), returns `full_state`.
 
     Args:
         step: the step that will run on the state.
@@ -81,7 +80,7 @@ def shard_state(step: Step, full_state: TrainState) -> TrainState:
 
 def _check_not_zero_state(caller: str, step: Step, state: TrainState, if_sharded: str) -> None:
     """A ZeRO state given to a step without a ZeRO layer: say what to do instead."""
-    if layers.find(step.plan, "shard_optimizer") is None and isinstance(
+    if step.plan.find("shard_optimizer") is None and isinstance(
         state.opt_state, ShardedOptState
     ):
         raise ValueError(f"{caller}: {if_sharded}")

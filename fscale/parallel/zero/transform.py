@@ -145,7 +145,7 @@ def shard_optimizer(
             f"shard_optimizer: the step already shards its optimizer state ({sharding.describe()}); "
             "shard it once: shard_optimizer for ZeRO-1/2 or fully_shard for ZeRO-3"
         )
-    dp = layers.find(step.plan, "data_parallel")
+    dp = step.plan.find("data_parallel")
     if dp is not None and getattr(dp, "hook", None) is not None:
         raise ValueError(
             "shard_optimizer: the step's data_parallel layer has a reduction hook, which "

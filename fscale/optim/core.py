@@ -157,7 +157,7 @@ def device_groups(leaves: Sequence[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _span(leaves: Sequence[torch.Tensor]) -> torch.Tensor | None:
+def span(leaves: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """A 1-D view over `leaves` if they are consecutive, contiguous pieces of one allocation.
 
     Consecutive addresses inside the first leaf's storage are what makes a single `clone` of the
@@ -186,9 +186,9 @@ def packed_copy(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * len(leaves)
     for indices in device_groups(leaves):
         group = [leaves[i] for i in indices]
-        span = _span(group)
-        if span is not None:
-            flat = span.clone()
+        whole = span(group)
+        if whole is not None:
+            flat = whole.clone()
         else:
             total = sum(t.numel() for t in group)
             flat = torch.empty(total, dtype=group[0].dtype, device=group[0].device)
