@@ -1,30 +1,18 @@
-"""Pytree helpers over optree, and `FlatBuffer`: many same-dtype tensors in one buffer.
+"""Pytree helpers over optree: thin, named wrappers so the library reads the same everywhere.
 
 Every pytree in fscale (params, buffers, optimizer state, grads) is an optree tree whose
-leaves are tensors; `None` is an empty subtree. The helpers here are thin, named wrappers so
-the rest of the library reads the same way everywhere.
-
-`FlatBuffer` is the unit of bucketing, sharding and fused optimizer updates: it packs a list of
-tensors of one dtype and device into one contiguous 1-D buffer, padded with zeros to a
-multiple of `num_shards` so it splits into equal shards, and hands back zero-copy views with the
-original shapes. Rank ``r`` of ``n`` owns ``shard(r)``; `fragments(r)` says which element range
-of which tensor that shard holds, which is what sharded optimizers need to complete per-tensor
-statistics (norms, row/column means) with a collective.
+leaves are tensors; `None` is an empty subtree. Flat buffers of many tensors are in
+`fscale.flat`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import optree
-import torch
 
 __all__ = [
-    "ALIGN_BYTES",
-    "FlatBuffer",
-    "Fragment",
-    "aligned_elements",
     "flatten",
     "flatten_with_paths",
     "leaves",
@@ -104,190 +92,3 @@ def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree
     return optree.tree_map_with_path(
         lambda p, *xs: fn(path_str(p), *xs), tree, *rest, none_is_leaf=_NONE_IS_LEAF
     )
-
-
-class Fragment(NamedTuple):
-    """The piece of one tensor that a shard of a `FlatBuffer` holds.
-
-    Elements ``[start, stop)`` of the tensor's row-major flattening; ``start == stop`` when the
-    shard holds none of it. `shape` is the whole tensor's shape.
-    """
-
-    shape: torch.Size
-    start: int
-    stop: int
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def is_whole(self) -> bool:
-        return self.start == 0 and self.stop == self.shape.numel()
-
-
-class FlatBuffer:
-    """Same-dtype tensors packed back to back in one contiguous, zero-padded 1-D buffer.
-
-    Args:
-        tensors: the tensors to pack, all of one dtype and device, at least one.
-        num_shards: the buffer length is padded to a multiple of this, so `shard(i)` for
-            ``i < num_shards`` are equal slices.
-        data: an existing 1-D buffer of the right length, dtype and device to use as storage
-            instead of copying `tensors` in (the tensors then only give shapes).
-        align: every tensor starts, and every shard boundary falls, on a multiple of this many
-            elements (the gaps are zero). Sharded optimizers need it: torch's fused CPU kernels
-            compute a tensor's last ``numel % vector width`` elements with scalar code that
-            rounds differently, so a shard cut inside a vector would not update exactly as the
-            whole tensor does. `aligned_elements(dtype)` gives the usual value.
-
-    The round trip is exact: ``FlatBuffer(ts).views()[i]`` equals ``ts[i]`` bit for bit and has
-    its shape; the views share memory with `data`.
-    """
-
-    def __init__(
-        self,
-        tensors: Sequence[torch.Tensor],
-        num_shards: int = 1,
-        *,
-        data: torch.Tensor | None = None,
-        align: int = 1,
-    ) -> None:
-        tensors = list(tensors)
-        _check_num_shards(num_shards)
-        if isinstance(align, bool) or not isinstance(align, int) or align < 1:
-            raise ValueError(f"FlatBuffer: `align` must be a positive int, got {align!r}")
-        if not tensors:
-            raise ValueError(
-                "FlatBuffer: `tensors` is empty; pass at least one tensor "
-                "(an empty parameter group needs no buffer)"
-            )
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"FlatBuffer: `tensors[{i}]` is a {type(t).__name__}, not a tensor")
-        dtypes = {t.dtype for t in tensors}
-        devices = {t.device for t in tensors}
-        if len(dtypes) > 1:
-            raise ValueError(
-                f"FlatBuffer: `tensors` mix dtypes {sorted(str(d) for d in dtypes)}; "
-                "pack each dtype into its own buffer (see `FlatBuffer.group_by_dtype`)"
-            )
-        if len(devices) > 1:
-            raise ValueError(
-                f"FlatBuffer: `tensors` lie on several devices {sorted(str(d) for d in devices)}; "
-                "move them to one device first"
-            )
-        self.dtype: torch.dtype = tensors[0].dtype
-        self.device: torch.device = tensors[0].device
-        self.num_shards = num_shards
-        self.shapes: list[torch.Size] = [t.shape for t in tensors]
-        self.numels: list[int] = [t.numel() for t in tensors]
-        self.align = align
-        self.offsets: list[int] = []
-        end = 0
-        for n in self.numels:
-            offset = -(-end // align) * align
-            self.offsets.append(offset)
-            end = offset + n
-        self.numel_unpadded = end
-        self.shard_size = -(-max(end, 1) // (num_shards * align)) * align
-        self.numel = self.shard_size * num_shards
-        if data is None:
-            data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-            if align == 1 and end:
-                torch.cat([t.reshape(-1) for t in tensors], out=data[:end])
-            else:
-                for view, t in zip(self.views(data), tensors):
-                    view.copy_(t)
-        else:
-            self._check_data(data)
-        self.data: torch.Tensor = data
-
-    def _check_data(self, data: torch.Tensor) -> None:
-        if data.dim() != 1 or data.numel() != self.numel:
-            raise ValueError(
-                f"FlatBuffer: `data` must be 1-D with {self.numel} elements, got shape "
-                f"{tuple(data.shape)}"
-            )
-        if data.dtype != self.dtype:
-            raise ValueError(f"FlatBuffer: `data` has dtype {data.dtype}, expected {self.dtype}")
-
-    def with_data(self, data: torch.Tensor) -> FlatBuffer:
-        """A FlatBuffer with this one's layout over another storage (e.g. the gradients)."""
-        other = object.__new__(FlatBuffer)
-        other.__dict__.update(self.__dict__)
-        other._check_data(data)
-        other.data = data
-        return other
-
-    def empty_like(self) -> FlatBuffer:
-        """Same layout, fresh zeroed storage."""
-        return self.with_data(torch.zeros_like(self.data))
-
-    def views(self, data: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Zero-copy views of `data` (default: this buffer) with the packed tensors' shapes."""
-        data = self.data if data is None else data
-        return [
-            data[o : o + n].view(shape)
-            for o, n, shape in zip(self.offsets, self.numels, self.shapes)
-        ]
-
-    def shard(self, index: int, data: torch.Tensor | None = None) -> torch.Tensor:
-        """The `index`-th of `num_shards` equal slices of `data` (default: this buffer)."""
-        if not 0 <= index < self.num_shards:
-            raise IndexError(
-                f"FlatBuffer.shard: `index`={index} is outside [0, {self.num_shards})"
-            )
-        data = self.data if data is None else data
-        return data[index * self.shard_size : (index + 1) * self.shard_size]
-
-    def fragments(self, index: int) -> list[Fragment]:
-        """For each packed tensor, the element range of it that `shard(index)` holds."""
-        lo = index * self.shard_size
-        hi = lo + self.shard_size
-        out = []
-        for offset, n, shape in zip(self.offsets, self.numels, self.shapes):
-            start = min(max(lo - offset, 0), n)
-            stop = min(max(hi - offset, 0), n)
-            out.append(Fragment(shape, start, max(start, stop)))
-        return out
-
-    def fragment_views(self, index: int, shard_data: torch.Tensor) -> list[torch.Tensor]:
-        """1-D views into `shard_data` (a shard-sized tensor) for each tensor's fragment."""
-        lo = index * self.shard_size
-        out = []
-        for offset, frag in zip(self.offsets, self.fragments(index)):
-            begin = offset + frag.start - lo
-            out.append(shard_data[max(begin, 0) : max(begin, 0) + frag.numel])
-        return out
-
-    def __repr__(self) -> str:
-        return (
-            f"FlatBuffer({len(self.shapes)} tensors, {self.numel_unpadded} elements of "
-            f"{self.dtype} padded to {self.numel} = {self.num_shards} x {self.shard_size})"
-        )
-
-    @staticmethod
-    def group_by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
-        """Indices of `tensors` grouped by dtype, in first-seen order (for one buffer each)."""
-        groups: dict[torch.dtype, list[int]] = {}
-        for i, t in enumerate(tensors):
-            groups.setdefault(t.dtype, []).append(i)
-        return groups
-
-
-ALIGN_BYTES = 64
-"""The widest CPU vector (AVX-512) and a cache line: the alignment sharded buffers use."""
-
-
-def aligned_elements(dtype: torch.dtype) -> int:
-    """Elements of `dtype` in `ALIGN_BYTES` (the `align` argument of a sharded FlatBuffer)."""
-    return max(1, ALIGN_BYTES // dtype.itemsize)
-
-
-def _check_num_shards(num_shards: int) -> None:
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(
-            f"FlatBuffer: `num_shards` must be a positive int (the number of ranks sharing the "
-            f"buffer), got {num_shards!r}"
-        )

@@ -11,7 +11,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fscale import optim, tree  # noqa: E402
+from fscale import flat, optim, tree  # noqa: E402
 from fscale.offload import (  # noqa: E402
     OffloadState,
     PrefetchSchedule,
@@ -141,7 +141,7 @@ def test_layout_passes_through_unchanged():
     recording = inner._replace(init=init, update=update, apply=apply)
     # Each rank's shard: a 1-D fragment of a larger tensor.
     shard = {"w": torch.arange(4.0)}
-    layout = optim.Layout({"w": tree.Fragment(torch.Size([2, 4]), 2, 6)}, lambda t: t)
+    layout = optim.Layout({"w": flat.Fragment(torch.Size([2, 4]), 2, 6)}, lambda t: t)
     offloaded = offload_optimizer(recording)
     state = offloaded.init(shard, layout=layout)
     offloaded.update({"w": torch.ones(4)}, state, shard, layout=layout)
@@ -152,7 +152,7 @@ def test_layout_passes_through_unchanged():
 
 def test_sharded_non_pointwise_optimizer_equals_plain_with_same_layout():
     shard = {"w": torch.linspace(-1.0, 1.0, 6)}
-    layout = optim.Layout({"w": tree.Fragment(torch.Size([3, 4]), 3, 9)}, lambda t: t)
+    layout = optim.Layout({"w": flat.Fragment(torch.Size([3, 4]), 3, 9)}, lambda t: t)
     plain, offloaded = optim.lamb(1e-2), offload_optimizer(optim.lamb(1e-2))
     plain_params, off_params = shard, tree.map(torch.clone, shard)
     plain_state = plain.init(plain_params, layout=layout)

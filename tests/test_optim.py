@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 import fscale
 import fscale.optim as optim
-from fscale import tree
+from fscale import flat, tree
 from fscale.optim import core, schedules
-from fscale.tree import FlatBuffer
+from fscale.flat import FlatBuffer
 
 def _make(seed: int, shift: float = 0.0):
     gen = torch.Generator().manual_seed(seed)
@@ -209,13 +209,13 @@ def test_sharded_layout_equals_unsharded(size, make, calls_per_step):
 def test_layout_must_match_params():
     opt = optim.lamb(0.1)
     params = {"w": torch.ones(4)}
-    bad = optim.Layout({"w": tree.Fragment(torch.Size([8]), 0, 3)}, lambda t: t)
+    bad = optim.Layout({"w": flat.Fragment(torch.Size([8]), 0, 3)}, lambda t: t)
     with pytest.raises(ValueError, match="fragment"):
         optim.step(opt, params, opt.init(params), params, layout=bad)
-    as_tuple = optim.Layout({"w": tree.Fragment((2, 4), 2, 6)}, lambda t: t)
+    as_tuple = optim.Layout({"w": flat.Fragment((2, 4), 2, 6)}, lambda t: t)
     new, _ = optim.step(opt, params, opt.init(params, layout=as_tuple), params, layout=as_tuple)
     assert new["w"].shape == (4,)
-    wrong_tree = optim.Layout([tree.Fragment(torch.Size([4]), 0, 4)], lambda t: t)
+    wrong_tree = optim.Layout([flat.Fragment(torch.Size([4]), 0, 4)], lambda t: t)
     with pytest.raises(ValueError, match="structure"):
         optim.step(opt, params, opt.init(params), params, layout=wrong_tree)
 

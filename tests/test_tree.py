@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fscale import tree
-from fscale.tree import FlatBuffer, Fragment
+from fscale.flat import FlatBuffer, Fragment
 
 
 def test_helpers_follow_optree_order_and_name_paths():
@@ -105,7 +105,7 @@ def test_group_by_dtype_keeps_first_seen_order():
 
 
 def test_aligned_layout_starts_every_tensor_and_shard_on_the_boundary():
-    from fscale.tree import aligned_elements
+    from fscale.flat import aligned_elements
 
     tensors = [torch.arange(5.0), torch.arange(3.0), torch.arange(17.0)]
     flat = FlatBuffer(tensors, num_shards=2, align=aligned_elements(torch.float32))

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fscale.tree import FlatBuffer
+from fscale.flat import FlatBuffer
 
 __all__ = [
     "HOST",

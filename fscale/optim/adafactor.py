@@ -22,7 +22,7 @@ import torch
 
 from fscale.optim import core
 from fscale.optim.base import Layout, Optimizer, resolve_layout, described
-from fscale.tree import Fragment
+from fscale.flat import Fragment
 
 __all__ = ["AdafactorState", "adafactor"]
 

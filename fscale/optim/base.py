@@ -30,7 +30,7 @@ import optree
 import torch
 
 from fscale import tree
-from fscale.tree import Fragment
+from fscale.flat import Fragment
 
 __all__ = [
     "EmptyState",
@@ -110,7 +110,7 @@ class Layout(NamedTuple):
     """Where each leaf sits in a full tensor, and how to complete a sum across ranks.
 
     Args:
-        fragments: a pytree with the params' structure whose leaves are `fscale.tree.Fragment`:
+        fragments: a pytree with the params' structure whose leaves are `fscale.flat.Fragment`:
             the leaf given to the optimizer is elements ``[start, stop)`` (possibly none) of the
             row-major flattening of a full tensor of ``shape``, as a 1-D tensor.
         all_reduce: ``t -> t`` summing a tensor across the ranks that share the pieces; a
@@ -143,7 +143,7 @@ def resolve_layout(
     if fragments_def != treedef or not all(map(is_fragment, fragments)):
         raise ValueError(
             f"{name}: `layout.fragments` has structure {fragments_def} but the params have "
-            f"structure {treedef}; give one fscale.tree.Fragment per parameter leaf"
+            f"structure {treedef}; give one fscale.flat.Fragment per parameter leaf"
         )
     # A shape given as a tuple is accepted: everything downstream calls `shape.numel()`.
     fragments = [

@@ -23,7 +23,7 @@ from torch._utils import _unflatten_dense_tensors
 
 from fscale import tree
 from fscale.optim.base import Layout, Optimizer
-from fscale.tree import FlatBuffer
+from fscale.flat import FlatBuffer
 
 PyTree = Any
 LearningRate = float | Callable[[int], float]

@@ -20,7 +20,7 @@ import torch
 
 from fscale import tree
 from fscale.parallel.buckets import Bucket, assign_buckets, forward_order
-from fscale.tree import FlatBuffer, Fragment, aligned_elements
+from fscale.flat import FlatBuffer, Fragment, aligned_elements
 
 __all__ = ["BucketLayout", "layout_of"]
 

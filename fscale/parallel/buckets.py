@@ -31,7 +31,7 @@ from typing import Any
 import optree
 import torch
 
-from fscale.tree import FlatBuffer
+from fscale.flat import FlatBuffer
 
 __all__ = ["Bucket", "GradBuckets", "assign_buckets", "forward_order"]
 

@@ -93,7 +93,7 @@ def state_spec(
     Args:
         optimizer: the optimizer, or an init function (`plan_state_init`).
         params: meta tensors: the full parameters, or (with `fragments`) a rank's 1-D fragments.
-        fragments: for a rank's fragments, the tree of `fscale.tree.Fragment` naming each one's
+        fragments: for a rank's fragments, the tree of `fscale.flat.Fragment` naming each one's
             place in its full tensor (given to the init as its layout); None for full tensors.
         devices: per leaf of `params`, the device of the real tensor. An optimizer whose init
             needs real values (`offload_optimizer` copies them to the host) is then initialised

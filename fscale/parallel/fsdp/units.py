@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fscale.tree import FlatBuffer, Fragment, aligned_elements
+from fscale.flat import FlatBuffer, Fragment, aligned_elements
 
 __all__ = ["ROOT", "ShardLayout", "UnitLayout", "UnitSpec", "assign_units"]
 
