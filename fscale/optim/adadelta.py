@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import core
+from fscale.optim import core, hyper
 from fscale.optim.base import Optimizer, described
 
 __all__ = ["AdadeltaState", "adadelta"]
@@ -35,7 +35,7 @@ class AdadeltaState(NamedTuple):
 
 @described
 def adadelta(
-    lr: core.LearningRate = 1.0,
+    lr: hyper.LearningRate = 1.0,
     *,
     rho: float = 0.9,
     eps: float = 1e-6,
@@ -60,10 +60,10 @@ def adadelta(
         ValueError: for negative hyper-parameters or `rho` outside [0, 1).
     """
     name = "adadelta"
-    lr_at = core.learning_rate(name, lr)
-    rho = core.check_unit_interval(name, "rho", rho)
-    eps = core.check_non_negative(name, "eps", eps)
-    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
+    lr_at = hyper.learning_rate(name, lr)
+    rho = hyper.check_unit_interval(name, "rho", rho)
+    eps = hyper.check_non_negative(name, "eps", eps)
+    weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
     maximize = bool(maximize)
 
     def update_group(group: core.Group) -> None:

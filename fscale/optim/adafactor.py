@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import core
+from fscale.optim import core, hyper
 from fscale.optim.base import Layout, Optimizer, resolve_layout, described
 from fscale.flat import Fragment
 
@@ -51,7 +51,7 @@ class AdafactorState(NamedTuple):
 
 @described
 def adafactor(
-    lr: core.LearningRate | None = None,
+    lr: hyper.LearningRate | None = None,
     *,
     decay_rate: float = 0.8,
     eps: tuple[float, float] = (1e-30, 1e-3),
@@ -101,19 +101,19 @@ def adafactor(
         ValueError: for negative hyper-parameters or `beta1` outside [0, 1).
     """
     name = "adafactor"
-    lr_at = None if lr is None else core.learning_rate(name, lr)
-    decay_rate = core.check_non_negative(name, "decay_rate", decay_rate)
+    lr_at = None if lr is None else hyper.learning_rate(name, lr)
+    decay_rate = hyper.check_non_negative(name, "decay_rate", decay_rate)
     if not isinstance(eps, (tuple, list)) or len(eps) != 2:
         raise ValueError(f"adafactor: `eps` must be a pair (eps1, eps2), got {eps!r}")
-    eps1 = core.check_non_negative(name, "eps[0]", eps[0])
-    eps2 = core.check_non_negative(name, "eps[1]", eps[1])
+    eps1 = hyper.check_non_negative(name, "eps[0]", eps[0])
+    eps2 = hyper.check_non_negative(name, "eps[1]", eps[1])
     if clip_threshold is not None:
-        clip_threshold = core.check_non_negative(name, "clip_threshold", clip_threshold)
+        clip_threshold = hyper.check_non_negative(name, "clip_threshold", clip_threshold)
         if clip_threshold == 0:
             raise ValueError("adafactor: `clip_threshold` must be > 0 (or None for no clipping)")
     if beta1 is not None:
-        beta1 = core.check_unit_interval(name, "beta1", beta1)
-    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
+        beta1 = hyper.check_unit_interval(name, "beta1", beta1)
+    weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
 
     def is_factored(frag: Fragment) -> bool:
         return factored and len(frag.shape) >= 2

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import core
+from fscale.optim import core, hyper
 from fscale.optim.base import Optimizer, described
 
 __all__ = ["AdagradState", "adagrad"]
@@ -29,7 +29,7 @@ class AdagradState(NamedTuple):
 
 @described
 def adagrad(
-    lr: core.LearningRate = 1e-2,
+    lr: hyper.LearningRate = 1e-2,
     *,
     lr_decay: float = 0.0,
     weight_decay: float = 0.0,
@@ -58,13 +58,13 @@ def adagrad(
         ValueError: for negative hyper-parameters.
     """
     name = "adagrad"
-    lr_at = core.learning_rate(name, lr)
-    lr_decay = core.check_non_negative(name, "lr_decay", lr_decay)
-    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
-    initial = core.check_non_negative(
+    lr_at = hyper.learning_rate(name, lr)
+    lr_decay = hyper.check_non_negative(name, "lr_decay", lr_decay)
+    weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
+    initial = hyper.check_non_negative(
         name, "initial_accumulator_value", initial_accumulator_value
     )
-    eps = core.check_non_negative(name, "eps", eps)
+    eps = hyper.check_non_negative(name, "eps", eps)
     maximize = bool(maximize)
 
     def update_group(group: core.Group) -> None:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import core
+from fscale.optim import core, hyper
 from fscale.optim.base import Optimizer, described
 
 __all__ = ["AdamState", "adam", "adamw"]
@@ -42,7 +42,7 @@ class AdamState(NamedTuple):
 
 @described
 def adam(
-    lr: core.LearningRate = 1e-3,
+    lr: hyper.LearningRate = 1e-3,
     *,
     betas: Sequence[float] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -86,7 +86,7 @@ def adam(
 
 @described
 def adamw(
-    lr: core.LearningRate = 1e-3,
+    lr: hyper.LearningRate = 1e-3,
     *,
     betas: Sequence[float] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -107,17 +107,17 @@ def adamw(
 def _adam_family(
     name: str,
     kernel: Any,
-    lr: core.LearningRate,
+    lr: hyper.LearningRate,
     betas: Sequence[float],
     eps: float,
     weight_decay: float,
     amsgrad: bool,
     maximize: bool,
 ) -> Optimizer:
-    lr_at = core.learning_rate(name, lr)
-    beta1, beta2 = core.check_betas(name, betas)
-    eps = core.check_non_negative(name, "eps", eps)
-    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
+    lr_at = hyper.learning_rate(name, lr)
+    beta1, beta2 = hyper.check_betas(name, betas)
+    eps = hyper.check_non_negative(name, "eps", eps)
+    weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
     amsgrad, maximize = bool(amsgrad), bool(maximize)
 
     def update_group(group: core.Group) -> None:

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import core
+from fscale.optim import core, hyper
 from fscale.optim.base import Optimizer, described
 
 __all__ = ["AdamaxState", "adamax"]
@@ -36,7 +36,7 @@ class AdamaxState(NamedTuple):
 
 @described
 def adamax(
-    lr: core.LearningRate = 2e-3,
+    lr: hyper.LearningRate = 2e-3,
     *,
     betas: Sequence[float] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -61,10 +61,10 @@ def adamax(
         ValueError: for negative hyper-parameters or betas outside [0, 1).
     """
     name = "adamax"
-    lr_at = core.learning_rate(name, lr)
-    beta1, beta2 = core.check_betas(name, betas)
-    eps = core.check_non_negative(name, "eps", eps)
-    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
+    lr_at = hyper.learning_rate(name, lr)
+    beta1, beta2 = hyper.check_betas(name, betas)
+    eps = hyper.check_non_negative(name, "eps", eps)
+    weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
     maximize = bool(maximize)
 
     def update_group(group: core.Group) -> None:

@@ -26,61 +26,6 @@ from fscale.optim.base import Layout, Optimizer
 from fscale.flat import FlatBuffer
 
 PyTree = Any
-LearningRate = float | Callable[[int], float]
-
-
-# ----------------------------------------------------------------------------- hyper-parameters
-
-
-def check_non_negative(name: str, arg: str, value: float) -> float:
-    """`value` as a float, or a ValueError naming `name`'s argument `arg` if it is < 0 or NaN."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: `{arg}` must be a number, got {type(value).__name__}")
-    if not value >= 0.0:  # also rejects NaN
-        raise ValueError(f"{name}: `{arg}` must be >= 0, got {arg}={value!r}")
-    return float(value)
-
-
-def check_unit_interval(name: str, arg: str, value: float) -> float:
-    """`value` as a float in [0, 1), else a ValueError naming `arg`."""
-    value = check_non_negative(name, arg, value)
-    if not value < 1.0:
-        raise ValueError(f"{name}: `{arg}` must lie in [0, 1), got {arg}={value!r}")
-    return value
-
-
-def check_betas(name: str, betas: Sequence[float]) -> tuple[float, float]:
-    """`betas` as a pair of floats in [0, 1), else a ValueError."""
-    if not isinstance(betas, Sequence) or len(betas) != 2:
-        raise ValueError(f"{name}: `betas` must be a pair (beta1, beta2), got {betas!r}")
-    return (
-        check_unit_interval(name, "betas[0]", betas[0]),
-        check_unit_interval(name, "betas[1]", betas[1]),
-    )
-
-
-def learning_rate(name: str, lr: LearningRate) -> Callable[[int], float]:
-    """`lr` (a float or a schedule ``count -> float``) as a checked schedule.
-
-    A constant is checked once here; a schedule's value is checked at every step, so a schedule
-    that turns negative fails at the step where it does instead of silently ascending.
-    """
-    if callable(lr):
-
-        def scheduled(count: int) -> float:
-            value = lr(count)
-            if isinstance(value, torch.Tensor):
-                value = value.item()
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(
-                    f"{name}: the learning-rate schedule returned {value!r} at count={count}; "
-                    "a schedule must return a float >= 0"
-                )
-            return float(value)
-
-        return scheduled
-    constant = check_non_negative(name, "lr", lr)
-    return lambda count: constant
 
 
 # ----------------------------------------------------------------------------- params and state

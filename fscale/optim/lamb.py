@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale import tree
-from fscale.optim import core
+from fscale.optim import core, hyper
 from fscale.optim.base import Layout, Optimizer, resolve_layout, described
 
 __all__ = ["LambState", "lamb"]
@@ -37,7 +37,7 @@ class LambState(NamedTuple):
 
 @described
 def lamb(
-    lr: core.LearningRate = 1e-3,
+    lr: hyper.LearningRate = 1e-3,
     *,
     betas: Sequence[float] = (0.9, 0.999),
     eps: float = 1e-6,
@@ -69,10 +69,10 @@ def lamb(
         ValueError: for negative hyper-parameters or betas outside [0, 1).
     """
     name = "lamb"
-    lr_at = core.learning_rate(name, lr)
-    beta1, beta2 = core.check_betas(name, betas)
-    eps = core.check_non_negative(name, "eps", eps)
-    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
+    lr_at = hyper.learning_rate(name, lr)
+    beta1, beta2 = hyper.check_betas(name, betas)
+    eps = hyper.check_non_negative(name, "eps", eps)
+    weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
 
     def init(params: PyTree, *, layout: Layout | None = None) -> LambState:
         leaves, treedef = core.float_leaves(name, params)

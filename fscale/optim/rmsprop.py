@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import core
+from fscale.optim import core, hyper
 from fscale.optim.base import Optimizer, described
 
 __all__ = ["RMSpropState", "rmsprop"]
@@ -39,7 +39,7 @@ class RMSpropState(NamedTuple):
 
 @described
 def rmsprop(
-    lr: core.LearningRate = 1e-2,
+    lr: hyper.LearningRate = 1e-2,
     *,
     alpha: float = 0.99,
     eps: float = 1e-8,
@@ -69,11 +69,11 @@ def rmsprop(
         ValueError: for negative hyper-parameters or `alpha` outside [0, 1).
     """
     name = "rmsprop"
-    lr_at = core.learning_rate(name, lr)
-    alpha = core.check_unit_interval(name, "alpha", alpha)
-    eps = core.check_non_negative(name, "eps", eps)
-    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
-    momentum = core.check_non_negative(name, "momentum", momentum)
+    lr_at = hyper.learning_rate(name, lr)
+    alpha = hyper.check_unit_interval(name, "alpha", alpha)
+    eps = hyper.check_non_negative(name, "eps", eps)
+    weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
+    momentum = hyper.check_non_negative(name, "momentum", momentum)
     centered, maximize = bool(centered), bool(maximize)
 
     def update_group(group: core.Group) -> None:

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import core
+from fscale.optim import core, hyper
 from fscale.optim.base import Optimizer, described
 
 __all__ = ["SGDState", "sgd"]
@@ -29,7 +29,7 @@ class SGDState(NamedTuple):
 
 @described
 def sgd(
-    lr: core.LearningRate,
+    lr: hyper.LearningRate,
     *,
     momentum: float = 0.0,
     dampening: float = 0.0,
@@ -68,10 +68,10 @@ def sgd(
         tensor([-0.5000, -0.5000])
     """
     name = "sgd"
-    lr_at = core.learning_rate(name, lr)
-    momentum = core.check_non_negative(name, "momentum", momentum)
-    dampening = core.check_non_negative(name, "dampening", dampening)
-    weight_decay = core.check_non_negative(name, "weight_decay", weight_decay)
+    lr_at = hyper.learning_rate(name, lr)
+    momentum = hyper.check_non_negative(name, "momentum", momentum)
+    dampening = hyper.check_non_negative(name, "dampening", dampening)
+    weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
     nesterov, maximize = bool(nesterov), bool(maximize)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from fscale import tree
-from fscale.optim import core
+from fscale.optim import core, hyper
 from fscale.optim.base import EmptyState, Layout, Optimizer, resolve_layout, described
 
 __all__ = ["clip_by_global_norm", "scale"]
@@ -34,7 +34,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         ValueError: for a negative `max_norm`.
     """
     name = "clip_by_global_norm"
-    max_norm = core.check_non_negative(name, "max_norm", max_norm)
+    max_norm = hyper.check_non_negative(name, "max_norm", max_norm)
 
     def init(params: PyTree, *, layout: Layout | None = None) -> EmptyState:
         return EmptyState()
