@@ -11,7 +11,7 @@ from torch import nn
 
 import fscale.random as fsrandom
 from fscale import models
-from fscale.model import FunctionalModule, functionalize
+from fscale.functional import FunctionalModule, functionalize
 
 Loss = Callable[[torch.Tensor], torch.Tensor]
 
