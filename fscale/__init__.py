@@ -4,10 +4,10 @@ from typing import TYPE_CHECKING
 
 from fscale import data as data
 from fscale import distributed as distributed
-from fscale import memory as memory
 from fscale import functional as functional
-from fscale import optim as optim
+from fscale import memory as memory
 from fscale import offload as offload
+from fscale import optim as optim
 from fscale import random as random
 from fscale import remat as remat
 from fscale import tree as tree
@@ -18,9 +18,9 @@ from fscale.functional import FunctionalModule as FunctionalModule
 from fscale.functional import functionalize as functionalize
 from fscale.offload import offload_optimizer as offload_optimizer
 from fscale.offload import offload_params as offload_params
-from fscale.parallel import data_parallel as data_parallel
 from fscale.parallel import ShardedOptState as ShardedOptState
 from fscale.parallel import consolidate as consolidate
+from fscale.parallel import data_parallel as data_parallel
 from fscale.parallel import fully_shard as fully_shard
 from fscale.parallel import shard_optimizer as shard_optimizer
 from fscale.parallel import shard_state as shard_state

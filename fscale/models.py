@@ -20,6 +20,7 @@ The layout is chosen for the transformations:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ def _seeded_float32_init(seed: int) -> Iterator[None]:
     # Only the CPU generator is forked and seeded: modules are built on the CPU, and seeding
     # accelerator generators here would change the caller's RNG on those devices.
     with torch.random.fork_rng(devices=[]):
-        torch.random.default_generator.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         torch.set_default_dtype(torch.float32)
         try:
             yield
@@ -98,9 +99,7 @@ def mlp(
     """
     sizes = list(sizes)
     if len(sizes) < 2:
-        raise ValueError(
-            f"mlp: `sizes` needs at least an input and an output width, got {sizes!r}"
-        )
+        raise ValueError(f"mlp: `sizes` needs at least an input and an output width, got {sizes!r}")
     _check_positive_ints("mlp", **{f"sizes[{i}]": size for i, size in enumerate(sizes)})
     if activation not in _ACTIVATIONS:
         raise ValueError(
@@ -108,7 +107,7 @@ def mlp(
         )
     layers: list[nn.Module] = []
     with _seeded_float32_init(seed):
-        for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
             if i > 0:
                 layers.append(_ACTIVATIONS[activation]())
             layers.append(nn.Linear(fan_in, fan_out, bias=bias))

@@ -265,7 +265,7 @@ def test_apply_lists_missing_and_unknown_names() -> None:
     broken = {k: v for k, v in params.items() if k != "final_norm.bias"}
     broken["lm_head.weight"] = params["embed.token.weight"]
     broken["no.such.weight"] = params["embed.token.weight"]
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match="does not match") as info:
         apply(broken, buffers, tokens)
     message = str(info.value)
     assert "`params` does not match the module GPT" in message

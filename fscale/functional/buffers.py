@@ -49,9 +49,7 @@ def check_not_modified(tensors: Mapping[str, torch.Tensor], before: Mapping[str,
     Raises:
         RuntimeError: naming every buffer that changed.
     """
-    changed_in_place = [
-        name for name, tensor in tensors.items() if tensor._version != before[name]
-    ]
+    changed_in_place = [name for name, tensor in tensors.items() if tensor._version != before[name]]
     if changed_in_place:
         raise RuntimeError(
             f"apply: in evaluation mode the module modified buffers {changed_in_place} "

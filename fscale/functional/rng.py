@@ -1,4 +1,4 @@
-"""Run a block under RNGs seeded from an ``fscale.random`` key, leaving the ambient RNGs as they were.
+"""Run a block under RNGs seeded from an ``fscale.random`` key; the ambient RNGs stay untouched.
 
 A functional call with a key must draw the same numbers as the eager module run right after
 ``torch.manual_seed(fscale.random.seed(key))``, without advancing the caller's generators. So the
@@ -45,7 +45,7 @@ def seeded_by(key: torch.Tensor | None, call_tensors: Callable[[], list[Any]]) -
                     devices=list(range(device_module.device_count())), device_type=device_type
                 )
             )
-        torch.random.default_generator.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         for device_type in device_types:
             device_module = torch.get_device_module(device_type)
             getattr(device_module, "manual_seed_all", device_module.manual_seed)(seed)

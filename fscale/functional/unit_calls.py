@@ -175,6 +175,9 @@ class _Placeholder(torch.Tensor):
     outside its unit's submodule is an error instead of a silent use of stale values.
     """
 
+    param_name: str
+    unit: str
+
     _METADATA = frozenset(
         {"shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout", "grad_fn"}
     )
@@ -193,9 +196,11 @@ class _Placeholder(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         owner = getattr(func, "__self__", None)
-        if getattr(func, "__name__", "") == "__get__" and getattr(owner, "__name__", "") in (
-            cls._METADATA
-        ) or func in (torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel):
+        reads_metadata = (
+            getattr(func, "__name__", "") == "__get__"
+            and getattr(owner, "__name__", "") in cls._METADATA
+        )
+        if reads_metadata or func in (torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         placeholder = next(a for a in tree.leaves((args, kwargs)) if isinstance(a, _Placeholder))
@@ -229,11 +234,16 @@ def _unit_forward(submodule: nn.Module, unit: ParamUnit) -> Callable[..., Any]:
         flags = [(module, module.training) for module in submodule.modules()]
         names = list(unit_slots)
 
-        def run(params: Mapping[str, torch.Tensor], values: Sequence[torch.Tensor],
-                call_args: tuple, call_kwargs: dict) -> Any:
+        def run(
+            params: Mapping[str, torch.Tensor],
+            values: Sequence[torch.Tensor],
+            call_args: tuple,
+            call_kwargs: dict,
+        ) -> Any:
             slots = [unit_slots[name] for name in names] + state_slots
-            with slots_lib.training_modes(flags), slots_lib.holding(
-                slots, [params[name] for name in names] + list(values)
+            with (
+                slots_lib.training_modes(flags),
+                slots_lib.holding(slots, [params[name] for name in names] + list(values)),
             ):
                 return original(*call_args, **call_kwargs)
 
