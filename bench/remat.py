@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fscale.model import functionalize
+from fscale.functional import functionalize
 from fscale.models import GPT, GPTConfig, lm_loss
 from fscale.remat import checkpoint, save_matmuls, track
 

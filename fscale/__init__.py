@@ -1,29 +1,30 @@
 """fscale: large-scale training in PyTorch as pure, composable transformations of a train step."""
 
+from typing import TYPE_CHECKING
+
 from fscale import data as data
 from fscale import distributed as distributed
+from fscale import functional as functional
 from fscale import memory as memory
-from fscale import models as models
+from fscale import offload as offload
 from fscale import optim as optim
 from fscale import parallel as parallel
-from fscale import offload as offload
 from fscale import random as random
 from fscale import remat as remat
 from fscale import spmd as spmd
-from fscale import testing as testing
 from fscale import tracking as tracking
 from fscale import tree as tree
 from fscale.distributed import Mesh as Mesh
 from fscale.distributed import init as init
 from fscale.distributed import launch as launch
-from fscale.model import FunctionalModule as FunctionalModule
-from fscale.model import functionalize as functionalize
+from fscale.functional import FunctionalModule as FunctionalModule
+from fscale.functional import functionalize as functionalize
 from fscale.offload import offload_optimizer as offload_optimizer
 from fscale.offload import offload_params as offload_params
-from fscale.parallel import accumulate as accumulate
-from fscale.parallel import data_parallel as data_parallel
 from fscale.parallel import ShardedOptState as ShardedOptState
+from fscale.parallel import accumulate as accumulate
 from fscale.parallel import consolidate as consolidate
+from fscale.parallel import data_parallel as data_parallel
 from fscale.parallel import fully_shard as fully_shard
 from fscale.parallel import shard_optimizer as shard_optimizer
 from fscale.parallel import shard_state as shard_state
@@ -37,3 +38,23 @@ from fscale.train import train_step as train_step
 from fscale.train import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from fscale import models as models
+    from fscale import testing as testing
+
+# The reference models and the rank pool (a multiprocessing test harness) are imported on first
+# access, so `import fscale` loads neither.
+_LAZY_SUBMODULES = ("models", "testing")
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"fscale.{name}")
+    raise AttributeError(f"module 'fscale' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_SUBMODULES})

@@ -69,9 +69,7 @@ def _demo_rank(cfg: DemoConfig) -> dict[str, Any]:
     mesh = fs.Mesh(dp=world) if cfg.strategy != "local" else fs.Mesh()
     tokens = fs.data.ByteTokenizer().encode(fs.data.bundled_corpus())
     streams = fs.data.batchify(tokens, cfg.batch_size)
-    batches = fs.data.LMBatches(
-        streams, cfg.seq_len, rank=rank, world_size=world, batch_major=True
-    )
+    batches = fs.data.LMBatches(streams, cfg.seq_len, rank=rank, world_size=world, batch_major=True)
     model = models.GPT(
         models.GPTConfig(
             vocab_size=256,
@@ -182,7 +180,9 @@ def run_demo(cfg: DemoConfig) -> list[dict[str, Any]]:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fscale", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="fscale", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a small GPT-style model on local processes")
     defaults = DemoConfig()

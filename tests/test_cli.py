@@ -7,15 +7,27 @@ from fscale import cli
 
 def test_demo_trains_data_parallel_and_reports(capsys):
     results = cli.main(
-        ["demo", "--steps", "6", "--seconds", "60", "--no-progress", "--d-model", "32",
-         "--seq-len", "16", "--batch-size", "8"]
+        [
+            "demo",
+            "--steps",
+            "6",
+            "--seconds",
+            "60",
+            "--no-progress",
+            "--d-model",
+            "32",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "8",
+        ]
     )
     assert results == 0
     out = capsys.readouterr().out
     assert "6 steps" in out
     assert "per-rank model state" in out and "optimizer" in out
     assert "all_reduce  dp" in out  # the ledger of one step
-    params_line = [line for line in out.splitlines() if line.strip().startswith("0 ")][0]
+    params_line = next(line for line in out.splitlines() if line.strip().startswith("0 "))
     assert "KiB" in params_line or "MiB" in params_line
 
 

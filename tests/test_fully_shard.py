@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fscale as fs
-from fscale.model import UnitParams
+from fscale.functional import UnitParams
 from fscale.parallel.fsdp import fully_shard, track_gathers
 from fscale.parallel import consolidate, shard_state
 from fscale.testing import RankError, assert_trees_close, assert_trees_equal, run_spmd

@@ -11,7 +11,7 @@ from torch import nn
 
 import fscale.random as fsrandom
 from fscale import models
-from fscale.model import FunctionalModule, functionalize
+from fscale.functional import FunctionalModule, functionalize
 
 Loss = Callable[[torch.Tensor], torch.Tensor]
 
@@ -265,7 +265,7 @@ def test_apply_lists_missing_and_unknown_names() -> None:
     broken = {k: v for k, v in params.items() if k != "final_norm.bias"}
     broken["lm_head.weight"] = params["embed.token.weight"]
     broken["no.such.weight"] = params["embed.token.weight"]
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match="does not match") as info:
         apply(broken, buffers, tokens)
     message = str(info.value)
     assert "`params` does not match the module GPT" in message

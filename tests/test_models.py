@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fscale import models
+from fscale.models import building
 
 
 def _same_params(a: nn.Module, b: nn.Module) -> bool:
@@ -18,6 +19,36 @@ def _same_params(a: nn.Module, b: nn.Module) -> bool:
 
 
 TINY_GPT = models.GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=3)
+
+
+# --------------------------------------------------------------------------------------------
+# Building
+
+
+def test_seeded_float32_init_is_reproducible_and_restores_rng_and_dtype() -> None:
+    torch.manual_seed(7)
+    rng_before = torch.random.get_rng_state()
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with building.seeded_float32_init(3):
+            first = (torch.get_default_dtype(), torch.rand(3))
+        with building.seeded_float32_init(3):
+            second = torch.rand(3)
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    assert first[0] == torch.float32 and torch.equal(first[1], second)
+    assert torch.equal(torch.random.get_rng_state(), rng_before)
+    with pytest.raises(TypeError, match="`seed` must be an int, got bool"):
+        building.seeded_float32_init(True).__enter__()
+
+
+def test_check_positive_ints_names_the_owner_and_the_argument() -> None:
+    building.check_positive_ints("f", a=1, b=2)
+    for bad in (0, -1, True, 1.0):
+        with pytest.raises(ValueError, match=r"f: `b` must be a positive int"):
+            building.check_positive_ints("f", a=1, b=bad)
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fscale.random as fsrandom
-from fscale.model import functionalize
+from fscale.functional import functionalize
 from fscale.models import GPT, GPTConfig, ResNetConfig, lm_loss, resnet
 from fscale.offload import transfer
 from fscale.remat import (

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch import nn
 
-from fscale import slots as slots_lib
+from fscale.functional import slots as slots_lib
 from fscale.remat.engine import checkpoint_call
 from fscale.remat.policy import SavePolicy
 

@@ -23,7 +23,7 @@ from fscale import remat, tracking
 from fscale.distributed import collectives
 from fscale.distributed.collectives import Pending
 from fscale.distributed.mesh import Mesh
-from fscale.model import UnitCall
+from fscale.functional import UnitCall
 from fscale.parallel.fsdp.regather import Regather
 from fscale.parallel.fsdp.units import ROOT, UnitLayout
 
@@ -228,7 +228,7 @@ class _GatheredFrom(torch.autograd.Function):
 
 
 class ShardedUnit:
-    """A `fscale.model.ParamUnit` over this rank's shard of one unit.
+    """A `fscale.functional.ParamUnit` over this rank's shard of one unit.
 
     `reshard`: "regather" (free after forward, gather again in backward), "remat" (recompute
     the unit in backward) or "keep" (gathered until backward).

@@ -3,7 +3,7 @@
 The algorithm, traffic and memory are described in `fscale.parallel.fsdp.transform`. As a layer,
 `FullyShardPlan` changes three things for the layers inside it: the state's parameters are
 ``{unit name: 1-D shard}`` (`init`, `shard_state`); the loss receives a
-`fscale.model.UnitParams` that gathers each unit at its point of use (a parameter map in the
+`fscale.functional.UnitParams` that gathers each unit at its point of use (a parameter map in the
 context, drained after the forward and after backward); and the optimizer runs on this rank's
 fragments of the shards (`FsdpOptimizer`). Gradients arrive reduced and sharded through the
 all-gather's dual, so the layer adds no reduction; a data-parallel layer around it averages
@@ -21,7 +21,7 @@ from fscale import optim as optim_lib
 from fscale import spmd
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
-from fscale.model import UnitParams
+from fscale.functional import UnitParams
 from fscale.parallel.fsdp.gather import Gatherer, ShardedUnit
 from fscale.parallel.fsdp.units import ROOT, ShardLayout, UnitSpec, assign_units
 from fscale.plan import Context, Plan

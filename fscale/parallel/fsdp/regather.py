@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from fscale.distributed.collectives import Pending
-from fscale.model import UnitCall
+from fscale.functional import UnitCall
 
 if TYPE_CHECKING:
     from fscale.parallel.fsdp.gather import Gatherer, ShardedUnit

@@ -10,7 +10,7 @@ user's loss:
    optimizer state are sharded the same way, so fp32 Adam holds
    (4 params + 4 grads + 8 moments)·Ψ/N bytes per rank (Ψ with each unit's padding).
 2. **A unit's parameters are all-gathered at their point of use.** The step hands ``loss_fn`` a
-   `fscale.model.UnitParams` instead of the params dict. A `FunctionalModule` given one runs
+   `fscale.functional.UnitParams` instead of the params dict. A `FunctionalModule` given one runs
    each unit's submodule through the unit: ``all_gather(shard, axis, op="mean")``, the views of
    the gathered buffer swapped in, the submodule's forward, and the buffer released when the
    submodule returns. The gradient of ``all_gather`` is its dual, a reduce-scatter (mean), so
@@ -123,7 +123,7 @@ def fully_shard(
     Args:
         step: any Step whose parameters are full (from `fscale.train_step`, `accumulate`,
             `data_parallel` over another axis, or a plan of your own). Its ``loss_fn`` receives a
-            `fscale.model.UnitParams`: pass it to a `FunctionalModule` (gather at the point of
+            `fscale.functional.UnitParams`: pass it to a `FunctionalModule` (gather at the point of
             use) or index it by name (each unit gathered on first access).
         mesh: the mesh; `axis` (and `replicate_axis`) must be among its axes.
         axis: the axis to shard over. Each rank along it (and along `replicate_axis`) reads its

@@ -4,7 +4,8 @@
 forward on tensors they choose (gathered shards, recomputed leaves) in the train/eval mode of an
 earlier call. They do it the way `torch.func.functional_call` does: by writing the slot dicts
 directly for the duration of a block, which also skips `nn.Module.__setattr__`'s Parameter
-check (the values are plain tensors).
+check (the values are plain tensors). Modes are set the same way: every module's own
+``training`` flag is saved before and written back after, so a block never leaves a mode behind.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-__all__ = ["Slot", "holding", "state_slots", "training_modes"]
+__all__ = ["Slot", "holding", "mode", "state_slots", "training_modes"]
 
 Slot = tuple[nn.Module, str, str]
 """(owner module, "_parameters" or "_buffers", attribute name)."""
@@ -74,3 +75,22 @@ def training_modes(modes: Sequence[tuple[nn.Module, bool]]) -> Iterator[None]:
     finally:
         for module, training in previous:
             module.training = training
+
+
+@contextlib.contextmanager
+def mode(module: nn.Module, train: bool, submodules: Sequence[nn.Module]) -> Iterator[None]:
+    """`module` in `train` mode (``module.train(train)``) inside the block; every flag restored.
+
+    `submodules` is ``list(module.modules())``, computed once by the caller: walking the module
+    tree is most of this context's cost, and it runs on every call.
+    """
+    flags = [(submodule, submodule.training) for submodule in submodules]
+    if all(flag == train for _, flag in flags):
+        yield
+        return
+    module.train(train)
+    try:
+        yield
+    finally:
+        for submodule, flag in flags:
+            submodule.training = flag

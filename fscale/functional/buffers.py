@@ -1,0 +1,59 @@
+"""The buffers a functional call leaves behind: captured at the end of the forward, checked in eval.
+
+``torch.func.functional_call`` restores the module's original buffers when it returns, so a
+buffer the forward *rebound* (``self.b = self.b + 1``) would be lost: a forward hook on the root
+module records every buffer while the call's own tensors are still installed. In evaluation mode
+the caller's tensors are passed without copying, so their version counters are compared before
+and after the call to catch an in-place update, which would have changed the caller's state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["capture", "check_not_modified", "versions"]
+
+
+@contextlib.contextmanager
+def capture(
+    module: nn.Module, names: Sequence[str], captured: dict[str, torch.Tensor]
+) -> Iterator[None]:
+    """Inside the block, the end of `module`'s forward writes its buffers `names` to `captured`."""
+
+    def hook(*_: object) -> None:
+        captured.update({name: module.get_buffer(name) for name in names})
+
+    handle = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def versions(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Each tensor's version counter, to compare with `check_not_modified` after a call."""
+    return {name: tensor._version for name, tensor in tensors.items()}
+
+
+def check_not_modified(tensors: Mapping[str, torch.Tensor], before: Mapping[str, int]) -> None:
+    """Raise if a tensor of `tensors` was updated in place since `versions` returned `before`.
+
+    The version counter catches in-place updates issued as tensor ops (``add_``, ``copy_``,
+    ...). Native kernels that update running statistics internally do not bump it, but those
+    only do so in training mode, where the call works on clones.
+
+    Raises:
+        RuntimeError: naming every buffer that changed.
+    """
+    changed_in_place = [name for name, tensor in tensors.items() if tensor._version != before[name]]
+    if changed_in_place:
+        raise RuntimeError(
+            f"apply: in evaluation mode the module modified buffers {changed_in_place} "
+            "in place, so the caller's tensors have changed. Evaluation mode passes "
+            "buffers without copying; call apply with train=True for a module that "
+            "updates its state, or make the module update it out of place."
+        )

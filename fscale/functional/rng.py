@@ -1,0 +1,52 @@
+"""Run a block under RNGs seeded from an ``fscale.random`` key; the ambient RNGs stay untouched.
+
+A functional call with a key must draw the same numbers as the eager module run right after
+``torch.manual_seed(fscale.random.seed(key))``, without advancing the caller's generators. So the
+block runs under ``torch.random.fork_rng`` for the CPU generator and for every generator of each
+accelerator type the call's tensors live on (the generators ``torch.manual_seed`` would seed that
+the call can draw from, and no others), each seeded with ``fscale.random.seed(key)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from fscale import random as fsrandom
+
+__all__ = ["seeded_by"]
+
+
+@contextlib.contextmanager
+def seeded_by(key: torch.Tensor | None, call_tensors: Callable[[], list[Any]]) -> Iterator[None]:
+    """The block's RNGs seeded with `key`; ambient RNGs restored on exit. ``None``: no change.
+
+    Args:
+        key: an ``fscale.random`` key, or None to draw from (and advance) the ambient RNGs.
+        call_tensors: returns the call's parameters, buffers and inputs (non-tensors are
+            ignored); called only when `key` is given, to find the accelerator types in use.
+    """
+    if key is None:
+        yield
+        return
+    seed = fsrandom.seed(key)
+    device_types = sorted(
+        {t.device.type for t in call_tensors() if isinstance(t, torch.Tensor)} - {"cpu", "meta"}
+    )
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        for device_type in device_types:
+            device_module = torch.get_device_module(device_type)
+            stack.enter_context(
+                torch.random.fork_rng(
+                    devices=list(range(device_module.device_count())), device_type=device_type
+                )
+            )
+        torch.default_generator.manual_seed(seed)
+        for device_type in device_types:
+            device_module = torch.get_device_module(device_type)
+            getattr(device_module, "manual_seed_all", device_module.manual_seed)(seed)
+        yield
