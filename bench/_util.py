@@ -6,8 +6,12 @@ A benchmark script uses it in four steps::
 
     times = _util.interleave({"eager": eager_step, "fscale": fscale_step}, rounds=30, warmup=3)
     stats = {name: _util.summarize(samples) for name, samples in times.items()}
-    print(_util.format_table(["variant", "median ms", "IQR ms"],
-                             [[n, s.median * 1e3, s.iqr * 1e3] for n, s in stats.items()]))
+    print(
+        _util.format_table(
+            ["variant", "median ms", "IQR ms"],
+            [[n, s.median * 1e3, s.iqr * 1e3] for n, s in stats.items()],
+        )
+    )
     _util.write_results("step", {"rows": [...]})  # bench/results/step.json, with `environment()`
 
 Why interleave: on a shared machine the load changes over seconds. Timing all rounds of one
@@ -450,9 +454,7 @@ def lm_batch(cfg: Any, batch_size: int, index: int, *, seed: int = 0) -> Any:
 
     batch_key = fsrandom.fold_in(fsrandom.key(seed), index)
     generator = torch.Generator().manual_seed(fsrandom.seed(batch_key))
-    tokens = torch.randint(
-        0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=generator
-    )
+    tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=generator)
     return LMBatch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 

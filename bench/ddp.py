@@ -30,14 +30,14 @@ import argparse
 import warnings
 from typing import Any
 
+import _util
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-import _util
 import fscale as fs
-from fscale.spmd import all_gather_objects
 from fscale.models import GPT, lm_loss
+from fscale.spmd import all_gather_objects
 
 GOAL = 1.00
 """The ratio to torch DDP's step time at or below which fscale counts as fast enough."""
@@ -309,8 +309,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = rank0["params"]
     print(
         _util.format_table(
-            ["variant", "median ms", "IQR ms", "x DDP", "paired x (IQR)", "final loss",
-             "loss ==", "params ==", "wire MiB", "ledger MiB"],
+            [
+                "variant",
+                "median ms",
+                "IQR ms",
+                "x DDP",
+                "paired x (IQR)",
+                "final loss",
+                "loss ==",
+                "params ==",
+                "wire MiB",
+                "ledger MiB",
+            ],
             [
                 [
                     row["variant"],

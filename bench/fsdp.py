@@ -46,7 +46,12 @@ from fscale.parallel.fsdp import fully_shard
 RESULTS = Path(__file__).parent / "results" / "fsdp.json"
 WORLD = 2
 VARIANTS = (
-    "fscale", "fscale prefetch=0", "fscale remat", "fscale no-reshard", "torch FSDP2", "torch DDP"
+    "fscale",
+    "fscale prefetch=0",
+    "fscale remat",
+    "fscale no-reshard",
+    "torch FSDP2",
+    "torch DDP",
 )
 
 
@@ -68,7 +73,9 @@ def _model(kind: str, quick: bool) -> nn.Module:
     return fs.models.mlp([width] * 7, seed=0)
 
 
-def _batch(kind: str, model: nn.Module, quick: bool, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(
+    kind: str, model: nn.Module, quick: bool, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     if kind == "gpt":
         cfg = model.cfg
@@ -158,11 +165,16 @@ def _fscale(kind, variant, model, quick, warmup, steps):  # type: ignore[no-unty
     with fs.distributed.comm_ledger() as ledger:
         run_step(warmup + steps)
     state_bytes = (
-        fs.memory.tree_bytes(state.params) + fs.memory.tree_bytes(state.opt_state)
+        fs.memory.tree_bytes(state.params)
+        + fs.memory.tree_bytes(state.opt_state)
         + int(metrics["grad_bytes"])
     )
-    return {"times": times, "state_bytes": state_bytes, "bytes_per_step": ledger.total_bytes(),
-            "bytes_source": "fscale ledger"}
+    return {
+        "times": times,
+        "state_bytes": state_bytes,
+        "bytes_per_step": ledger.total_bytes(),
+        "bytes_source": "fscale ledger",
+    }
 
 
 def _torch_fsdp2(kind, model, quick, warmup, steps):  # type: ignore[no-untyped-def]
@@ -189,13 +201,20 @@ def _torch_fsdp2(kind, model, quick, warmup, steps):  # type: ignore[no-untyped-
 
     held = [local(p) for p in model.parameters()]
     held += [local(p.grad) for p in model.parameters() if p.grad is not None]
-    held += [local(v) for s in optimizer.state.values() for v in s.values()
-             if isinstance(v, torch.Tensor)]
+    held += [
+        local(v)
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    ]
     units, root = _psi(kind, model)
     n = dist.get_world_size()
-    return {"times": times, "state_bytes": fs.memory.tree_bytes(held),
-            "bytes_per_step": (3 * units + 2 * root) * (n - 1) / n * 4,
-            "bytes_source": "analytical"}
+    return {
+        "times": times,
+        "state_bytes": fs.memory.tree_bytes(held),
+        "bytes_per_step": (3 * units + 2 * root) * (n - 1) / n * 4,
+        "bytes_source": "analytical",
+    }
 
 
 def _torch_ddp(kind, model, quick, warmup, steps):  # type: ignore[no-untyped-def]
@@ -219,8 +238,12 @@ def _torch_ddp(kind, model, quick, warmup, steps):  # type: ignore[no-untyped-de
     held += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     psi = sum(p.numel() for p in model.parameters())
     n = dist.get_world_size()
-    return {"times": times, "state_bytes": fs.memory.tree_bytes(held),
-            "bytes_per_step": 2 * psi * (n - 1) / n * 4, "bytes_source": "analytical"}
+    return {
+        "times": times,
+        "state_bytes": fs.memory.tree_bytes(held),
+        "bytes_per_step": 2 * psi * (n - 1) / n * 4,
+        "bytes_source": "analytical",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,23 +267,32 @@ def _summarise(kind: str, variant: str, per_rank: list[dict]) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-    header = ("model", "variant", "step ms (min-max)", "vs FSDP2", "state MiB/rank",
-              "peak RSS MiB", "MiB sent/step")
+    header = (
+        "model",
+        "variant",
+        "step ms (min-max)",
+        "vs FSDP2",
+        "state MiB/rank",
+        "peak RSS MiB",
+        "MiB sent/step",
+    )
     lines = [header]
     for row in rows:
         reference = next(
             r for r in rows if r["model"] == row["model"] and r["variant"] == "torch FSDP2"
         )
-        lines.append((
-            row["model"],
-            row["variant"],
-            f"{row['median_s'] * 1e3:.1f} ({row['min_s'] * 1e3:.1f}-{row['max_s'] * 1e3:.1f})",
-            f"{row['median_s'] / reference['median_s']:.2f}x",
-            f"{row['state_bytes'] / 2**20:.2f}",
-            f"{row['peak_rss'] / 2**20:.0f}",
-            f"{row['bytes_per_step'] / 2**20:.2f}"
-            + (" (analytical)" if row["bytes_source"] == "analytical" else ""),
-        ))
+        lines.append(
+            (
+                row["model"],
+                row["variant"],
+                f"{row['median_s'] * 1e3:.1f} ({row['min_s'] * 1e3:.1f}-{row['max_s'] * 1e3:.1f})",
+                f"{row['median_s'] / reference['median_s']:.2f}x",
+                f"{row['state_bytes'] / 2**20:.2f}",
+                f"{row['peak_rss'] / 2**20:.0f}",
+                f"{row['bytes_per_step'] / 2**20:.2f}"
+                + (" (analytical)" if row["bytes_source"] == "analytical" else ""),
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     out.insert(1, "-" * len(out[0]))
@@ -278,8 +310,9 @@ def main() -> None:
     rows = []
     for kind in ("gpt", "mlp"):
         for variant in VARIANTS:
-            per_rank = fs.launch(_run_variant, WORLD, kind, variant, args.quick, warmup, steps,
-                                 timeout=600)
+            per_rank = fs.launch(
+                _run_variant, WORLD, kind, variant, args.quick, warmup, steps, timeout=600
+            )
             rows.append(_summarise(kind, variant, per_rank))
             print(f"  {kind:4s} {variant:18s} {rows[-1]['median_s'] * 1e3:8.1f} ms", flush=True)
     print(_table(rows))

@@ -52,7 +52,9 @@ def _peak(device: torch.device, fn) -> tuple[object, float]:
 
 
 def check_remat(device: torch.device) -> None:
-    cfg = models.GPTConfig(vocab_size=512, seq_len=512, d_model=256, n_heads=4, n_layers=4, dropout=0.1)
+    cfg = models.GPTConfig(
+        vocab_size=512, seq_len=512, d_model=256, n_heads=4, n_layers=4, dropout=0.1
+    )
     tokens = torch.randint(0, 512, (8, 513), generator=torch.Generator().manual_seed(0)).to(device)
     grads = {}
     for variant in ("none", "checkpoint", "checkpoint+offload"):
@@ -148,18 +150,31 @@ def main() -> int:
         print("no CUDA device: run with --device cpu for a smoke test of this script")
         return 2
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, device {device}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    print(
+        f"torch {torch.__version__}, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+    )
     check_remat(device)
     check_offload_optimizer(device)
     check_bf16_step(device)
     if device.type == "cuda":
         losses = fs.launch(_dp_rank, 1, backend="nccl")
-        check("data_parallel under NCCL", all(map(lambda x: x == x, losses)), f"loss {losses[0]:.3f}")
+        check(
+            "data_parallel under NCCL", all(map(lambda x: x == x, losses)), f"loss {losses[0]:.3f}"
+        )
         if not args.skip_tests:
             done = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda",
-                 "tests/test_offload.py"],
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "-k",
+                    "cuda",
+                    "tests/test_offload.py",
+                ],
                 check=False,
             )
             check("pytest -k cuda", done.returncode == 0)

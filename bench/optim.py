@@ -33,12 +33,18 @@ def gpt_like(d: int = 256, blocks: int = 8, vocab: int = 8192) -> dict[str, torc
     params = {"embed": torch.randn(vocab, d) * 0.02}
     for b in range(blocks):
         for name, shape in [
-            ("ln1.w", (d,)), ("ln1.b", (d,)),
-            ("attn.qkv.w", (3 * d, d)), ("attn.qkv.b", (3 * d,)),
-            ("attn.proj.w", (d, d)), ("attn.proj.b", (d,)),
-            ("ln2.w", (d,)), ("ln2.b", (d,)),
-            ("mlp.fc.w", (4 * d, d)), ("mlp.fc.b", (4 * d,)),
-            ("mlp.proj.w", (d, 4 * d)), ("mlp.proj.b", (d,)),
+            ("ln1.w", (d,)),
+            ("ln1.b", (d,)),
+            ("attn.qkv.w", (3 * d, d)),
+            ("attn.qkv.b", (3 * d,)),
+            ("attn.proj.w", (d, d)),
+            ("attn.proj.b", (d,)),
+            ("ln2.w", (d,)),
+            ("ln2.b", (d,)),
+            ("mlp.fc.w", (4 * d, d)),
+            ("mlp.fc.b", (4 * d,)),
+            ("mlp.proj.w", (d, 4 * d)),
+            ("mlp.proj.b", (d,)),
         ]:
             params[f"blocks.{b}.{name}"] = torch.randn(shape) * 0.02
     params["ln_f.w"], params["ln_f.b"] = torch.ones(d), torch.zeros(d)
@@ -102,8 +108,10 @@ def main() -> None:
     rounds = 5 if args.quick else 30
     param_sets = {"200 tensors (5.0M)": tensors_200(), "GPT-like d=256": gpt_like()}
     results = []
-    print(f"torch {torch.__version__}, {args.threads} thread(s), {rounds} rounds, medians in ms; "
-          "fscale donate=True: params/state are its own previous outputs, updated in place")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), {rounds} rounds, medians in ms; "
+        "fscale donate=True: params/state are its own previous outputs, updated in place"
+    )
     header = f"{'params':<20} {'optimizer':<13} {'variant':<20} {'ms':>8} {'vs fused':>9}"
     print(header)
     print("-" * len(header))
@@ -114,15 +122,26 @@ def main() -> None:
             fused = medians["torch fused"]
             for label, ms in medians.items():
                 print(f"{set_name:<20} {opt_name:<13} {label:<20} {ms:8.2f} {ms / fused:8.2f}x")
-                results.append({
-                    "params": set_name, "numel": numel, "tensors": len(params),
-                    "optimizer": opt_name, "variant": label, "median_ms": ms,
-                    "ratio_vs_torch_fused": ms / fused,
-                })
+                results.append(
+                    {
+                        "params": set_name,
+                        "numel": numel,
+                        "tensors": len(params),
+                        "optimizer": opt_name,
+                        "variant": label,
+                        "median_ms": ms,
+                        "ratio_vs_torch_fused": ms / fused,
+                    }
+                )
     out = Path(__file__).parent / "results" / "optim.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": args.threads, "rounds": rounds,
-            "machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    meta = {
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "rounds": rounds,
+        "machine": platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     print(f"wrote {out}")
 

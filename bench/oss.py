@@ -44,12 +44,12 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import _util
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-import _util
 import fscale as fs
 from fscale.memory import tree_bytes
 from fscale.models import GPT, ResNetConfig, classification_loss, lm_loss, resnet
@@ -70,7 +70,7 @@ def fairscale_status() -> str | None:
     try:
         from fairscale.nn.data_parallel import ShardedDataParallel  # noqa: F401
         from fairscale.optim.oss import OSS  # noqa: F401
-    except Exception as error:  # noqa: BLE001 - any failure means the rows are skipped
+    except Exception as error:
         reason = f"{type(error).__name__}: {error}"
         return f"FairScale rows skipped: `import fairscale` failed ({reason})"
     return None
@@ -252,9 +252,7 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
         count = options["warmup"] + options["rounds"]
         workload = Workload(model_name, options["quick"], count, rank)
         for opt_label in options["optimizers"]:
-            rows = build_rows(
-                workload, OPTIMIZERS[opt_label], with_fairscale, options["bucket_mb"]
-            )
+            rows = build_rows(workload, OPTIMIZERS[opt_label], with_fairscale, options["bucket_mb"])
             times = _util.interleave(
                 rows, options["rounds"], options["warmup"], before_each=dist.barrier
             )
@@ -329,8 +327,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ]
             )
     header = [
-        "model", "optimizer", "row", "samples/s", "IQR", "state MiB/rank",
-        "step RSS MiB (r0 / r1)", "final loss",
+        "model",
+        "optimizer",
+        "row",
+        "samples/s",
+        "IQR",
+        "state MiB/rank",
+        "step RSS MiB (r0 / r1)",
+        "final loss",
     ]
     print(_util.format_table(header, table, float_format="{:.4g}"))
     print(load.describe())

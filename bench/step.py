@@ -32,9 +32,9 @@ import resource
 from collections.abc import Callable
 from typing import Any
 
+import _util
 import torch
 
-import _util
 import fscale as fs
 from fscale.models import GPT, lm_loss
 
@@ -188,8 +188,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     print(
         _util.format_table(
-            ["variant", "median ms", "IQR ms", "x eager", "paired x (IQR)", "final loss",
-             "loss ==", "params ==", "step MiB", "faults"],
+            [
+                "variant",
+                "median ms",
+                "IQR ms",
+                "x eager",
+                "paired x (IQR)",
+                "final loss",
+                "loss ==",
+                "params ==",
+                "step MiB",
+                "faults",
+            ],
             [
                 [
                     row["variant"],

@@ -45,10 +45,14 @@ class DiLoCo(fs.Plan):
     def init(self, step, params, buffers, key, ctx):
         state = self.inner.init(step, params, buffers, key, ctx)
         anchor = fs.tree.map(torch.clone, state.params)
-        return state._replace(opt_state=DiLoCoState(state.opt_state, anchor, self.outer.init(anchor)))
+        return state._replace(
+            opt_state=DiLoCoState(state.opt_state, anchor, self.outer.init(anchor))
+        )
 
     def gradients(self, step, state, batch, ctx):
-        return self.inner.gradients(step, state._replace(opt_state=state.opt_state.inner), batch, ctx)
+        return self.inner.gradients(
+            step, state._replace(opt_state=state.opt_state.inner), batch, ctx
+        )
 
     def apply_gradients(self, step, state, grads, aux, ctx):
         ours = state.opt_state
@@ -69,10 +73,13 @@ class DiLoCo(fs.Plan):
     def shard_state(self, step, full_state):
         state = self.inner.shard_state(step, full_state)
         anchor = fs.tree.map(torch.clone, state.params)
-        return state._replace(opt_state=DiLoCoState(state.opt_state, anchor, self.outer.init(anchor)))
+        return state._replace(
+            opt_state=DiLoCoState(state.opt_state, anchor, self.outer.init(anchor))
+        )
 
 
-def diloco(step: fs.Step, mesh: fs.Mesh, axis: str = "dp", *, outer: fs.optim.Optimizer,
-           every: int = 50) -> fs.Step:
+def diloco(
+    step: fs.Step, mesh: fs.Mesh, axis: str = "dp", *, outer: fs.optim.Optimizer, every: int = 50
+) -> fs.Step:
     """Local training over `axis`, synchronised every `every` steps by the `outer` optimizer."""
     return step.replace(plan=DiLoCo(step.plan, mesh, axis, outer, every))

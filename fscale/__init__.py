@@ -28,10 +28,10 @@ from fscale.parallel import data_parallel as data_parallel
 from fscale.parallel import fully_shard as fully_shard
 from fscale.parallel import shard_optimizer as shard_optimizer
 from fscale.parallel import shard_state as shard_state
-from fscale.remat import checkpoint as checkpoint
 from fscale.plan import Context as Context
 from fscale.plan import GradAux as GradAux
 from fscale.plan import Plan as Plan
+from fscale.remat import checkpoint as checkpoint
 from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step

@@ -150,9 +150,7 @@ class FlatBuffer:
     def shard(self, index: int, data: torch.Tensor | None = None) -> torch.Tensor:
         """The `index`-th of `num_shards` equal slices of `data` (default: this buffer)."""
         if not 0 <= index < self.num_shards:
-            raise IndexError(
-                f"FlatBuffer.shard: `index`={index} is outside [0, {self.num_shards})"
-            )
+            raise IndexError(f"FlatBuffer.shard: `index`={index} is outside [0, {self.num_shards})")
         data = self.data if data is None else data
         return data[index * self.shard_size : (index + 1) * self.shard_size]
 

@@ -57,7 +57,8 @@ def normalize_loss_output(out: Any, buffers: PyTree) -> LossOutput:
     else:
         raise TypeError(
             "loss_fn must return the loss, (loss, new_buffers) or (loss, new_buffers, metrics); "
-            f"got {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, tuple) else "")
+            f"got {type(out).__name__}"
+            + (f" of length {len(out)}" if isinstance(out, tuple) else "")
         )
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() > 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -146,9 +147,7 @@ def value_and_grad(
         grads = session.finish(grads)
         out = out._replace(metrics={**out.metrics, **session.metrics()})
     elif accumulated is not None:
-        grads = tree.unflatten(
-            treedef, [g + a for g, a in zip(tree.leaves(grads), accumulated)]
-        )
+        grads = tree.unflatten(treedef, [g + a for g, a in zip(tree.leaves(grads), accumulated)])
     return out, grads
 
 

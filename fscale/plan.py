@@ -46,8 +46,8 @@ __all__ = [
     "GradAux",
     "LocalPlan",
     "OptimizerRole",
-    "Plan",
     "PlainOptimizer",
+    "Plan",
     "Reducer",
     "TrainState",
 ]
@@ -110,7 +110,9 @@ class PlainOptimizer:
         return optimizer.init(params, layout=self.layout)
 
     def apply(self, optimizer, grads, opt_state, params, *, donate):  # type: ignore[no-untyped-def]
-        return optim_lib.step(optimizer, grads, opt_state, params, layout=self.layout, donate=donate)
+        return optim_lib.step(
+            optimizer, grads, opt_state, params, layout=self.layout, donate=donate
+        )
 
 
 class Reducer(Protocol):
@@ -227,16 +229,19 @@ class Plan:
 
     # ---- phases --------------------------------------------------------------------------
 
-    def init(self, step: Step, params: PyTree, buffers: PyTree, key: torch.Tensor,
-             ctx: Context) -> TrainState:
+    def init(
+        self, step: Step, params: PyTree, buffers: PyTree, key: torch.Tensor, ctx: Context
+    ) -> TrainState:
         return self._inner().init(step, params, buffers, key, self.context(ctx))
 
-    def gradients(self, step: Step, state: TrainState, batch: Any,
-                  ctx: Context) -> tuple[PyTree, GradAux]:
+    def gradients(
+        self, step: Step, state: TrainState, batch: Any, ctx: Context
+    ) -> tuple[PyTree, GradAux]:
         return self._inner().gradients(step, state, batch, self.context(ctx))
 
-    def apply_gradients(self, step: Step, state: TrainState, grads: PyTree, aux: GradAux,
-                        ctx: Context) -> tuple[TrainState, Metrics]:
+    def apply_gradients(
+        self, step: Step, state: TrainState, grads: PyTree, aux: GradAux, ctx: Context
+    ) -> tuple[TrainState, Metrics]:
         return self._inner().apply_gradients(step, state, grads, aux, self.context(ctx))
 
     def consolidate(self, step: Step, state: TrainState) -> TrainState:
@@ -266,8 +271,13 @@ class LocalPlan(Plan):
         if ctx.key is None:
             raise ValueError("LocalPlan.gradients: `ctx.key` is None; call step.gradients(...)")
         out, grads = value_and_grad(
-            step.loss_fn, state.params, state.buffers, batch, ctx.key,
-            grad_mode=step.grad_mode, ctx=ctx,
+            step.loss_fn,
+            state.params,
+            state.buffers,
+            batch,
+            ctx.key,
+            grad_mode=step.grad_mode,
+            ctx=ctx,
         )
         metrics = {**out.metrics, "grad_bytes": tree_bytes(grads)}
         return grads, GradAux(out.loss, out.buffers, metrics)

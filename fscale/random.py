@@ -46,7 +46,11 @@ def _words(k: torch.Tensor) -> tuple[int, int]:
         raise TypeError(
             "expected a key: an int64 tensor of shape (2,) made by `fscale.random.key(seed)`, "
             f"got {type(k).__name__}"
-            + (f" of dtype {k.dtype} and shape {tuple(k.shape)}" if isinstance(k, torch.Tensor) else "")
+            + (
+                f" of dtype {k.dtype} and shape {tuple(k.shape)}"
+                if isinstance(k, torch.Tensor)
+                else ""
+            )
         )
     hi, lo = (int(v) & _MASK64 for v in k.tolist())
     return hi, lo
@@ -58,9 +62,7 @@ def _make(hi: int, lo: int) -> torch.Tensor:
 
 def is_key(value: object) -> bool:
     """Whether `value` is a key (an int64 tensor of shape (2,))."""
-    return (
-        isinstance(value, torch.Tensor) and value.dtype == torch.int64 and value.shape == (2,)
-    )
+    return isinstance(value, torch.Tensor) and value.dtype == torch.int64 and value.shape == (2,)
 
 
 def key(seed_value: int) -> torch.Tensor:

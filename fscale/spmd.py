@@ -28,18 +28,20 @@ from fscale.distributed.mesh import Mesh
 
 __all__ = [
     "all_gather_objects",
-    "rank_key",
     "average_updated_buffers",
     "broadcast_tree",
     "check_axis",
     "check_same_on_all_ranks",
     "describe_tree",
     "mean_floating_leaves",
+    "rank_key",
     "reduce_metrics",
 ]
 
 
-def rank_key(key: torch.Tensor, step: int, mesh: Mesh | None, axes: tuple[str, ...]) -> torch.Tensor:
+def rank_key(
+    key: torch.Tensor, step: int, mesh: Mesh | None, axes: tuple[str, ...]
+) -> torch.Tensor:
     """The key of step `step` on this rank: `key` folded with the step, then with this rank's
     row-major index over the data `axes` (not folded when there are none)."""
     step_key = fsrandom.fold_in(key, step)
@@ -73,7 +75,9 @@ def describe_tree(values: Any) -> list[str]:
     ]
 
 
-def check_same_on_all_ranks(mesh: Mesh, axis: str, lines: list[str], what: str, caller: str) -> None:
+def check_same_on_all_ranks(
+    mesh: Mesh, axis: str, lines: list[str], what: str, caller: str
+) -> None:
     """Raise on every rank when ranks of `axis` describe `what` differently.
 
     Ranks exchange a digest of `lines` (cheap); on a mismatch they exchange the lines and the

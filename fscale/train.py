@@ -41,6 +41,7 @@ Batch = Any
 LossFn = Callable[[PyTree, PyTree, Batch, torch.Tensor], Any]
 Metrics = dict[str, Any]
 
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """A training step ``(TrainState, batch) -> (TrainState, metrics)``; build with `train_step`.
@@ -166,7 +167,9 @@ def _check_params(params: PyTree) -> None:
         raise ValueError("Step.init: `params` has no tensors to train")
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"Step.init: params leaf `{path}` is a {type(leaf).__name__}, not a tensor")
+            raise TypeError(
+                f"Step.init: params leaf `{path}` is a {type(leaf).__name__}, not a tensor"
+            )
         if not leaf.is_floating_point():
             raise TypeError(
                 f"Step.init: params leaf `{path}` has dtype {leaf.dtype}; trained parameters must "

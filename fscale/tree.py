@@ -19,9 +19,9 @@ __all__ = [
     "map",
     "map_with_path",
     "path_str",
+    "paths",
     "structure",
     "unflatten",
-    "paths",
 ]
 
 PyTree = Any
@@ -75,7 +75,7 @@ def paths(tree: PyTree) -> list[str]:
     return flatten_with_paths(tree)[0]
 
 
-def map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:  # noqa: A001
+def map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     """Apply `fn` leaf-wise over `tree` and trees of the same structure in `rest`.
 
     A structure mismatch raises a ValueError naming both structures.

@@ -52,7 +52,13 @@ def test_summarize_gives_quartiles_extremes_and_count():
     assert (summary.minimum, summary.maximum, summary.n) == (1.0, 5.0, 5)
     assert summary.iqr == 2.0
     assert summary.as_dict() == {
-        "median": 3.0, "q1": 2.0, "q3": 4.0, "iqr": 2.0, "min": 1.0, "max": 5.0, "n": 5
+        "median": 3.0,
+        "q1": 2.0,
+        "q3": 4.0,
+        "iqr": 2.0,
+        "min": 1.0,
+        "max": 5.0,
+        "n": 5,
     }
     with pytest.raises(ValueError, match="`samples` is empty"):
         util.summarize([])

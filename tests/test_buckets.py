@@ -42,7 +42,11 @@ def test_order_and_argument_errors():
 
 
 def test_forward_order_follows_dict_insertion_order():
-    params = {"z.weight": torch.zeros(1), "a.weight": torch.zeros(1), "m": [torch.zeros(1), torch.zeros(1)]}
+    params = {
+        "z.weight": torch.zeros(1),
+        "a.weight": torch.zeros(1),
+        "m": [torch.zeros(1), torch.zeros(1)],
+    }
     # optree's leaf order is sorted: a.weight (0), m.0 (1), m.1 (2), z.weight (3).
     assert forward_order(params) == [3, 0, 1, 2]
     assert forward_order([torch.zeros(1), torch.zeros(1)]) == [0, 1]
@@ -67,8 +71,9 @@ def test_grad_buckets_write_into_flat_buffers_and_report_complete_buckets():
 def test_flush_zeroes_leaves_that_got_no_gradient():
     leaves = [torch.ones(2), torch.ones(2)]
     ready = []
-    collector = GradBuckets(assign_buckets(leaves, 100), 2, lambda b, d: ready.append(d.clone()),
-                            keep_grads=False)
+    collector = GradBuckets(
+        assign_buckets(leaves, 100), 2, lambda b, d: ready.append(d.clone()), keep_grads=False
+    )
     dummy = collector.hooks()[1](torch.full((2,), 3.0))
     assert dummy.stride() == (0,) and torch.equal(dummy, torch.zeros(2))  # holds no memory
     collector.flush()
@@ -109,8 +114,9 @@ def test_flush_hands_out_waiting_buckets_in_order_after_the_incomplete_one():
 
 
 def test_a_gradient_delivered_twice_is_an_error_not_a_premature_bucket():
-    collector = GradBuckets(assign_buckets([torch.ones(2), torch.ones(2)], 100), 2,
-                            lambda b, d: None)
+    collector = GradBuckets(
+        assign_buckets([torch.ones(2), torch.ones(2)], 100), 2, lambda b, d: None
+    )
     hook = collector.hooks()[0]
     hook(torch.ones(2))
     with pytest.raises(RuntimeError, match="leaf 0 arrived twice"):

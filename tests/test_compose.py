@@ -101,8 +101,19 @@ def _phases_equal_call(name):
     return whole, split
 
 
-@pytest.mark.parametrize("name", ["local", "data_parallel", "zero1", "zero2", "fully_shard",
-                                  "fully_shard_remat", "accumulate_ddp", "ddp_accumulate"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "local",
+        "data_parallel",
+        "zero1",
+        "zero2",
+        "fully_shard",
+        "fully_shard_remat",
+        "accumulate_ddp",
+        "ddp_accumulate",
+    ],
+)
 def test_step_is_apply_gradients_of_gradients(name):
     for whole, split in run_spmd(_phases_equal_call, 2, name):
         assert_trees_equal(split, whole)
@@ -222,8 +233,11 @@ def _diloco_is_data_parallel():
     local = fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.05))
     step = _example("diloco").diloco(local, fs.Mesh(dp=world), outer=fs.optim.sgd(1.0), every=1)
     state, losses = _train(step, params, buffers, case, world, rank)
-    return fs.consolidate(step, state).params, losses, _reference(
-        case, apply, params, buffers, lambda: fs.optim.sgd(0.05))
+    return (
+        fs.consolidate(step, state).params,
+        losses,
+        _reference(case, apply, params, buffers, lambda: fs.optim.sgd(0.05)),
+    )
 
 
 def test_diloco_every_step_with_outer_sgd_1_is_data_parallel():
@@ -241,29 +255,37 @@ def _around_diloco(order):
     step = fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.05))
     outer = fs.optim.sgd(1.0)
     step = {
-        "zero(diloco)": lambda: fs.shard_optimizer(diloco(step, mesh, "replica", outer=outer,
-                                                          every=1), mesh, "dp"),
-        "fsdp(diloco)": lambda: fs.fully_shard(diloco(step, mesh, "replica", outer=outer,
-                                                      every=1), mesh, "dp"),
-        "diloco(zero)": lambda: diloco(fs.shard_optimizer(step, mesh, "dp"), mesh, "replica",
-                                       outer=outer, every=1),
-        "ddp(diloco)": lambda: fs.data_parallel(diloco(step, mesh, "replica", outer=outer,
-                                                       every=1), mesh, "dp"),
-        "accumulate(diloco)": lambda: fs.accumulate(diloco(step, mesh, "replica", outer=outer,
-                                                           every=1), 2),
+        "zero(diloco)": lambda: fs.shard_optimizer(
+            diloco(step, mesh, "replica", outer=outer, every=1), mesh, "dp"
+        ),
+        "fsdp(diloco)": lambda: fs.fully_shard(
+            diloco(step, mesh, "replica", outer=outer, every=1), mesh, "dp"
+        ),
+        "diloco(zero)": lambda: diloco(
+            fs.shard_optimizer(step, mesh, "dp"), mesh, "replica", outer=outer, every=1
+        ),
+        "ddp(diloco)": lambda: fs.data_parallel(
+            diloco(step, mesh, "replica", outer=outer, every=1), mesh, "dp"
+        ),
+        "accumulate(diloco)": lambda: fs.accumulate(
+            diloco(step, mesh, "replica", outer=outer, every=1), 2
+        ),
     }[order]()
     state, losses = _train(step, params, buffers, case, 4, rank)
     if order == "fsdp(diloco)":  # the anchor is sharded: compare the gathered shards
         layout = step.plan.find("fully_shard").layout
-        gathered = {n: fs.distributed.all_gather(s, "dp", mesh=mesh) for n, s in state.params.items()}
+        gathered = {
+            n: fs.distributed.all_gather(s, "dp", mesh=mesh) for n, s in state.params.items()
+        }
         full = layout.unshard(gathered)
     else:
         full = fs.consolidate(step, state).params
     return full, losses, _reference(case, apply, params, buffers, lambda: fs.optim.sgd(0.05))
 
 
-@pytest.mark.parametrize("order", ["zero(diloco)", "fsdp(diloco)", "diloco(zero)",
-                                   "ddp(diloco)", "accumulate(diloco)"])
+@pytest.mark.parametrize(
+    "order", ["zero(diloco)", "fsdp(diloco)", "diloco(zero)", "ddp(diloco)", "accumulate(diloco)"]
+)
 def test_built_ins_compose_with_a_user_plan(order):
     for params, losses, (ref_params, ref_losses) in run_spmd(_around_diloco, 4, order):
         assert_trees_close(losses, ref_losses, **N4)
@@ -277,15 +299,20 @@ def _powersgd(rank_of_hook):
     rank, world = dist.get_rank(), dist.get_world_size()
     case, apply, params, buffers = _model()
     hook = _example("powersgd").PowerSGD(rank=rank_of_hook)
-    step = fs.data_parallel(fs.train_step(case.loss_fn(apply), _sgd()), fs.Mesh(dp=world),
-                            reduce_hook=hook)
+    step = fs.data_parallel(
+        fs.train_step(case.loss_fn(apply), _sgd()), fs.Mesh(dp=world), reduce_hook=hook
+    )
     with fs.distributed.comm_ledger() as ledger:
         state, losses = _train(step, params, buffers, case, world, rank)
     assert isinstance(state.opt_state, fs.parallel.HookState)
     full = fs.consolidate(step, state)
     assert not isinstance(full.opt_state, fs.parallel.HookState)
-    return state.params, losses, ledger.total_elements("all_reduce"), _reference(
-        case, apply, params, buffers)
+    return (
+        state.params,
+        losses,
+        ledger.total_elements("all_reduce"),
+        _reference(case, apply, params, buffers),
+    )
 
 
 def test_powersgd_at_full_rank_equals_data_parallel():
@@ -311,8 +338,12 @@ def test_reduction_hook_refusals():
     with pytest.raises(ValueError, match="torch.func gradients"):
         fs.data_parallel(step.replace(grad_mode="func"), mesh, reduce_hook=lambda g, b, s: g)
     with pytest.raises(ValueError, match="reduce-scatters"):
-        fs.data_parallel(fs.shard_optimizer(step, fs.Mesh(dp=1, r=1)), fs.Mesh(dp=1, r=1), "r",
-                         reduce_hook=lambda g, b, s: g)
+        fs.data_parallel(
+            fs.shard_optimizer(step, fs.Mesh(dp=1, r=1)),
+            fs.Mesh(dp=1, r=1),
+            "r",
+            reduce_hook=lambda g, b, s: g,
+        )
 
 
 # ----------------------------------------------------------------------------- the matrix
@@ -321,23 +352,50 @@ def test_reduction_hook_refusals():
 # "refused" cells hold the message fragment the transformation raises.
 NAMES = ("data_parallel", "shard_optimizer", "fully_shard", "accumulate", "user plan (DiLoCo)")
 MATRIX = {
-    ("data_parallel", "data_parallel"): ("works", "test_two_data_axes_equal_data_parallel_over_all_ranks"),
-    ("data_parallel", "shard_optimizer"): ("works", "test_two_data_axes_equal_data_parallel_over_all_ranks"),
-    ("data_parallel", "fully_shard"): ("works", "test_two_data_axes_equal_data_parallel_over_all_ranks"),
-    ("data_parallel", "accumulate"): ("works", "test_accumulate_equals_one_step_on_the_whole_batch"),
+    ("data_parallel", "data_parallel"): (
+        "works",
+        "test_two_data_axes_equal_data_parallel_over_all_ranks",
+    ),
+    ("data_parallel", "shard_optimizer"): (
+        "works",
+        "test_two_data_axes_equal_data_parallel_over_all_ranks",
+    ),
+    ("data_parallel", "fully_shard"): (
+        "works",
+        "test_two_data_axes_equal_data_parallel_over_all_ranks",
+    ),
+    ("data_parallel", "accumulate"): (
+        "works",
+        "test_accumulate_equals_one_step_on_the_whole_batch",
+    ),
     ("data_parallel", "user plan (DiLoCo)"): ("works", "test_built_ins_compose_with_a_user_plan"),
-    ("shard_optimizer", "data_parallel"): ("works", "test_two_data_axes_equal_data_parallel_over_all_ranks"),
+    ("shard_optimizer", "data_parallel"): (
+        "works",
+        "test_two_data_axes_equal_data_parallel_over_all_ranks",
+    ),
     ("shard_optimizer", "shard_optimizer"): ("refused", "already shards its optimizer state"),
     ("shard_optimizer", "fully_shard"): ("refused", "already shards its optimizer state"),
-    ("shard_optimizer", "accumulate"): ("works", "test_accumulate_equals_one_step_on_the_whole_batch"),
+    ("shard_optimizer", "accumulate"): (
+        "works",
+        "test_accumulate_equals_one_step_on_the_whole_batch",
+    ),
     ("shard_optimizer", "user plan (DiLoCo)"): ("works", "test_built_ins_compose_with_a_user_plan"),
-    ("fully_shard", "data_parallel"): ("works", "test_two_data_axes_equal_data_parallel_over_all_ranks"),
+    ("fully_shard", "data_parallel"): (
+        "works",
+        "test_two_data_axes_equal_data_parallel_over_all_ranks",
+    ),
     ("fully_shard", "shard_optimizer"): ("refused", "already shards its state"),
     ("fully_shard", "fully_shard"): ("refused", "already shards its state"),
     ("fully_shard", "accumulate"): ("works", "test_accumulate_equals_one_step_on_the_whole_batch"),
     ("fully_shard", "user plan (DiLoCo)"): ("works", "test_built_ins_compose_with_a_user_plan"),
-    ("accumulate", "data_parallel"): ("works", "test_accumulate_equals_one_step_on_the_whole_batch"),
-    ("accumulate", "shard_optimizer"): ("works", "test_accumulate_equals_one_step_on_the_whole_batch"),
+    ("accumulate", "data_parallel"): (
+        "works",
+        "test_accumulate_equals_one_step_on_the_whole_batch",
+    ),
+    ("accumulate", "shard_optimizer"): (
+        "works",
+        "test_accumulate_equals_one_step_on_the_whole_batch",
+    ),
     ("accumulate", "fully_shard"): ("works", "test_accumulate_equals_one_step_on_the_whole_batch"),
     ("accumulate", "accumulate"): ("works", "test_accumulate_in_one_process"),
     ("accumulate", "user plan (DiLoCo)"): ("works", "test_built_ins_compose_with_a_user_plan"),
@@ -375,8 +433,7 @@ def test_refused_cells_are_refused_and_works_cells_are_tested():
 
 def support_matrix() -> str:
     """The README's support matrix, rendered from `MATRIX`."""
-    lines = ["| outer ∘ inner | " + " | ".join(NAMES) + " |",
-             "|---|" + "---|" * len(NAMES)]
+    lines = ["| outer ∘ inner | " + " | ".join(NAMES) + " |", "|---|" + "---|" * len(NAMES)]
     for outer in NAMES:
         cells = []
         for inner in NAMES:

@@ -77,7 +77,15 @@ def test_word_vocab_newline_is_eos_and_round_trip():
     text = "the cat sat\n\non the mat\n"
     vocab = WordVocab.build(text)
     assert WordVocab.tokenize(text) == [
-        "the", "cat", "sat", "<eos>", "<eos>", "on", "the", "mat", "<eos>",
+        "the",
+        "cat",
+        "sat",
+        "<eos>",
+        "<eos>",
+        "on",
+        "the",
+        "mat",
+        "<eos>",
     ]
     ids = vocab.encode(text)
     assert ids.dtype == torch.int64
@@ -92,8 +100,14 @@ def test_word_vocab_from_train_only_maps_unseen_valid_words_to_unk():
     vocab = WordVocab.build(splits.train)
     assert "d" not in vocab and "e" not in vocab
     ids = vocab.encode(splits.valid)
-    assert ids.tolist() == [vocab.id("a"), vocab.unk_id, vocab.eos_id, vocab.unk_id,
-                            vocab.id("c"), vocab.eos_id]
+    assert ids.tolist() == [
+        vocab.id("a"),
+        vocab.unk_id,
+        vocab.eos_id,
+        vocab.unk_id,
+        vocab.id("c"),
+        vocab.eos_id,
+    ]
     assert vocab.decode(ids) == "a <unk>\n<unk> c\n"
 
 
@@ -347,8 +361,10 @@ def test_lm_batches_errors():
         r"use seq_len <= 4, fewer streams in batchify",
     ):
         LMBatches(data, seq_len=5)
-    with pytest.raises(ValueError, match="the 6 streams of `data` do not divide among "
-                                         "`world_size`=4 ranks; .*multiple of 4"):
+    with pytest.raises(
+        ValueError,
+        match="the 6 streams of `data` do not divide among `world_size`=4 ranks; .*multiple of 4",
+    ):
         LMBatches(data, seq_len=2, world_size=4)
     with pytest.raises(ValueError, match=r"`rank` must be an int in \[0, world_size=2\), got 2"):
         LMBatches(data, seq_len=2, rank=2, world_size=2)
@@ -367,8 +383,9 @@ def test_lm_batches_errors():
 def test_rank_views_are_disjoint_and_their_union_is_the_global_batch(world_size, seq_len):
     data = batchify(torch.randperm(360), 12)  # [30, 12]
     global_batches = list(LMBatches(data, seq_len))
-    per_rank = [list(LMBatches(data, seq_len, rank=r, world_size=world_size))
-                for r in range(world_size)]
+    per_rank = [
+        list(LMBatches(data, seq_len, rank=r, world_size=world_size)) for r in range(world_size)
+    ]
     for step, global_batch in enumerate(global_batches):
         rank_batches = [batches[step] for batches in per_rank]
         for rank, batch in enumerate(rank_batches):
@@ -394,8 +411,11 @@ def test_shard_batch_errors():
     batch = LMBatches(batchify(torch.arange(60), 6), 3)[0]
     with pytest.raises(TypeError, match="dim"):
         shard_batch(batch, 0, 2)  # the stream dimension must be stated
-    with pytest.raises(ValueError, match=r"the 6 streams \(dim 1\) of `batch` do not divide "
-                                         r"among `world_size`=4 ranks"):
+    with pytest.raises(
+        ValueError,
+        match=r"the 6 streams \(dim 1\) of `batch` do not divide "
+        r"among `world_size`=4 ranks",
+    ):
         shard_batch(batch, 0, 4, dim=1)
     with pytest.raises(ValueError, match=r"`dim` must be 1 \(time-major \[T, B\]\) or 0"):
         shard_batch(batch, 0, 2, dim=2)
@@ -420,8 +440,11 @@ def test_split_batch_on_a_pytree_of_images():
 
 def test_split_batch_errors():
     batch = {"images": torch.zeros(6, 2), "labels": torch.zeros(6)}
-    with pytest.raises(ValueError, match=r"the batch size 6 \(dim 0 of images, labels\) does "
-                                         "not divide among `world_size`=4 ranks"):
+    with pytest.raises(
+        ValueError,
+        match=r"the batch size 6 \(dim 0 of images, labels\) does "
+        "not divide among `world_size`=4 ranks",
+    ):
         split_batch(batch, 0, 4)
     with pytest.raises(ValueError, match="same size along dim 0"):
         split_batch({"a": torch.zeros(4), "b": torch.zeros(2)}, 0, 2)

@@ -173,7 +173,9 @@ def _buffers_are_averaged():
     rank, world = dist.get_rank(), dist.get_world_size()
     case = fst.ModelCase("cnn", width=4, depth=1)
     apply, params, buffers = fs.functionalize(case.module())
-    step = fs.data_parallel(fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=world))
+    step = fs.data_parallel(
+        fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=world)
+    )
     state, _ = step(step.init(params, buffers), _local(case, 0, rank, world))
     # Each rank's own statistics, averaged by hand:
     _, own = apply(params, buffers, case.inputs(_local(case, 0, rank, world)))
@@ -196,7 +198,9 @@ def _func_mode_equals_autograd_mode():
     apply, params, buffers = fs.functionalize(case.module())
     mesh = fs.Mesh(dp=world)
     a = fs.data_parallel(fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), mesh)
-    b = fs.data_parallel(fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1), grad_mode="func"), mesh)
+    b = fs.data_parallel(
+        fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1), grad_mode="func"), mesh
+    )
     sa, sb = a.init(params, buffers), b.init(params, buffers)
     for i in range(2):
         sa, _ = a(sa, _local(case, i, rank, world))
@@ -264,8 +268,11 @@ def test_buckets_are_reduced_in_the_same_order_on_every_rank():
     for rank in range(2):
         live = {k: v.clone().requires_grad_(True) for k, v in params.items()}
         loss = _rank_dependent_loss_reference(live, torch.arange(4.0) + rank, rank)
-        grads.append(torch.autograd.grad(loss, list(live.values()), materialize_grads=True,
-                                         allow_unused=True))
+        grads.append(
+            torch.autograd.grad(
+                loss, list(live.values()), materialize_grads=True, allow_unused=True
+            )
+        )
     expected = {
         name: params[name] - (grads[0][i] / 2 + grads[1][i] / 2) for i, name in enumerate(params)
     }

@@ -13,8 +13,8 @@ from torch import nn
 
 import fscale as fs
 from fscale.functional import UnitParams
-from fscale.parallel.fsdp import fully_shard, track_gathers
 from fscale.parallel import consolidate, shard_state
+from fscale.parallel.fsdp import fully_shard, track_gathers
 from fscale.testing import RankError, assert_trees_close, assert_trees_equal, run_spmd
 from fscale.testing import strategies as fst
 
@@ -152,8 +152,12 @@ def test_traffic_is_three_or_two_transfers_of_the_padded_units(world, reshard_af
     else:
         expected = (3 if reshard_after_forward == "remat" else 2) * psi
     assert sum(e for _, _, e in unit_records) == expected * (world - 1) / world
-    assert sorted(n for op, n, _ in unit_records if op == "reduce_scatter") == sorted(sizes.values())
-    assert [r for r in records if r[0] == "all_reduce"] == [("all_reduce", 1, 2 * (world - 1) / world)]
+    assert sorted(n for op, n, _ in unit_records if op == "reduce_scatter") == sorted(
+        sizes.values()
+    )
+    assert [r for r in records if r[0] == "all_reduce"] == [
+        ("all_reduce", 1, 2 * (world - 1) / world)
+    ]
 
 
 def test_traffic_with_a_root_unit():
@@ -266,7 +270,8 @@ def _forward_and_backward_counts(reshard_after_forward, checkpoint_blocks):
         return out
 
     step = fully_shard(
-        fs.train_step(loss_fn, fs.optim.sgd(0.1)), fs.Mesh(dp=world),
+        fs.train_step(loss_fn, fs.optim.sgd(0.1)),
+        fs.Mesh(dp=world),
         reshard_after_forward=reshard_after_forward,
     )
     state = step.init(params, buffers)
@@ -288,8 +293,12 @@ def test_resharding_frees_gathered_parameters_after_forward_without_recompute(
         # A block runs again only where something recomputes it: the unit's remat, or the
         # block's own checkpoint (inside the unit's recompute once more under "remat").
         expected_recomputations = {
-            (True, False): 0, (False, False): 0, ("remat", False): blocks,
-            (True, True): blocks, (False, True): blocks, ("remat", True): 2 * blocks,
+            (True, False): 0,
+            (False, False): 0,
+            ("remat", False): blocks,
+            (True, True): blocks,
+            (False, True): blocks,
+            ("remat", True): 2 * blocks,
         }[reshard_after_forward, checkpoint_blocks]
         assert recomputations == expected_recomputations
         assert calls == blocks + recomputations
@@ -364,11 +373,14 @@ def _with_activation_checkpoint(reshard_after_forward):
     apply, params, buffers = fs.functionalize(module)
     mesh = fs.Mesh(dp=world)
     sharded = fully_shard(
-        fs.train_step(case.loss_fn(apply), fs.optim.adam(1e-2)), mesh,
+        fs.train_step(case.loss_fn(apply), fs.optim.adam(1e-2)),
+        mesh,
         reshard_after_forward=reshard_after_forward,
     )
     plain_apply, *_ = fs.functionalize(case.module())
-    replicated = fs.data_parallel(fs.train_step(case.loss_fn(plain_apply), fs.optim.adam(1e-2)), mesh)
+    replicated = fs.data_parallel(
+        fs.train_step(case.loss_fn(plain_apply), fs.optim.adam(1e-2)), mesh
+    )
     s, r = sharded.init(params, buffers), replicated.init(params, buffers)
     with fs.remat.track() as remat_stats:
         for i in range(2):
@@ -380,7 +392,9 @@ def _with_activation_checkpoint(reshard_after_forward):
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_composes_with_activation_checkpointing(reshard_after_forward):
-    for ours, theirs, recomputations in run_spmd(_with_activation_checkpoint, 2, reshard_after_forward):
+    for ours, theirs, recomputations in run_spmd(
+        _with_activation_checkpoint, 2, reshard_after_forward
+    ):
         assert_trees_equal(ours, theirs)
         # Two blocks, two steps: only the checkpoints recompute; the units' parameters that a
         # checkpoint keeps for its recompute are gathered again, not kept.
@@ -393,7 +407,10 @@ def _hsdp(steps):
     apply, params, buffers = fs.functionalize(case.module())
     mesh = fs.Mesh(replica=2, dp=2)
     hybrid = fully_shard(
-        fs.train_step(case.loss_fn(apply), fs.optim.adam(1e-2)), mesh, "dp", replicate_axis="replica"
+        fs.train_step(case.loss_fn(apply), fs.optim.adam(1e-2)),
+        mesh,
+        "dp",
+        replicate_axis="replica",
     )
     replicated = fs.data_parallel(
         fs.train_step(case.loss_fn(apply), fs.optim.adam(1e-2)), fs.Mesh(dp=4)
@@ -405,9 +422,12 @@ def _hsdp(steps):
         s, _ = hybrid(s, _local(case, i, rank, 4))
     for i in range(steps):
         r, _ = replicated(r, _local(case, i, rank, 4))
-    padded = sum(u.numel for u in hybrid.plan.find('fully_shard').layout.units)
+    padded = sum(u.numel for u in hybrid.plan.find("fully_shard").layout.units)
     return (
-        consolidate(hybrid, s).params, r.params, fs.memory.tree_bytes(s.params), padded,
+        consolidate(hybrid, s).params,
+        r.params,
+        fs.memory.tree_bytes(s.params),
+        padded,
         ledger.total_elements("all_reduce", "replica"),
     )
 
@@ -469,7 +489,12 @@ def _frozen_and_tiny_units():
     for i in range(STEPS):
         s, _ = sharded(s, _local(case, i, rank, world))
         r, _ = replicated(r, _local(case, i, rank, world))
-    return consolidate(sharded, s).params, r.params, s.buffers, {k: v.numel() for k, v in s.params.items()}
+    return (
+        consolidate(sharded, s).params,
+        r.params,
+        s.buffers,
+        {k: v.numel() for k, v in s.params.items()},
+    )
 
 
 def test_frozen_leaves_stay_buffers_and_small_units_are_padded():
@@ -561,23 +586,35 @@ def test_a_unit_parameter_used_outside_its_submodule_is_an_error():
 def test_a_unit_spec_splitting_a_tied_weight_is_refused():
     case = fst.ModelCase("gpt", width=8, depth=1)
     apply, params, buffers = fs.functionalize(case.module())
-    step = fully_shard(fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=1),
-                       units=["embed", "blocks.0"])
+    step = fully_shard(
+        fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)),
+        fs.Mesh(dp=1),
+        units=["embed", "blocks.0"],
+    )
     state = step.init(params, buffers)
-    with pytest.raises(ValueError, match=r"tied parameter 'embed.token.weight'.*'lm_head.weight' "
-                                         r"\(outside every unit: root\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tied parameter 'embed.token.weight'.*'lm_head.weight' "
+        r"\(outside every unit: root\)",
+    ):
         step(state, case.batch(2, seed=0))
 
 
 def test_a_unit_spec_matching_nothing_lists_the_parameters():
     case = fst.ModelCase("mlp")
     apply, params, buffers = fs.functionalize(case.module())
-    step = fully_shard(fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=1),
-                       units=["blocks.0", "0"])
+    step = fully_shard(
+        fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)),
+        fs.Mesh(dp=1),
+        units=["blocks.0", "0"],
+    )
     with pytest.raises(ValueError, match=r"prefixes \['blocks.0'\] match no parameter.*'0.weight'"):
         step.init(params, buffers)
-    by_function = fully_shard(step.replace(plan=fs.train_step(step.loss_fn, step.optimizer).plan),
-                              fs.Mesh(dp=1), units=lambda path: None)
+    by_function = fully_shard(
+        step.replace(plan=fs.train_step(step.loss_fn, step.optimizer).plan),
+        fs.Mesh(dp=1),
+        units=lambda path: None,
+    )
     with pytest.raises(ValueError, match="every parameter in the root unit"):
         by_function.init(params, buffers)
 
@@ -603,8 +640,9 @@ def _disagreeing_ranks():
     case = fst.ModelCase("mlp", width=8)
     apply, params, buffers = fs.functionalize(case.module())
     units = ["0", "2"] if rank == 0 else ["0", "4"]
-    step = fully_shard(fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=2),
-                       units=units)
+    step = fully_shard(
+        fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=2), units=units
+    )
     step.init(params, buffers)
 
 
@@ -727,7 +765,9 @@ def _with_and_without_offload():
 
 
 def test_offloaded_optimizer_runs_on_each_ranks_own_shard_exactly():
-    for (plain, plain_bytes), (offloaded, offloaded_bytes) in run_spmd(_with_and_without_offload, 2):
+    for (plain, plain_bytes), (offloaded, offloaded_bytes) in run_spmd(
+        _with_and_without_offload, 2
+    ):
         assert_trees_equal(offloaded, plain)
         # The host keeps the shard's fp32 master beside the state: 4 more bytes per element.
         assert offloaded_bytes > plain_bytes

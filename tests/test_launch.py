@@ -19,7 +19,6 @@ from fscale.distributed.spawn import (
     world_size,
 )
 
-
 # Functions run on the ranks; module level so that the ranks can import them.
 
 

@@ -12,7 +12,9 @@ from fscale.memory import LiveBytes, tree_bytes
 
 def test_tree_bytes_counts_each_storage_once():
     flat = torch.zeros(10)
-    assert tree_bytes({"a": flat[:4], "b": flat[4:], "c": torch.zeros(3, dtype=torch.float64)}) == 64
+    assert (
+        tree_bytes({"a": flat[:4], "b": flat[4:], "c": torch.zeros(3, dtype=torch.float64)}) == 64
+    )
 
 
 def test_live_bytes_peak_follows_storages_until_their_last_view_dies():
@@ -42,5 +44,7 @@ def test_live_bytes_peak_follows_storages_until_their_last_view_dies():
 
 
 def test_live_bytes_rejects_what_is_not_a_tensor():
-    with pytest.raises(TypeError, match=r"LiveBytes.track: `tensor` must be a torch.Tensor, got list"):
+    with pytest.raises(
+        TypeError, match=r"LiveBytes.track: `tensor` must be a torch.Tensor, got list"
+    ):
         LiveBytes().track([1.0])

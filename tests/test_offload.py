@@ -8,11 +8,11 @@ import os
 # (read when its handle is created, i.e. at the first CUDA matmul, after this import).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from fscale import flat, optim, tree  # noqa: E402
-from fscale.offload import (  # noqa: E402
+from fscale import flat, optim, tree
+from fscale.offload import (
     OffloadState,
     PrefetchSchedule,
     ResidencyEvent,
@@ -20,7 +20,7 @@ from fscale.offload import (  # noqa: E402
     offload_params,
     transfer,
 )
-from fscale.train import train_step  # noqa: E402
+from fscale.train import train_step
 
 _NO_CUDA = "needs a CUDA device: the asynchronous pinned-memory path only runs there"
 
@@ -354,9 +354,7 @@ def test_at_most_prefetch_plus_one_stages_are_resident(prefetch):
         if prefetch:
             # The next stage's copy is issued before the current stage computes.
             for current, following in zip(order, order[1:]):
-                assert _position(events, following, "fetch") < _position(
-                    events, current, "compute"
-                )
+                assert _position(events, following, "fetch") < _position(events, current, "compute")
 
 
 def _position(events, stage, action):

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 import fscale
 import fscale.optim as optim
 from fscale import flat, tree
-from fscale.optim import core, schedules
 from fscale.flat import FlatBuffer
+from fscale.optim import core, schedules
+
 
 def _make(seed: int, shift: float = 0.0):
     gen = torch.Generator().manual_seed(seed)
@@ -67,8 +68,18 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
     return x.pow(2).mean().sqrt()
 
 
-def _adafactor_reference(params, grads_seq, lr=None, clip=1.0, beta1=None, wd=0.0, scale=True,
-                         decay=0.8, eps1=1e-30, eps2=1e-3):
+def _adafactor_reference(
+    params,
+    grads_seq,
+    lr=None,
+    clip=1.0,
+    beta1=None,
+    wd=0.0,
+    scale=True,
+    decay=0.8,
+    eps1=1e-30,
+    eps2=1e-3,
+):
     """Shazeer & Stern 2018, Algorithms 4/5 (+ clipping, momentum), one tensor at a time."""
     out = {}
     for path, p in zip(tree.paths(params), tree.leaves(params)):
@@ -99,8 +110,12 @@ def _adafactor_reference(params, grads_seq, lr=None, clip=1.0, beta1=None, wd=0.
     return tree.unflatten(tree.structure(params), [out[k] for k in tree.paths(params)])
 
 
-@given(lr=st.sampled_from([1e-3, 0.05]), betas=st.sampled_from([(0.9, 0.999), (0.5, 0.9)]),
-       eps=st.sampled_from([1e-6, 1e-3]), wd=st.sampled_from([0.0, 0.01]))
+@given(
+    lr=st.sampled_from([1e-3, 0.05]),
+    betas=st.sampled_from([(0.9, 0.999), (0.5, 0.9)]),
+    eps=st.sampled_from([1e-6, 1e-3]),
+    wd=st.sampled_from([0.0, 0.01]),
+)
 @settings(max_examples=6)
 def test_lamb_matches_paper(lr, betas, eps, wd):
     ours, _ = _train(optim.lamb(lr, betas=betas, eps=eps, weight_decay=wd))
@@ -113,12 +128,18 @@ def test_lamb_trust_ratio_is_one_for_zero_params():
     _close(ours, _lamb_reference(params, [{"w": torch.ones(4)}], 0.1, 0.9, 0.999, 1e-6, 0.0))
 
 
-@given(lr=st.sampled_from([None, 0.01]), clip=st.sampled_from([None, 1.0, 0.1]),
-       beta1=st.sampled_from([None, 0.9]), wd=st.sampled_from([0.0, 0.1]), scale=st.booleans())
+@given(
+    lr=st.sampled_from([None, 0.01]),
+    clip=st.sampled_from([None, 1.0, 0.1]),
+    beta1=st.sampled_from([None, 0.9]),
+    wd=st.sampled_from([0.0, 0.1]),
+    scale=st.booleans(),
+)
 @settings(max_examples=8)
 def test_adafactor_matches_paper(lr, clip, beta1, wd, scale):
-    opt = optim.adafactor(lr, clip_threshold=clip, beta1=beta1, weight_decay=wd,
-                          scale_parameter=scale)
+    opt = optim.adafactor(
+        lr, clip_threshold=clip, beta1=beta1, weight_decay=wd, scale_parameter=scale
+    )
     ours, _ = _train(opt)
     _close(ours, _adafactor_reference(PARAMS, GRADS, lr, clip, beta1, wd, scale))
 
@@ -194,9 +215,16 @@ def _train_sharded(opt, size: int, params=PARAMS, grads_seq=GRADS):
         (lambda: optim.adafactor(clip_threshold=None, beta1=0.9), 1),
         (lambda: optim.adafactor(0.01, weight_decay=0.1), 2),
         (lambda: optim.chain(optim.clip_by_global_norm(0.5), optim.adam(0.01)), 1),
-        (lambda: optim.partition(lambda path, leaf: "matrix" if leaf.dim() >= 2 else "vector",
-                                 {"matrix": optim.adafactor(clip_threshold=None),
-                                  "vector": optim.sgd(0.1, momentum=0.9)}), 1),
+        (
+            lambda: optim.partition(
+                lambda path, leaf: "matrix" if leaf.dim() >= 2 else "vector",
+                {
+                    "matrix": optim.adafactor(clip_threshold=None),
+                    "vector": optim.sgd(0.1, momentum=0.9),
+                },
+            ),
+            1,
+        ),
     ],
 )
 def test_sharded_layout_equals_unsharded(size, make, calls_per_step):
@@ -254,8 +282,12 @@ def test_float64_norms_are_computed_in_float64():
     params = tree.map(torch.Tensor.double, PARAMS)
     grads_seq = [tree.map(torch.Tensor.double, g) for g in GRADS]
     ours, _ = _train(optim.lamb(0.05, weight_decay=0.01), params, grads_seq)
-    _close(ours, _lamb_reference(params, grads_seq, 0.05, 0.9, 0.999, 1e-6, 0.01),
-           rtol=1e-13, atol=1e-15)
+    _close(
+        ours,
+        _lamb_reference(params, grads_seq, 0.05, 0.9, 0.999, 1e-6, 0.01),
+        rtol=1e-13,
+        atol=1e-15,
+    )
     ours, _ = _train(optim.adafactor(beta1=0.9), params, grads_seq)
     _close(ours, _adafactor_reference(params, grads_seq, beta1=0.9), rtol=1e-13, atol=1e-15)
 
@@ -276,14 +308,23 @@ def test_update_and_apply_updates_agree_with_apply():
 def test_partition_equals_torch_param_groups():
     """No weight decay and another lr for vectors: torch.optim's param groups, bit for bit."""
     label = lambda path, leaf: "decay" if leaf.dim() >= 2 else "plain"  # noqa: E731
-    opt = optim.partition(label, {"decay": optim.adamw(0.01, weight_decay=0.1),
-                                  "plain": optim.adamw(0.02, weight_decay=0.0)})
+    opt = optim.partition(
+        label,
+        {
+            "decay": optim.adamw(0.01, weight_decay=0.1),
+            "plain": optim.adamw(0.02, weight_decay=0.0),
+        },
+    )
     ours, _ = _train(opt)
     torch_params = [torch.nn.Parameter(p.clone()) for p in tree.leaves(PARAMS)]
     torch_opt = torch.optim.AdamW(
-        [{"params": [p for p in torch_params if p.dim() >= 2], "weight_decay": 0.1},
-         {"params": [p for p in torch_params if p.dim() < 2], "lr": 0.02, "weight_decay": 0.0}],
-        lr=0.01, fused=True)
+        [
+            {"params": [p for p in torch_params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in torch_params if p.dim() < 2], "lr": 0.02, "weight_decay": 0.0},
+        ],
+        lr=0.01,
+        fused=True,
+    )
     for grads in GRADS:
         for p, g in zip(torch_params, tree.leaves(grads)):
             p.grad = g.clone()
@@ -298,8 +339,9 @@ def test_partition_with_a_frozen_group_keeps_the_other_group_exact():
     opt = optim.partition(labels, {"a": optim.sgd(0.1, momentum=0.9), "b": optim.scale(0.0)})
     ours, _ = _train(opt)
     alone, _ = _train(optim.sgd(0.1, momentum=0.9))
-    for path, a, b, frozen in zip(tree.paths(ours), tree.leaves(ours), tree.leaves(alone),
-                                  tree.leaves(PARAMS)):
+    for path, a, b, frozen in zip(
+        tree.paths(ours), tree.leaves(ours), tree.leaves(alone), tree.leaves(PARAMS)
+    ):
         expected = frozen if a.dim() < 2 else b
         assert torch.equal(a, expected), f"{path} differs"
 
@@ -355,7 +397,8 @@ OPTIMIZERS = {
     "chain": lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.adam(0.01)),
     "partition": lambda: optim.partition(
         lambda path, leaf: "m" if leaf.dim() >= 2 else "v",
-        {"m": optim.lamb(0.01), "v": optim.sgd(0.1, momentum=0.9)}),
+        {"m": optim.lamb(0.01), "v": optim.sgd(0.1, momentum=0.9)},
+    ),
 }
 
 
@@ -390,9 +433,15 @@ def test_params_that_require_grad_give_plain_results(name):
     expected = optim.step(opt, GRADS[0], opt.init(PARAMS), PARAMS)
     separate = tree.map(lambda p: torch.nn.Parameter(p.clone()), PARAMS)
     flat = torch.cat([p.reshape(-1) for p in tree.leaves(PARAMS)]).requires_grad_()
-    views = tree.unflatten(tree.structure(PARAMS), [  # consecutive: copied as one span
-        v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in tree.leaves(PARAMS)]),
-                                        tree.leaves(PARAMS))])
+    views = tree.unflatten(
+        tree.structure(PARAMS),
+        [  # consecutive: copied as one span
+            v.view(p.shape)
+            for v, p in zip(
+                flat.split([p.numel() for p in tree.leaves(PARAMS)]), tree.leaves(PARAMS)
+            )
+        ],
+    )
     for params in (separate, views):
         result = optim.step(opt, GRADS[0], opt.init(params), params)
         assert _equal(result, expected)
@@ -429,6 +478,7 @@ POINTWISE = ["sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax"]
 def test_each_dtype_group_steps_as_if_alone(name):
     """A mixed-dtype tree gives, leaf for leaf and bit for bit, what each dtype's subtree gives."""
     opt = OPTIMIZERS[name]()
+
     def some_double(tree_):
         return {k: v.double() if k in ("proj", "scale") else v for k, v in tree_.items()}
 
@@ -517,10 +567,14 @@ def test_clip_by_global_norm_keeps_scalar_leaves_scalar():
 
 def test_optimizers_print_the_call_that_made_them():
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-4, weight_decay=0.1))
-    assert repr(opt) == "chain(clip_by_global_norm(max_norm=1.0), adamw(lr=0.0003, weight_decay=0.1))"
+    assert (
+        repr(opt) == "chain(clip_by_global_norm(max_norm=1.0), adamw(lr=0.0003, weight_decay=0.1))"
+    )
     assert repr(optim.partition(lambda path: "a", {"a": optim.sgd(0.1)})) == (
         "partition(labels=<lambda>, optimizers={'a': sgd(lr=0.1)})"
     )
-    assert repr(fscale.offload_optimizer(optim.sgd(0.1))) == "offload_optimizer(optimizer=sgd(lr=0.1))"
+    assert (
+        repr(fscale.offload_optimizer(optim.sgd(0.1))) == "offload_optimizer(optimizer=sgd(lr=0.1))"
+    )
     # The description is metadata only: optimizers with and without it behave the same.
     assert optim.sgd(0.1)._replace(description="").pointwise

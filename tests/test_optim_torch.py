@@ -73,7 +73,9 @@ def _run_both(torch_opt_cls, torch_kwargs, fscale_opt, *, schedule=None, donate=
 
 def _assert_equal(reference, torch_opt, params, state) -> None:
     for name, param in reference.items():
-        assert torch.isfinite(param).all(), f"the reference run diverged ({name}): nothing to compare"
+        assert torch.isfinite(param).all(), (
+            f"the reference run diverged ({name}): nothing to compare"
+        )
         assert torch.equal(params[name], param.detach()), f"param {name} differs"
         for key, value in torch_opt.state[param].items():
             if key == "step":
@@ -91,21 +93,43 @@ decays = st.sampled_from([0.0, 0.05])
 flags = st.booleans()
 
 
-@given(lr=lrs, betas=st.sampled_from([(0.9, 0.999), (0.8, 0.95)]), wd=decays, eps=st.sampled_from([1e-8, 1e-3]),
-       amsgrad=flags, maximize=flags, donate=flags, decoupled=flags)
+@given(
+    lr=lrs,
+    betas=st.sampled_from([(0.9, 0.999), (0.8, 0.95)]),
+    wd=decays,
+    eps=st.sampled_from([1e-8, 1e-3]),
+    amsgrad=flags,
+    maximize=flags,
+    donate=flags,
+    decoupled=flags,
+)
 def test_adam_and_adamw_equal_fused_torch(lr, betas, wd, eps, amsgrad, maximize, donate, decoupled):
     kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=wd, amsgrad=amsgrad, maximize=maximize)
-    torch_cls, factory = (torch.optim.AdamW, optim.adamw) if decoupled else (torch.optim.Adam, optim.adam)
+    torch_cls, factory = (
+        (torch.optim.AdamW, optim.adamw) if decoupled else (torch.optim.Adam, optim.adam)
+    )
     ours = factory(lr, **{k: v for k, v in kwargs.items() if k != "lr"})
     _assert_equal(*_run_both(torch_cls, dict(kwargs, fused=True), ours, donate=donate))
 
 
-@given(lr=lrs, momentum=st.sampled_from([0.0, 0.9]), dampening=st.sampled_from([0.0, 0.1]),
-       nesterov=flags, wd=decays, maximize=flags, donate=flags)
+@given(
+    lr=lrs,
+    momentum=st.sampled_from([0.0, 0.9]),
+    dampening=st.sampled_from([0.0, 0.1]),
+    nesterov=flags,
+    wd=decays,
+    maximize=flags,
+    donate=flags,
+)
 def test_sgd_equals_fused_torch(lr, momentum, dampening, nesterov, wd, maximize, donate):
     nesterov = nesterov and momentum > 0 and dampening == 0
-    kwargs = dict(momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=wd,
-                  maximize=maximize)
+    kwargs = dict(
+        momentum=momentum,
+        dampening=dampening,
+        nesterov=nesterov,
+        weight_decay=wd,
+        maximize=maximize,
+    )
     ours = optim.sgd(lr, **kwargs)
     _assert_equal(*_run_both(torch.optim.SGD, dict(kwargs, lr=lr, fused=True), ours, donate=donate))
 
@@ -116,29 +140,62 @@ def test_sgd_with_momentum_equals_fused_torch():
     _assert_equal(*_run_both(torch.optim.SGD, dict(kwargs, lr=0.05, fused=True), ours))
 
 
-@given(lr=lrs, alpha=st.sampled_from([0.99, 0.9]), eps=st.sampled_from([1e-8, 1e-4]), wd=decays,
-       momentum=st.sampled_from([0.0, 0.9]), centered=flags, maximize=flags, donate=flags)
-def test_rmsprop_equals_single_tensor_torch(lr, alpha, eps, wd, momentum, centered, maximize, donate):
-    kwargs = dict(alpha=alpha, eps=eps, weight_decay=wd, momentum=momentum, centered=centered,
-                  maximize=maximize)
+@given(
+    lr=lrs,
+    alpha=st.sampled_from([0.99, 0.9]),
+    eps=st.sampled_from([1e-8, 1e-4]),
+    wd=decays,
+    momentum=st.sampled_from([0.0, 0.9]),
+    centered=flags,
+    maximize=flags,
+    donate=flags,
+)
+def test_rmsprop_equals_single_tensor_torch(
+    lr, alpha, eps, wd, momentum, centered, maximize, donate
+):
+    kwargs = dict(
+        alpha=alpha,
+        eps=eps,
+        weight_decay=wd,
+        momentum=momentum,
+        centered=centered,
+        maximize=maximize,
+    )
     ours = optim.rmsprop(lr, **kwargs)
     ref = dict(kwargs, lr=lr, foreach=False)
     _assert_equal(*_run_both(torch.optim.RMSprop, ref, ours, donate=donate))
 
 
-@given(lr=lrs, lr_decay=st.sampled_from([0.0, 0.01]), wd=decays,
-       initial=st.sampled_from([0.0, 0.1]), eps=st.sampled_from([1e-10, 1e-4]), maximize=flags,
-       donate=flags)
+@given(
+    lr=lrs,
+    lr_decay=st.sampled_from([0.0, 0.01]),
+    wd=decays,
+    initial=st.sampled_from([0.0, 0.1]),
+    eps=st.sampled_from([1e-10, 1e-4]),
+    maximize=flags,
+    donate=flags,
+)
 def test_adagrad_equals_fused_torch(lr, lr_decay, wd, initial, eps, maximize, donate):
-    kwargs = dict(lr_decay=lr_decay, weight_decay=wd, initial_accumulator_value=initial, eps=eps,
-                  maximize=maximize)
+    kwargs = dict(
+        lr_decay=lr_decay,
+        weight_decay=wd,
+        initial_accumulator_value=initial,
+        eps=eps,
+        maximize=maximize,
+    )
     ours = optim.adagrad(lr, **kwargs)
     ref = dict(kwargs, lr=lr, fused=True)
     _assert_equal(*_run_both(torch.optim.Adagrad, ref, ours, donate=donate))
 
 
-@given(lr=st.sampled_from([1.0, 0.5]), rho=st.sampled_from([0.9, 0.5]),
-       eps=st.sampled_from([1e-6, 1e-3]), wd=decays, maximize=flags, donate=flags)
+@given(
+    lr=st.sampled_from([1.0, 0.5]),
+    rho=st.sampled_from([0.9, 0.5]),
+    eps=st.sampled_from([1e-6, 1e-3]),
+    wd=decays,
+    maximize=flags,
+    donate=flags,
+)
 def test_adadelta_equals_single_tensor_torch(lr, rho, eps, wd, maximize, donate):
     kwargs = dict(rho=rho, eps=eps, weight_decay=wd, maximize=maximize)
     ours = optim.adadelta(lr, **kwargs)
@@ -146,8 +203,14 @@ def test_adadelta_equals_single_tensor_torch(lr, rho, eps, wd, maximize, donate)
     _assert_equal(*_run_both(torch.optim.Adadelta, ref, ours, donate=donate))
 
 
-@given(lr=st.sampled_from([2e-3, 2e-2]), betas=st.sampled_from([(0.9, 0.999), (0.8, 0.9)]),
-       eps=st.sampled_from([1e-8, 1e-3]), wd=decays, maximize=flags, donate=flags)
+@given(
+    lr=st.sampled_from([2e-3, 2e-2]),
+    betas=st.sampled_from([(0.9, 0.999), (0.8, 0.9)]),
+    eps=st.sampled_from([1e-8, 1e-3]),
+    wd=decays,
+    maximize=flags,
+    donate=flags,
+)
 def test_adamax_equals_single_tensor_torch(lr, betas, eps, wd, maximize, donate):
     kwargs = dict(betas=betas, eps=eps, weight_decay=wd, maximize=maximize)
     ours = optim.adamax(lr, **kwargs)
@@ -158,8 +221,15 @@ def test_adamax_equals_single_tensor_torch(lr, betas, eps, wd, maximize, donate)
 def test_schedules_equal_lambda_lr():
     """With base lr 1, LambdaLR(schedule) feeds torch the same floats fscale computes."""
     warm = schedules.linear_warmup(0.01, warmup_steps=10)
-    _assert_equal(*_run_both(torch.optim.AdamW, dict(lr=1.0, fused=True), optim.adamw(warm),
-                             schedule=warm))
+    _assert_equal(
+        *_run_both(torch.optim.AdamW, dict(lr=1.0, fused=True), optim.adamw(warm), schedule=warm)
+    )
     decay = schedules.cosine(0.1, total_steps=40, warmup_steps=5, final=0.001)
-    _assert_equal(*_run_both(torch.optim.SGD, dict(lr=1.0, momentum=0.9, fused=True),
-                             optim.sgd(decay, momentum=0.9), schedule=decay))
+    _assert_equal(
+        *_run_both(
+            torch.optim.SGD,
+            dict(lr=1.0, momentum=0.9, fused=True),
+            optim.sgd(decay, momentum=0.9),
+            schedule=decay,
+        )
+    )

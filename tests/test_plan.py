@@ -78,11 +78,12 @@ def test_an_innermost_layer_must_compute():
 
 def test_layers_axes_and_print():
     mesh = fs.Mesh(replica=1, dp=1)
-    step = fs.accumulate(
-        fs.data_parallel(fs.fully_shard(_step(), mesh, "dp"), mesh, "replica"), 2
-    )
+    step = fs.accumulate(fs.data_parallel(fs.fully_shard(_step(), mesh, "dp"), mesh, "replica"), 2)
     assert [layer.name for layer in step.plan.layers()] == [
-        "accumulate", "data_parallel", "fully_shard", "local"
+        "accumulate",
+        "data_parallel",
+        "fully_shard",
+        "local",
     ]
     assert step.plan.data_axes() == ("replica", "dp")
     assert step.plan.data_mesh() is mesh
@@ -90,8 +91,10 @@ def test_layers_axes_and_print():
     assert step.plan.find("shard_optimizer") is None
     text = repr(step)
     assert "optimizer=sgd(lr=0.1, momentum=0.9)" in text
-    assert ("plan=accumulate(micro_batches=2, dim=0) ∘ data_parallel(axis='replica' of size 1, "
-            "bucket=25 MiB) ∘ fully_shard(axis='dp' of size 1") in text
+    assert (
+        "plan=accumulate(micro_batches=2, dim=0) ∘ data_parallel(axis='replica' of size 1, "
+        "bucket=25 MiB) ∘ fully_shard(axis='dp' of size 1"
+    ) in text
 
 
 def test_layers_on_different_meshes_are_refused():

@@ -100,9 +100,7 @@ def test_second_order_gradients_match(policy):
 
     plain, remat = _seeded_loss(_block), _seeded_loss(checkpoint(_block, policy=policy))
     expected = torch.func.grad(grad_norm(plain), argnums=(0, 1))(x, w)
-    torch.testing.assert_close(
-        torch.func.grad(grad_norm(remat), argnums=(0, 1))(x, w), expected
-    )
+    torch.testing.assert_close(torch.func.grad(grad_norm(remat), argnums=(0, 1))(x, w), expected)
     # The same through plain autograd with create_graph.
     (gx,) = torch.autograd.grad(remat(x, w), x, create_graph=True)
     torch.testing.assert_close(torch.autograd.grad(gx.pow(2).sum(), (x, w)), expected)
@@ -122,9 +120,7 @@ def test_nested_checkpoints(path):
         torch.testing.assert_close(actual, expected)
     else:
         # w is shared by both inner calls: its two contributions are summed in another order.
-        torch.testing.assert_close(
-            _first_order(remat, path, x, w), _first_order(plain, path, x, w)
-        )
+        torch.testing.assert_close(_first_order(remat, path, x, w), _first_order(plain, path, x, w))
 
 
 def test_pytree_inputs_keywords_and_non_tensor_outputs():
@@ -532,6 +528,7 @@ def test_checkpoint_call_keeps_arguments_but_not_state():
 
 def test_checkpoint_call_refuses_bad_arguments():
     x = _f64(2, seed=0)
+
     def fn(state, x):
         return x * 2
 

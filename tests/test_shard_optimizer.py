@@ -221,13 +221,17 @@ def test_equals_one_process_on_the_whole_batch(case, opt, world):
 def _non_pointwise(draw):
     kind = draw(st.sampled_from(["lamb", "adafactor", "clip"]))
     if kind == "lamb":
-        return kind, {"lr": draw(st.sampled_from([1e-3, 1e-2])),
-                      "weight_decay": draw(st.sampled_from([0.0, 1e-2]))}
+        return kind, {
+            "lr": draw(st.sampled_from([1e-3, 1e-2])),
+            "weight_decay": draw(st.sampled_from([0.0, 1e-2])),
+        }
     if kind == "adafactor":
-        return kind, {"lr": draw(st.sampled_from([None, 1e-2])),
-                      "beta1": draw(st.sampled_from([None, 0.9])),
-                      "clip_threshold": draw(st.sampled_from([None, 1.0])),
-                      "factored": draw(st.booleans())}
+        return kind, {
+            "lr": draw(st.sampled_from([None, 1e-2])),
+            "beta1": draw(st.sampled_from([None, 0.9])),
+            "clip_threshold": draw(st.sampled_from([None, 1.0])),
+            "factored": draw(st.booleans()),
+        }
     return kind, {"max_norm": draw(st.sampled_from([1e-3, 1e-2]))}
 
 
@@ -499,7 +503,7 @@ def test_consolidate_and_reshard_round_trip_across_world_sizes(opt_name):
         assert_trees_equal(again, original)  # resharding at the same size changes nothing
     for rank_full, _, _ in run_spmd(_train_and_consolidate, 4, opt_name, 0, full):
         assert_trees_equal(rank_full, full)  # 2 -> full -> 4 -> full is exact
-    (one_full, _, _), = run_spmd(_train_and_consolidate, 1, opt_name, 0, full)
+    ((one_full, _, _),) = run_spmd(_train_and_consolidate, 1, opt_name, 0, full)
     assert_trees_equal(one_full, full)
     # The full state is what a single-process step takes.
     case = fst.ModelCase("gpt", width=8, depth=1)

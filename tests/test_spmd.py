@@ -24,7 +24,15 @@ def _edges():
         {"loss": torch.tensor(float(rank)), "count": torch.tensor(rank), "text": "x"}, mesh, "dp"
     )
     keys = [spmd.rank_key(fs.random.key(1), step, mesh, ("dp",)) for step in (0, 1)]
-    return values, broadcast, mean, buffers, metrics, keys, spmd.all_gather_objects(rank, mesh, "dp")
+    return (
+        values,
+        broadcast,
+        mean,
+        buffers,
+        metrics,
+        keys,
+        spmd.all_gather_objects(rank, mesh, "dp"),
+    )
 
 
 def test_edges_of_a_data_parallel_step():
@@ -34,8 +42,9 @@ def test_edges_of_a_data_parallel_step():
         assert_trees_equal(values["w"], torch.full((3,), float(rank)))  # inputs untouched
         assert_trees_equal(mean, {"w": torch.full((3,), 0.5), "n": torch.tensor([rank])})
         # A buffer the loss returned anew is averaged; one passed through is left alone.
-        assert_trees_equal(buffers, {"stat": torch.full((2,), 0.5),
-                                     "frozen": torch.full((2,), float(rank))})
+        assert_trees_equal(
+            buffers, {"stat": torch.full((2,), 0.5), "frozen": torch.full((2,), float(rank))}
+        )
         assert_trees_equal(metrics["loss"], torch.tensor(0.5))
         assert metrics["count"] == rank and metrics["text"] == "x"
         assert gathered == [0, 1]
@@ -57,14 +66,18 @@ def _disagree():
 
 
 def test_ranks_that_disagree_fail_together_naming_the_difference():
-    with pytest.raises(RankError, match=r"my_plan: the ranks along axis 'dp' disagree on the "
-                                        r"weights.*w: \(2,\) float32.*w: \(3,\) float32"):
+    with pytest.raises(
+        RankError,
+        match=r"my_plan: the ranks along axis 'dp' disagree on the "
+        r"weights.*w: \(2,\) float32.*w: \(3,\) float32",
+    ):
         run_spmd(_disagree, 2)
 
 
 def test_describe_tree_and_check_axis():
     assert spmd.describe_tree({"a": torch.zeros(2, dtype=torch.int8), "b": 1.5}) == [
-        "a: (2,) int8", "b: float"
+        "a: (2,) int8",
+        "b: float",
     ]
     with pytest.raises(ValueError, match="no axis 'pp'.*fscale.Mesh\\(pp=world_size\\)"):
         spmd.check_axis(fs.Mesh(dp=1), "pp", "my_plan")

@@ -22,7 +22,9 @@ def test_stack_push_pop_open_and_snapshots():
     assert stack.active() == (outer,)
     stack.pop(outer)
     assert not stack
-    with pytest.raises(ValueError, match=r"tracking stack 'tests.test_tracking.basic': .* is not open"):
+    with pytest.raises(
+        ValueError, match=r"tracking stack 'tests.test_tracking.basic': .* is not open"
+    ):
         stack.pop(outer)
 
 

@@ -65,7 +65,9 @@ def test_sgd_momentum_on_mlp_equals_torch_optim():
 
     step = fs.train_step(loss_fn, fs.optim.sgd(0.05, momentum=0.9, nesterov=True))
     state = step.init(params, buffers)
-    torch_opt = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9, nesterov=True, fused=True)
+    torch_opt = torch.optim.SGD(
+        eager.parameters(), lr=0.05, momentum=0.9, nesterov=True, fused=True
+    )
     g = torch.Generator().manual_seed(0)
     for _ in range(10):
         batch = (torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g))

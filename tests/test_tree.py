@@ -38,7 +38,11 @@ shapes = st.lists(
 )
 
 
-@given(shapes=shapes, num_shards=st.integers(1, 5), dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64]))
+@given(
+    shapes=shapes,
+    num_shards=st.integers(1, 5),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64]),
+)
 def test_flatbuffer_round_trips_exactly_and_shards_evenly(shapes, num_shards, dtype):
     g = torch.Generator().manual_seed(len(shapes))
     tensors = [torch.randn(s, generator=g).to(dtype) for s in shapes]
@@ -65,8 +69,14 @@ def test_flatbuffer_round_trips_exactly_and_shards_evenly(shapes, num_shards, dt
 def test_fragments_hand_computed():
     flat = FlatBuffer([torch.zeros(2, 2), torch.zeros(3)], num_shards=2)  # 7 -> padded 8
     assert flat.shard_size == 4
-    assert flat.fragments(0) == [Fragment(torch.Size([2, 2]), 0, 4), Fragment(torch.Size([3]), 0, 0)]
-    assert flat.fragments(1) == [Fragment(torch.Size([2, 2]), 4, 4), Fragment(torch.Size([3]), 0, 3)]
+    assert flat.fragments(0) == [
+        Fragment(torch.Size([2, 2]), 0, 4),
+        Fragment(torch.Size([3]), 0, 0),
+    ]
+    assert flat.fragments(1) == [
+        Fragment(torch.Size([2, 2]), 4, 4),
+        Fragment(torch.Size([3]), 0, 3),
+    ]
     assert flat.fragments(1)[1].is_whole and not flat.fragments(0)[1].is_whole
 
 

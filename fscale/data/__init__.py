@@ -2,11 +2,11 @@
 
 The pipeline of the WikiText language-model benchmarks, as plain functions::
 
-    splits = fscale.data.wikitext("wikitext-2/")          # or split_text(bundled_corpus())
-    vocab = fscale.data.WordVocab.build(splits.train)       # from the training split only
-    streams = fscale.data.batchify(vocab.encode(splits.train), batch_size=16)   # [T, 16]
+    splits = fscale.data.wikitext("wikitext-2/")  # or split_text(bundled_corpus())
+    vocab = fscale.data.WordVocab.build(splits.train)  # from the training split only
+    streams = fscale.data.batchify(vocab.encode(splits.train), batch_size=16)  # [T, 16]
     for batch in fscale.data.LMBatches(streams, seq_len=32, rank=r, world_size=n):
-        ...                                                 # batch.inputs, batch.targets
+        ...  # batch.inputs, batch.targets
 """
 
 from fscale.data.batching import LMBatch as LMBatch

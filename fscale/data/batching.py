@@ -256,8 +256,7 @@ def split_batch(batch: PyTree, rank: int, world_size: int, dim: int = 0) -> PyTr
             )
         if not -leaf.dim() <= dim < leaf.dim():
             raise ValueError(
-                f"split_batch: `dim`={dim} does not exist in {path} of shape "
-                f"{tuple(leaf.shape)}"
+                f"split_batch: `dim`={dim} does not exist in {path} of shape {tuple(leaf.shape)}"
             )
         sizes[path] = leaf.shape[dim]
     if len(set(sizes.values())) > 1:

@@ -144,9 +144,7 @@ class WordVocab:
             ValueError: `min_count` < 1, or `specials` lacks ``<unk>`` / ``<eos>``.
         """
         if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
-            raise ValueError(
-                f"WordVocab.build: `min_count` must be an int >= 1, got {min_count!r}"
-            )
+            raise ValueError(f"WordVocab.build: `min_count` must be an int >= 1, got {min_count!r}")
         counts = Counter(cls.tokenize(text))
         specials = tuple(specials)
         words = [w for w, n in counts.items() if n >= min_count and w not in specials]

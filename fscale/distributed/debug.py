@@ -95,7 +95,7 @@ def _describe(row: list[int]) -> str:
     ndim, numel = row[2], row[3]
     dims = row[5 : 5 + min(ndim, _MAX_DIMS)]
     shape = "(" + ", ".join(map(str, dims)) + ("," if ndim == 1 else "")
-    shape += (f", ... {ndim} dims, {numel} elements)" if ndim > _MAX_DIMS else ")")
+    shape += f", ... {ndim} dims, {numel} elements)" if ndim > _MAX_DIMS else ")"
     return f"{op} of shape {shape} {str(dtype).replace('torch.', '')}"
 
 

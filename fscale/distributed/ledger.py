@@ -7,7 +7,7 @@ backward pass, so a test can assert that a strategy moves exactly the bytes its 
     with fscale.distributed.comm_ledger() as ledger:
         grads = step_grads(params, batch)
     psi = sum(p.numel() for p in params)
-    assert ledger.total_elements(axis="dp") == 2 * psi * (n - 1) / n    # DDP: one all-reduce
+    assert ledger.total_elements(axis="dp") == 2 * psi * (n - 1) / n  # DDP: one all-reduce
 
 Bytes are counted under the ring model, the traffic of the bandwidth-optimal algorithm NCCL
 uses, and are what THIS rank sends. With ``N`` ranks on the axis and ``S`` the size in bytes of
@@ -160,9 +160,7 @@ class CommLedger:
                     _human_bytes(sum(r.bytes for r in records)),
                 )
             )
-        rows.append(
-            ("total", "", str(len(self.records)), "", _human_bytes(self.total_bytes()))
-        )
+        rows.append(("total", "", str(len(self.records)), "", _human_bytes(self.total_bytes())))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [
             "  ".join(

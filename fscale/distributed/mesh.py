@@ -52,8 +52,8 @@ class Mesh:
 
     Example::
 
-        mesh = Mesh(dp=2, pp=2)          # on 4 ranks
-        with mesh:                       # collectives default to this mesh
+        mesh = Mesh(dp=2, pp=2)  # on 4 ranks
+        with mesh:  # collectives default to this mesh
             grad = all_reduce(grad, "dp", op="mean")
     """
 
@@ -200,7 +200,9 @@ def resolve_mesh(mesh: Mesh | None, caller: str) -> Mesh:
                 "`with mesh:`"
             )
     elif not isinstance(mesh, Mesh):
-        raise TypeError(f"{caller}: `mesh` must be a fscale.distributed.Mesh, got {type(mesh).__name__}")
+        raise TypeError(
+            f"{caller}: `mesh` must be a fscale.distributed.Mesh, got {type(mesh).__name__}"
+        )
     return mesh
 
 
@@ -210,9 +212,7 @@ _CURRENT: tracking.Stack[Mesh] = tracking.stack(__name__)
 def _unknown_axis_message(name: Any, mesh: Mesh) -> str:
     axes = ", ".join(repr(n) for n in mesh.axis_names) or "none"
     hint = (
-        "; a one-process mesh still names its axes, e.g. Mesh(dp=1)"
-        if not mesh.axis_names
-        else ""
+        "; a one-process mesh still names its axes, e.g. Mesh(dp=1)" if not mesh.axis_names else ""
     )
     return f"unknown mesh axis {name!r}: {mesh!r} has axes {axes}{hint}"
 

@@ -133,8 +133,7 @@ def _check_perm(perm: Any, size: int) -> tuple[tuple[int, int], ...]:
         )
     except (TypeError, ValueError):
         raise TypeError(
-            f"ppermute: `perm` must be a sequence of (source, destination) int pairs, "
-            f"got {perm!r}"
+            f"ppermute: `perm` must be a sequence of (source, destination) int pairs, got {perm!r}"
         ) from None
     if not valid_types:
         raise TypeError(f"ppermute: `perm` indices must be ints, got {perm!r}")

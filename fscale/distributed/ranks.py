@@ -182,7 +182,7 @@ def run_task(task: Task) -> tuple[bool, bytes]:
         fn, args, kwargs = task.load()
         result = to_host(fn(*args, **kwargs))
         return True, pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
-    except BaseException:  # noqa: BLE001 - any failure, SystemExit included, goes to the caller
+    except BaseException:
         return False, error_reply(skip_frames=1)
 
 
@@ -343,10 +343,9 @@ def _receive(
             "its own output on stderr may say why"
         )
         return
-    except Exception:  # noqa: BLE001 - e.g. a result whose class the caller cannot import
+    except Exception:
         replies.failures[rank_id] = (
-            "its result could not be unpickled in the calling process:\n"
-            + traceback.format_exc()
+            "its result could not be unpickled in the calling process:\n" + traceback.format_exc()
         )
         return
     if status == "ok":
@@ -355,9 +354,7 @@ def _receive(
         replies.failures[rank_id] = value
 
 
-def _failure_error(
-    world: int, failures: Mapping[int, str], unfinished: Sequence[int]
-) -> RankError:
+def _failure_error(world: int, failures: Mapping[int, str], unfinished: Sequence[int]) -> RankError:
     # `failures` is in arrival order. The first failure is usually the cause: a rank that
     # raises leaves its peers' collectives, so their errors ("connection closed") follow it.
     first, *later = failures
@@ -438,6 +435,4 @@ def check_seconds(name: str, value: Any, caller: str) -> None:
         or not isinstance(value, (int, float))
         or not 0 < value < float("inf")
     ):
-        raise ValueError(
-            f"{caller}: `{name}` must be a positive number of seconds, got {value!r}."
-        )
+        raise ValueError(f"{caller}: `{name}` must be a positive number of seconds, got {value!r}.")

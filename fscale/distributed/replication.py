@@ -131,9 +131,7 @@ def all_reduce(x: Tensor, axis: Axis, op: str = "sum", *, mesh: Mesh | None = No
     return x
 
 
-def all_reduce_start(
-    x: Tensor, axis: str, op: str = "sum", *, mesh: Mesh | None = None
-) -> Pending:
+def all_reduce_start(x: Tensor, axis: str, op: str = "sum", *, mesh: Mesh | None = None) -> Pending:
     """Start `all_reduce` and return at once; ``.wait()`` on the result gives the reduction.
 
     Usable on plain tensors inside another Function's backward (e.g. a bucket of gradients),

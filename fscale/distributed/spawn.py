@@ -233,7 +233,7 @@ def _launched_rank_main(
     """Entry point of a process started by `launch`: join the group, run, reply, leave."""
     try:
         join_group(setup)
-    except BaseException:  # noqa: BLE001 - reported to the caller as this rank's failure
+    except BaseException:
         sender.send_bytes(error_reply())
         return
     succeeded, reply = run_task(task)
@@ -260,9 +260,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(
-            f"init: environment variable {name}={text!r} is not an integer."
-        ) from None
+        raise ValueError(f"init: environment variable {name}={text!r} is not an integer.") from None
 
 
 def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:

@@ -16,9 +16,9 @@ import optree
 import torch
 
 from fscale import optim as optim_lib
-from fscale.optim.base import described
 from fscale import tree
 from fscale.offload.transfer import HOST, Transfer, checked_device, pinned_packed_copy
+from fscale.optim.base import described
 
 __all__ = ["OffloadState", "offload_optimizer"]
 
@@ -179,9 +179,7 @@ def offload_optimizer(
             for i in indices:
                 src = values[i]
                 if src.dtype != likes[i].dtype:
-                    cast = torch.empty(
-                        src.shape, dtype=likes[i].dtype, device=host, pin_memory=pin
-                    )
+                    cast = torch.empty(src.shape, dtype=likes[i].dtype, device=host, pin_memory=pin)
                     src = cast.copy_(src)
                 sources.append(src)
             if into:

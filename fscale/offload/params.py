@@ -374,4 +374,3 @@ def _pinned_params(params: PyTree) -> PyTree:
     return tree.unflatten(
         treedef, [p.detach().requires_grad_(t.requires_grad) for p, t in zip(pinned, leaves)]
     )
-

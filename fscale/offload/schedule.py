@@ -67,9 +67,7 @@ class PrefetchSchedule:
                 f"PrefetchSchedule: `num_items` must be an int >= 0, got {num_items!r}"
             )
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(
-                f"PrefetchSchedule: `prefetch` must be an int >= 0, got {prefetch!r}"
-            )
+            raise ValueError(f"PrefetchSchedule: `prefetch` must be an int >= 0, got {prefetch!r}")
         for arg, fn in (("start", start), ("finish", finish)):
             if not callable(fn):
                 raise TypeError(f"PrefetchSchedule: `{arg}` must be callable, got {fn!r}")

@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fscale.optim import core, hyper
-from fscale.optim.base import Layout, Optimizer, resolve_layout, described
 from fscale.flat import Fragment
+from fscale.optim import core, hyper
+from fscale.optim.base import Layout, Optimizer, described, resolve_layout
 
 __all__ = ["AdafactorState", "adafactor"]
 
@@ -169,8 +169,13 @@ def adafactor(
                     for p, g, frag in zip(inputs.params, inputs.grads, fragments)
                 ]
                 param_rms = _second_moments(
-                    leaves, states["row"], states["col"], states["v"], all_reduce,
-                    beta2_t, eps1,
+                    leaves,
+                    states["row"],
+                    states["col"],
+                    states["v"],
+                    all_reduce,
+                    beta2_t,
+                    eps1,
                 )
                 updates = [
                     leaf.scaled_grad(row, col, v)
@@ -180,8 +185,9 @@ def adafactor(
                     _clip(leaves, updates, all_reduce, clip_threshold)
                 if beta1 is not None:
                     momentum = [m.view(-1) for m in states["exp_avg"]]
-                    torch._foreach_lerp_(momentum, [u.to(m) for u, m in zip(updates, momentum)],
-                                         1 - beta1)
+                    torch._foreach_lerp_(
+                        momentum, [u.to(m) for u, m in zip(updates, momentum)], 1 - beta1
+                    )
                     updates = momentum
                 for leaf, update, rms in zip(leaves, updates, param_rms.tolist()):
                     alpha = rho * max(eps2, rms) if scale_parameter else rho

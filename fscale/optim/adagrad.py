@@ -61,9 +61,7 @@ def adagrad(
     lr_at = hyper.learning_rate(name, lr)
     lr_decay = hyper.check_non_negative(name, "lr_decay", lr_decay)
     weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
-    initial = hyper.check_non_negative(
-        name, "initial_accumulator_value", initial_accumulator_value
-    )
+    initial = hyper.check_non_negative(name, "initial_accumulator_value", initial_accumulator_value)
     eps = hyper.check_non_negative(name, "eps", eps)
     maximize = bool(maximize)
 

@@ -79,9 +79,7 @@ def adam(
         >>> params["w"]
         tensor([0.9000, 0.9000, 0.9000])
     """
-    return _adam_family(
-        "adam", torch._fused_adam_, lr, betas, eps, weight_decay, amsgrad, maximize
-    )
+    return _adam_family("adam", torch._fused_adam_, lr, betas, eps, weight_decay, amsgrad, maximize)
 
 
 @described

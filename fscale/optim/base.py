@@ -21,9 +21,9 @@ share the pieces.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 import optree
@@ -231,7 +231,11 @@ def chain(*optimizers: Optimizer) -> Optimizer:
             )
 
     def update(
-        grads: PyTree, state: tuple[Any, ...], params: PyTree = None, *, layout: Layout | None = None
+        grads: PyTree,
+        state: tuple[Any, ...],
+        params: PyTree = None,
+        *,
+        layout: Layout | None = None,
     ) -> tuple[PyTree, tuple[Any, ...]]:
         check(state)
         new_states = []

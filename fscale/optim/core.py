@@ -22,8 +22,8 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 from fscale import tree
-from fscale.optim.base import Layout, Optimizer
 from fscale.flat import FlatBuffer
+from fscale.optim.base import Layout, Optimizer
 
 PyTree = Any
 
@@ -36,7 +36,9 @@ def float_leaves(name: str, params: PyTree) -> tuple[list[torch.Tensor], optree.
     paths, leaves, treedef = tree.flatten_with_paths(params)
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"{name}: params leaf {path!r} is a {type(leaf).__name__}, not a tensor")
+            raise TypeError(
+                f"{name}: params leaf {path!r} is a {type(leaf).__name__}, not a tensor"
+            )
         if not leaf.is_floating_point():
             raise TypeError(
                 f"{name}: params leaf {path!r} has dtype {leaf.dtype}; optimizers update "
@@ -364,9 +366,7 @@ def pointwise_optimizer(
 
     def init(params: PyTree, *, layout: Layout | None = None) -> Any:
         leaves, treedef = float_leaves(name, params)
-        filled = {
-            field: tree.unflatten(treedef, packed_full(leaves, fill)) for field in buffers
-        }
+        filled = {field: tree.unflatten(treedef, packed_full(leaves, fill)) for field in buffers}
         return state_type(count=new_count(), **filled, **absent)
 
     def apply(

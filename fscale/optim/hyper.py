@@ -9,8 +9,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["LearningRate", "check_betas", "check_non_negative", "check_unit_interval",
-           "learning_rate"]
+__all__ = [
+    "LearningRate",
+    "check_betas",
+    "check_non_negative",
+    "check_unit_interval",
+    "learning_rate",
+]
 
 LearningRate = float | Callable[[int], float]
 
@@ -64,5 +69,3 @@ def learning_rate(name: str, lr: LearningRate) -> Callable[[int], float]:
         return scheduled
     constant = check_non_negative(name, "lr", lr)
     return lambda count: constant
-
-

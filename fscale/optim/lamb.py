@@ -14,7 +14,7 @@ import torch
 
 from fscale import tree
 from fscale.optim import core, hyper
-from fscale.optim.base import Layout, Optimizer, resolve_layout, described
+from fscale.optim.base import Layout, Optimizer, described, resolve_layout
 
 __all__ = ["LambState", "lamb"]
 
@@ -106,8 +106,15 @@ def lamb(
         if params_:
             with torch.no_grad():
                 direction = _direction(
-                    inputs.grads, params_, exp_avg, exp_avg_sq, count + 1,
-                    beta1, beta2, eps, weight_decay,
+                    inputs.grads,
+                    params_,
+                    exp_avg,
+                    exp_avg_sq,
+                    count + 1,
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
                 )
                 # One collective for all tensors: [||p_i||^2 ..., ||r_i||^2 ...] over fragments.
                 device = params_[0].device

@@ -9,7 +9,7 @@ import optree
 import torch
 
 from fscale import tree
-from fscale.optim.base import Layout, Optimizer, is_fragment, resolve_layout, described
+from fscale.optim.base import Layout, Optimizer, described, is_fragment, resolve_layout
 from fscale.optim.base import step as optimizer_step
 
 __all__ = ["PartitionState", "partition"]

@@ -8,7 +8,7 @@ import torch
 
 from fscale import tree
 from fscale.optim import core, hyper
-from fscale.optim.base import EmptyState, Layout, Optimizer, resolve_layout, described
+from fscale.optim.base import EmptyState, Layout, Optimizer, described, resolve_layout
 
 __all__ = ["clip_by_global_norm", "scale"]
 

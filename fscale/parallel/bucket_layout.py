@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from fscale import tree
-from fscale.parallel.buckets import Bucket, assign_buckets, forward_order
 from fscale.flat import FlatBuffer, Fragment, aligned_elements
+from fscale.parallel.buckets import Bucket, assign_buckets, forward_order
 
 __all__ = ["BucketLayout", "layout_of"]
 

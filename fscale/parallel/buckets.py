@@ -143,7 +143,9 @@ def _assign_buckets(
         groups.append(current)
     buckets = []
     for b, indices in enumerate(groups):
-        shapes = [torch.empty(signature[i][0], dtype=signature[i][1], device="meta") for i in indices]
+        shapes = [
+            torch.empty(signature[i][0], dtype=signature[i][1], device="meta") for i in indices
+        ]
         total = sum(t.numel() for t in shapes)
         padded = -(-max(total, 1) // num_shards) * num_shards
         layout = FlatBuffer(
@@ -200,9 +202,7 @@ class GradBuckets:
 
     def hooks(self) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
         """One hook per leaf (None for leaves in no bucket)."""
-        return [
-            None if where is None else self._make_hook(*where) for where in self._where
-        ]
+        return [None if where is None else self._make_hook(*where) for where in self._where]
 
     def _make_hook(self, bucket_index: int, slot: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def hook(grad: torch.Tensor) -> torch.Tensor:

@@ -92,10 +92,12 @@ class DataParallelPlan(Plan):
     def _stateful(self) -> bool:
         return self.hook is not None and callable(getattr(self.hook, "init", None))
 
-    def context(self, ctx: Context, hook_states: Any = None,
-                hook_out: dict[str, Any] | None = None) -> Context:
-        reducer = add_mean_axis(ctx.reducer, self.mesh, self.axis, self.bucket_bytes,
-                                self.hook, hook_states, hook_out)
+    def context(
+        self, ctx: Context, hook_states: Any = None, hook_out: dict[str, Any] | None = None
+    ) -> Context:
+        reducer = add_mean_axis(
+            ctx.reducer, self.mesh, self.axis, self.bucket_bytes, self.hook, hook_states, hook_out
+        )
         return ctx.replace(reducer=reducer)
 
     def init(self, step, params, buffers, key, ctx):  # type: ignore[no-untyped-def]
@@ -108,7 +110,9 @@ class DataParallelPlan(Plan):
         opt_state = _hook_state(state.opt_state)
         out: dict[str, Any] = {}
         grads, aux = self.inner.gradients(
-            step, state._replace(opt_state=opt_state.inner), batch,
+            step,
+            state._replace(opt_state=opt_state.inner),
+            batch,
             self.context(ctx, opt_state.hook, out),
         )
         # Under accumulation the hook runs on the last micro-batch only; a step whose
@@ -220,8 +224,14 @@ def data_parallel(
                 "buckets, but shard_optimizer reduce-scatters them; put the hook on a step "
                 "without shard_optimizer"
             )
-    hooked = next((layer for layer in step.plan.layers()
-                   if isinstance(layer, DataParallelPlan) and layer.hook is not None), None)
+    hooked = next(
+        (
+            layer
+            for layer in step.plan.layers()
+            if isinstance(layer, DataParallelPlan) and layer.hook is not None
+        ),
+        None,
+    )
     if hooked is not None:
         raise ValueError(
             f"data_parallel: the step's {hooked.describe()} reduces each bucket over its own axis "

@@ -71,9 +71,10 @@ def bucket_bytes(bucket_mb: Any, caller: str) -> int:
 
 
 def _same_mesh(a: Mesh, b: Mesh) -> bool:
-    return a is b or (a.axis_names == b.axis_names and all(
-        a.size(n) == b.size(n) and a.rank(n) == b.rank(n) for n in a.axis_names
-    ))
+    return a is b or (
+        a.axis_names == b.axis_names
+        and all(a.size(n) == b.size(n) and a.rank(n) == b.rank(n) for n in a.axis_names)
+    )
 
 
 def _mesh(mesh: Mesh) -> str:

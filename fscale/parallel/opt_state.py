@@ -31,7 +31,7 @@ import torch
 from fscale import optim as optim_lib
 from fscale import random as fsrandom
 from fscale import tree
-from fscale.plan import Context, PlainOptimizer
+from fscale.plan import Context
 
 __all__ = ["StateMap", "StateSpec", "check_state", "plan_state_init", "state_spec"]
 
@@ -134,8 +134,7 @@ def check_state(caller: str, what: str, value: PyTree, spec: StateSpec, why: str
     paths, leaves, value_def = tree.flatten_with_paths(value)
     if value_def != spec.treedef:
         raise ValueError(
-            f"{caller}: `{what}` has structure {value_def} but {spec.treedef} was expected; "
-            f"{why}"
+            f"{caller}: `{what}` has structure {value_def} but {spec.treedef} was expected; {why}"
         )
     for path, leaf, shape in zip(paths, leaves, spec.shapes):
         if _shape(leaf) != shape:

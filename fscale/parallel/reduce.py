@@ -41,8 +41,8 @@ from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.memory import LiveBytes
-from fscale.parallel.buckets import Bucket, GradBuckets, assign_buckets, forward_order
 from fscale.parallel.bucket_layout import BucketLayout, layout_of
+from fscale.parallel.buckets import Bucket, GradBuckets, assign_buckets, forward_order
 
 __all__ = [
     "FIRST_BUCKET_BYTES",
@@ -83,9 +83,7 @@ def _axis(axes: tuple[str, ...]) -> str | tuple[str, ...]:
     return axes[0] if len(axes) == 1 else axes
 
 
-def _all_reduce_start(
-    flat: torch.Tensor, axes: tuple[str, ...], mesh: Mesh
-) -> collectives.Pending:
+def _all_reduce_start(flat: torch.Tensor, axes: tuple[str, ...], mesh: Mesh) -> collectives.Pending:
     """The mean over `axes`: the first axis asynchronously, then each further one in turn."""
     pending = collectives.all_reduce_start(flat, axes[0], "mean", mesh=mesh)
     for axis in axes[1:]:
@@ -130,9 +128,15 @@ class GradReducer:
         return _AllReduceSession(self, params, grad_mode)
 
 
-def add_mean_axis(reducer: GradReducer | None, mesh: Mesh, axis: str, bucket_bytes: int,
-                  hook: ReduceHook | None = None, hook_states: Any = None,
-                  hook_out: dict[str, Any] | None = None) -> GradReducer:
+def add_mean_axis(
+    reducer: GradReducer | None,
+    mesh: Mesh,
+    axis: str,
+    bucket_bytes: int,
+    hook: ReduceHook | None = None,
+    hook_states: Any = None,
+    hook_out: dict[str, Any] | None = None,
+) -> GradReducer:
     """`reducer` (or a new one) that also averages over `axis`."""
     if reducer is None:
         return GradReducer(mesh, (axis,), None, bucket_bytes, True, hook, hook_states, hook_out)
@@ -142,8 +146,9 @@ def add_mean_axis(reducer: GradReducer | None, mesh: Mesh, axis: str, bucket_byt
     return dataclasses.replace(reducer, **changes)
 
 
-def add_scatter_axis(reducer: GradReducer | None, mesh: Mesh, axis: str, bucket_bytes: int,
-                     shard_grads: bool) -> GradReducer:
+def add_scatter_axis(
+    reducer: GradReducer | None, mesh: Mesh, axis: str, bucket_bytes: int, shard_grads: bool
+) -> GradReducer:
     """`reducer` (or a new one) that reduce-scatters over `axis` (the ZeRO layout's buckets)."""
     if reducer is None:
         return GradReducer(mesh, (), axis, bucket_bytes, shard_grads)
@@ -152,12 +157,17 @@ def add_scatter_axis(reducer: GradReducer | None, mesh: Mesh, axis: str, bucket_
     )
 
 
-def bucket_infos(params: PyTree, reducer_bucket_bytes: int, mesh: Mesh,
-                 axes: tuple[str, ...]) -> list[BucketInfo]:
+def bucket_infos(
+    params: PyTree, reducer_bucket_bytes: int, mesh: Mesh, axes: tuple[str, ...]
+) -> list[BucketInfo]:
     """The buckets a data-parallel reducer forms over `params` (for a hook's `init`)."""
     leaves = tree.leaves(params)
-    buckets = assign_buckets(leaves, reducer_bucket_bytes, order=forward_order(params),
-                             first_bucket_bytes=FIRST_BUCKET_BYTES)
+    buckets = assign_buckets(
+        leaves,
+        reducer_bucket_bytes,
+        order=forward_order(params),
+        first_bucket_bytes=FIRST_BUCKET_BYTES,
+    )
     return [_info(bucket, mesh, axes) for bucket in buckets]
 
 
@@ -193,14 +203,16 @@ class _AllReduceSession:
         if self.func:
             return [None] * len(self.leaves)
         self.buckets = assign_buckets(
-            self.leaves, self.reducer.bucket_bytes, order=forward_order(
-                tree.unflatten(self.treedef, self.leaves)),
+            self.leaves,
+            self.reducer.bucket_bytes,
+            order=forward_order(tree.unflatten(self.treedef, self.leaves)),
             first_bucket_bytes=FIRST_BUCKET_BYTES,
         )
         # Each hook copies its gradient into the bucket and hands autograd a stride-0 zero, so
         # once a bucket's reduction has started the only copy is the one being reduced.
-        self.collector = GradBuckets(self.buckets, len(self.leaves), self._start,
-                                     keep_grads=False, initial=self.initial)
+        self.collector = GradBuckets(
+            self.buckets, len(self.leaves), self._start, keep_grads=False, initial=self.initial
+        )
         return self.collector.hooks()
 
     def _start(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
@@ -226,9 +238,9 @@ class _AllReduceSession:
                 return grads
             axis, mesh = _axis(self.axes), self.reducer.mesh
             summed = [g + a for g, a in zip(tree.leaves(grads), self.initial)]
-            return tree.unflatten(self.treedef, [
-                collectives.all_reduce(g, axis, "mean", mesh=mesh) for g in summed
-            ])
+            return tree.unflatten(
+                self.treedef, [collectives.all_reduce(g, axis, "mean", mesh=mesh) for g in summed]
+            )
         assert self.collector is not None
         self.collector.flush()
         reduced: list[Any] = [None] * len(self.leaves)
@@ -249,10 +261,14 @@ class _AllReduceSession:
 class _ShardedGradBuckets(GradBuckets):
     """`GradBuckets` whose buffers start zeroed (the aligned layout's gaps included)."""
 
-    def __init__(self, buckets: Sequence[Bucket], num_leaves: int,
-                 on_ready: Callable[[Bucket, torch.Tensor], None],
-                 on_allocate: Callable[[torch.Tensor], None],
-                 initial: Sequence[torch.Tensor] | None) -> None:
+    def __init__(
+        self,
+        buckets: Sequence[Bucket],
+        num_leaves: int,
+        on_ready: Callable[[Bucket, torch.Tensor], None],
+        on_allocate: Callable[[torch.Tensor], None],
+        initial: Sequence[torch.Tensor] | None,
+    ) -> None:
         super().__init__(buckets, num_leaves, on_ready, keep_grads=False, initial=initial)
         self._on_allocate = on_allocate
 
@@ -277,7 +293,9 @@ class _ScatterSession:
         self.params = params
         self.layout: BucketLayout
         self.layout, self.treedef = layout_of(
-            params, reducer.bucket_bytes, reducer.mesh.size(reducer.scatter_axis)  # type: ignore[arg-type]
+            params,
+            reducer.bucket_bytes,
+            reducer.mesh.size(reducer.scatter_axis),  # type: ignore[arg-type]
         )
         self.live = LiveBytes()
         self.initial: list[torch.Tensor] | None = None
@@ -303,7 +321,11 @@ class _ScatterSession:
     def _reduce_start(self, flat_grad: torch.Tensor) -> collectives.Pending:
         reducer = self.reducer
         return collectives.reduce_scatter_start(
-            flat_grad, reducer.scatter_axis, 0, "mean", mesh=reducer.mesh  # type: ignore[arg-type]
+            flat_grad,
+            reducer.scatter_axis,
+            0,
+            "mean",
+            mesh=reducer.mesh,  # type: ignore[arg-type]
         )
 
     def _start_and_release(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
@@ -328,8 +350,7 @@ class _ScatterSession:
             if not self.reducer.shard_grads:
                 for bucket in self.layout.buckets:
                     self.in_flight.append(
-                        (bucket.index, self._reduce_start(
-                            self.collector.bucket_data(bucket.index)))  # type: ignore[arg-type]
+                        (bucket.index, self._reduce_start(self.collector.bucket_data(bucket.index)))  # type: ignore[arg-type]
                     )
                     self.collector.release(bucket.index)
         self._settle(0)

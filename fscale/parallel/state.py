@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from fscale.parallel import layers
 from fscale.parallel.zero.plan import ShardedOptState
 from fscale.plan import TrainState
 from fscale.train import Step
@@ -43,7 +42,9 @@ def consolidate(step: Step, state: TrainState) -> TrainState:
     """
     _check_step_and_state("consolidate", step, state, "state")
     _check_not_zero_state(
-        "consolidate", step, state,
+        "consolidate",
+        step,
+        state,
         "`state` is sharded but `step` is not; pass the sharded step that made the state",
     )
     return step.plan.consolidate(step, state)
@@ -71,7 +72,9 @@ def shard_state(step: Step, full_state: TrainState) -> TrainState:
     """
     _check_step_and_state("shard_state", step, full_state, "full_state")
     _check_not_zero_state(
-        "shard_state", step, full_state,
+        "shard_state",
+        step,
+        full_state,
         "`full_state.opt_state` is sharded; consolidate it first with "
         "fscale.consolidate(old_step, state)",
     )
@@ -80,9 +83,7 @@ def shard_state(step: Step, full_state: TrainState) -> TrainState:
 
 def _check_not_zero_state(caller: str, step: Step, state: TrainState, if_sharded: str) -> None:
     """A ZeRO state given to a step without a ZeRO layer: say what to do instead."""
-    if step.plan.find("shard_optimizer") is None and isinstance(
-        state.opt_state, ShardedOptState
-    ):
+    if step.plan.find("shard_optimizer") is None and isinstance(state.opt_state, ShardedOptState):
         raise ValueError(f"{caller}: {if_sharded}")
 
 
@@ -91,4 +92,3 @@ def _check_step_and_state(caller: str, step: Any, state: Any, name: str) -> None
         raise TypeError(f"{caller}: `step` must be a Step, got {type(step).__name__}")
     if not isinstance(state, TrainState):
         raise TypeError(f"{caller}: `{name}` must be a TrainState, got {type(state).__name__}")
-

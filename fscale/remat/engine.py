@@ -81,7 +81,6 @@ class _ExecutionState:
             yield
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _Options:
     offload: bool
@@ -265,9 +264,7 @@ def _first_order_grads(call, values, needs, pairs):  # type: ignore[no-untyped-d
     if not roots:
         return [None] * len(values)
     grads = iter(
-        torch.autograd.grad(
-            [o for o, _ in roots], wrt, [g for _, g in roots], allow_unused=True
-        )
+        torch.autograd.grad([o for o, _ in roots], wrt, [g for _, g in roots], allow_unused=True)
     )
     return [next(grads) if need else None for need in needs]
 
@@ -291,9 +288,9 @@ def _higher_order_grads(call, values, needs, pairs):  # type: ignore[no-untyped-
         terms = [(outs[j] * g).sum() for j, g in pairs]
         return torch.stack(terms).sum() if len(terms) > 1 else terms[0]
 
-    grads = iter(torch.func.grad(contraction, argnums=tuple(range(len(wrt))))(
-        *[values[i] for i in wrt]
-    ))
+    grads = iter(
+        torch.func.grad(contraction, argnums=tuple(range(len(wrt))))(*[values[i] for i in wrt])
+    )
     return [next(grads) if need else None for need in needs]
 
 
@@ -398,9 +395,7 @@ def checkpoint_call(
     if kwargs is None:
         kwargs = {}
     elif not isinstance(kwargs, Mapping):
-        raise TypeError(
-            f"checkpoint_call: `kwargs` must be a mapping, got {type(kwargs).__name__}"
-        )
+        raise TypeError(f"checkpoint_call: `kwargs` must be a mapping, got {type(kwargs).__name__}")
     state = list(state)
     for i, value in enumerate(state):
         if not isinstance(value, torch.Tensor):

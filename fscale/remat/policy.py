@@ -38,6 +38,7 @@ __all__ = [
 # (operator, occurrence) -> (its kept outputs, the shapes of its tensor arguments)
 KeptOutputs = dict[tuple[Any, int], tuple[Any, list[tuple[int, ...]]]]
 
+
 @dataclasses.dataclass(frozen=True)
 class SavePolicy:
     """Which intermediate values a checkpoint keeps from forward instead of recomputing.

@@ -73,7 +73,9 @@ class _CheckpointedModule(nn.Module):
 
 @functools.cache
 def _checkpointed_class(base: type[nn.Module]) -> type[nn.Module]:
-    return type(f"Checkpointed{base.__name__}", (_CheckpointedModule, base), {"__module__": base.__module__})
+    return type(
+        f"Checkpointed{base.__name__}", (_CheckpointedModule, base), {"__module__": base.__module__}
+    )
 
 
 def _new_checkpointed(base: type[nn.Module]) -> nn.Module:
@@ -83,7 +85,7 @@ def _new_checkpointed(base: type[nn.Module]) -> nn.Module:
 
 def _checkpoint_module(module: nn.Module, options: _Options) -> nn.Module:
     if isinstance(module, _CheckpointedModule):
-        raise ValueError(  # noqa: TRY004 - the type is right, the module is the wrong one
+        raise ValueError(
             f"checkpoint: {type(module).__name__} is already checkpointed; pass the original "
             "module to checkpoint it with other options"
         )

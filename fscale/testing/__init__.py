@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # noqa: ANN202
+def __getattr__(name: str):
     # hypothesis is a test dependency, not a runtime one: import the strategies on first use.
     if name == "strategies":
         import importlib

@@ -223,9 +223,7 @@ def _resolve_tolerances(tolerances: Tolerances, dtype: torch.dtype) -> tuple[flo
     return _DEFAULT_TOLERANCES[dtype]
 
 
-def _describe_mismatch(
-    actual: torch.Tensor, expected: torch.Tensor, mismatch: torch.Tensor
-) -> str:
+def _describe_mismatch(actual: torch.Tensor, expected: torch.Tensor, mismatch: torch.Tensor) -> str:
     count, total = int(mismatch.sum()), mismatch.numel()
     error = (actual - expected).abs().to(torch.float64)
     error = _nan_to(error, mismatch)

@@ -27,10 +27,12 @@ Writing a multi-rank test::
     import torch.distributed as dist
     from fscale.testing import assert_trees_close, assert_trees_equal, run_spmd
 
-    def _sum_of_ranks():                       # runs on every rank
+
+    def _sum_of_ranks():  # runs on every rank
         total = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(total)
         return total
+
 
     def test_sum_of_ranks():
         for result in run_spmd(_sum_of_ranks, 4):
@@ -43,11 +45,13 @@ computed in the test process::
 
     from hypothesis import given, strategies as st
 
-    def _sharded_sum(values):                  # each rank sums its slice, then all-reduce
+
+    def _sharded_sum(values):  # each rank sums its slice, then all-reduce
         rank, size = dist.get_rank(), dist.get_world_size()
         partial = torch.tensor(values[rank::size], dtype=torch.float64).sum()
         dist.all_reduce(partial)
         return partial
+
 
     @given(st.lists(st.floats(-1, 1), min_size=1, max_size=32), st.sampled_from([1, 2, 4]))
     def test_sharded_sum_matches_serial(values, world_size):
@@ -270,6 +274,7 @@ _POOLS: dict[int, RankPool] = {}
 _POOLS_LOCK = threading.Lock()
 _LIVE_POOLS: weakref.WeakSet[RankPool] = weakref.WeakSet()
 
+
 # Rank processes are not daemons (so test functions may start DataLoader workers), which means
 # multiprocessing would wait for them at exit; stop them first. atexit runs handlers in reverse
 # order of registration, and multiprocessing registered its own when this module imported it.
@@ -352,7 +357,7 @@ def _pool_rank_main(setup: RankSetup, connection: multiprocessing.connection.Con
     """Entry point of a pool rank: join the group once, then run tasks until the pool is gone."""
     try:
         join_group(setup)
-    except BaseException:  # noqa: BLE001 - reported to the pool as a start-up failure
+    except BaseException:
         connection.send_bytes(error_reply())
         return
     connection.send_bytes(pickle.dumps(("ok", None)))  # ready

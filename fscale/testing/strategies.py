@@ -28,9 +28,9 @@ from fscale import models
 from fscale import optim as fsoptim
 
 __all__ = [
+    "POINTWISE_OPTIMIZERS",
     "ModelCase",
     "OptimizerCase",
-    "POINTWISE_OPTIMIZERS",
     "model_cases",
     "optimizer_cases",
 ]
@@ -156,8 +156,10 @@ def _options(name: str) -> st.SearchStrategy[dict[str, Any]]:
             {"lr": _lr, "momentum": st.sampled_from([0.0, 0.9]), "weight_decay": _wd}
         ).flatmap(
             lambda d: st.fixed_dictionaries(
-                {**{k: st.just(v) for k, v in d.items()},
-                 "nesterov": st.just(False) if d["momentum"] == 0 else st.booleans()}
+                {
+                    **{k: st.just(v) for k, v in d.items()},
+                    "nesterov": st.just(False) if d["momentum"] == 0 else st.booleans(),
+                }
             )
         )
     if name in ("adam", "adamw"):
@@ -166,27 +168,41 @@ def _options(name: str) -> st.SearchStrategy[dict[str, Any]]:
         )
     if name == "rmsprop":
         return st.fixed_dictionaries(
-            {"lr": _lr, "momentum": st.sampled_from([0.0, 0.9]), "centered": st.booleans(),
-             "weight_decay": _wd}
+            {
+                "lr": _lr,
+                "momentum": st.sampled_from([0.0, 0.9]),
+                "centered": st.booleans(),
+                "weight_decay": _wd,
+            }
         )
     if name == "adagrad":
-        return st.fixed_dictionaries({"lr": _lr, "lr_decay": st.sampled_from([0.0, 1e-3]),
-                                      "weight_decay": _wd})
+        return st.fixed_dictionaries(
+            {"lr": _lr, "lr_decay": st.sampled_from([0.0, 1e-3]), "weight_decay": _wd}
+        )
     if name == "adadelta":
-        return st.fixed_dictionaries({"lr": st.sampled_from([0.5, 1.0]), "rho": st.sampled_from([0.9, 0.95]),
-                                      "weight_decay": _wd})
+        return st.fixed_dictionaries(
+            {
+                "lr": st.sampled_from([0.5, 1.0]),
+                "rho": st.sampled_from([0.9, 0.95]),
+                "weight_decay": _wd,
+            }
+        )
     if name == "adamax":
         return st.fixed_dictionaries({"lr": _lr, "betas": _betas, "weight_decay": _wd})
     raise ValueError(f"optimizer_cases: no hyper-parameter strategy for {name!r}")
 
 
-def optimizer_cases(names: Sequence[str] = POINTWISE_OPTIMIZERS) -> st.SearchStrategy[OptimizerCase]:
+def optimizer_cases(
+    names: Sequence[str] = POINTWISE_OPTIMIZERS,
+) -> st.SearchStrategy[OptimizerCase]:
     """Optimizers among `names` with random hyper-parameters."""
     unknown = sorted(set(names) - set(POINTWISE_OPTIMIZERS))
     if unknown or not names:
         raise ValueError(
             f"optimizer_cases: `names` must be a non-empty subset of {POINTWISE_OPTIMIZERS}, "
-            f"got unknown {unknown}" if unknown else "optimizer_cases: `names` is empty"
+            f"got unknown {unknown}"
+            if unknown
+            else "optimizer_cases: `names` is empty"
         )
     return st.sampled_from(list(names)).flatmap(
         lambda name: _options(name).map(
@@ -201,7 +217,8 @@ def model_cases(kinds: Sequence[str] = _KINDS) -> st.SearchStrategy[ModelCase]:
     if unknown or not kinds:
         raise ValueError(
             f"model_cases: `kinds` must be a non-empty subset of {_KINDS}, got unknown {unknown}"
-            if unknown else "model_cases: `kinds` is empty"
+            if unknown
+            else "model_cases: `kinds` is empty"
         )
     return st.builds(
         ModelCase,

@@ -24,7 +24,7 @@ from fscale.distributed.mesh import Mesh
 from fscale.functional import UnitParams
 from fscale.parallel.fsdp.gather import Gatherer, ShardedUnit
 from fscale.parallel.fsdp.units import ROOT, ShardLayout, UnitSpec, assign_units
-from fscale.plan import Context, Plan
+from fscale.plan import Plan
 
 __all__ = ["FsdpOptimizer", "FullyShardPlan"]
 
@@ -80,8 +80,10 @@ class GatherAtUse:
         self.gatherers: list[Gatherer] = []
 
     def __call__(self, live: Shards) -> UnitParams:
-        units = [ShardedUnit(layout, live[layout.name], self.reshard)
-                 for layout in self.plan.layout.units]
+        units = [
+            ShardedUnit(layout, live[layout.name], self.reshard)
+            for layout in self.plan.layout.units
+        ]
         gatherer = Gatherer(self.plan, units)
         for unit in units:
             unit.gatherer = gatherer
@@ -113,9 +115,7 @@ class FullyShardPlan(Plan):
     prefetch: int
     # The model's units, recorded by `init` (or `shard_state`): what turns a state's shards back
     # into named parameters. One entry; a new init replaces it.
-    _layout: list[ShardLayout] = dataclasses.field(
-        default_factory=list, compare=False, repr=False
-    )
+    _layout: list[ShardLayout] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
     def name(self) -> str:

@@ -18,8 +18,8 @@ import torch
 
 from fscale import tree
 from fscale.distributed import collectives
-from fscale.parallel.opt_state import StateMap, check_state, plan_state_init, state_spec
 from fscale.parallel.fsdp.units import ShardLayout
+from fscale.parallel.opt_state import StateMap, check_state, plan_state_init, state_spec
 from fscale.plan import TrainState
 
 if TYPE_CHECKING:
@@ -55,12 +55,13 @@ def consolidate_fully_sharded(plan: FullyShardPlan, step: Any, state: TrainState
     layout = plan.layout
     mesh, axis = plan.mesh, plan.axis
     rank = mesh.rank(axis)
-    devices = {
-        name: shards[unit.name].device for unit in layout.units for name in unit.names
-    }
+    devices = {name: shards[unit.name].device for unit in layout.units for name in unit.names}
     state_map = _state_map(plan, step, layout, devices)
     check_state(
-        "consolidate", "state.opt_state", state.opt_state, state_map.ranks[rank],
+        "consolidate",
+        "state.opt_state",
+        state.opt_state,
+        state_map.ranks[rank],
         f"it is not rank {rank}'s optimizer state of this step",
     )
     with torch.no_grad():
@@ -102,7 +103,10 @@ def shard_fully_sharded(plan: FullyShardPlan, step: Any, full_state: TrainState)
     devices = {name: tensor.device for name, tensor in full_state.params.items()}
     state_map = _state_map(plan, step, layout, devices)
     check_state(
-        "shard_state", "full_state.opt_state", full_state.opt_state, state_map.full,
+        "shard_state",
+        "full_state.opt_state",
+        full_state.opt_state,
+        state_map.full,
         "pass the full state of this step's optimizer on these params",
     )
     opt_state = state_map.shard(full_state.opt_state, rank)
@@ -122,12 +126,13 @@ def _state_map(
     """
     # In the leaf order of the params dict (optree sorts its keys), as state_spec flattens it.
     leaf_devices = tree.leaves({name: devices[name] for name in layout.param_order})
-    full = state_spec(plan_state_init(plan.inner, step), layout.meta_params(),
-                      devices=leaf_devices)
+    full = state_spec(plan_state_init(plan.inner, step), layout.meta_params(), devices=leaf_devices)
     ranks = [
         state_spec(
             plan_state_init(plan.inner, step, _meta_shards(layout)),
-            layout.meta_fragments(rank), layout.fragments(rank), devices=leaf_devices,
+            layout.meta_fragments(rank),
+            layout.fragments(rank),
+            devices=leaf_devices,
         )
         for rank in range(layout.num_shards)
     ]

@@ -193,8 +193,10 @@ def fully_shard(
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fully_shard: `prefetch` must be an int >= 0, got {prefetch!r}")
     if units is not None and not callable(units):
-        if isinstance(units, str) or not isinstance(units, (list, tuple)) or not all(
-            isinstance(p, str) for p in units
+        if (
+            isinstance(units, str)
+            or not isinstance(units, (list, tuple))
+            or not all(isinstance(p, str) for p in units)
         ):
             raise TypeError(
                 "fully_shard: `units` must be None, a list of path prefixes (e.g. ['blocks.0', "

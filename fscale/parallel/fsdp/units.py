@@ -98,7 +98,9 @@ def _checked_function(spec: Callable[[str], Any], caller: str) -> Callable[[str]
     return unit_of
 
 
-def _prefix_units(prefixes: list[str], names: list[str], caller: str) -> Callable[[str], str | None]:
+def _prefix_units(
+    prefixes: list[str], names: list[str], caller: str
+) -> Callable[[str], str | None]:
     def matches(prefix: str, path: str) -> bool:
         return path == prefix or path.startswith(prefix + ".")
 
@@ -179,7 +181,10 @@ class ShardLayout:
 
     @classmethod
     def build(
-        cls, params: dict[str, torch.Tensor], units: dict[str, list[str]], num_shards: int,
+        cls,
+        params: dict[str, torch.Tensor],
+        units: dict[str, list[str]],
+        num_shards: int,
         caller: str,
     ) -> ShardLayout:
         layouts = []

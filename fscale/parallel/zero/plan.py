@@ -21,9 +21,9 @@ from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.optim.base import Layout
+from fscale.parallel.bucket_layout import BucketLayout, layout_of
 from fscale.parallel.opt_state import StateMap, StateSpec, check_state, plan_state_init, state_spec
 from fscale.parallel.reduce import MAX_IN_FLIGHT, add_scatter_axis
-from fscale.parallel.bucket_layout import BucketLayout, layout_of
 from fscale.plan import Context, Plan, TrainState
 
 __all__ = ["ShardedOptState", "ShardedOptimizerPlan", "ZeroOptimizer"]
@@ -84,12 +84,14 @@ class ZeroOptimizer:
 
     def apply(self, optimizer, grads, opt_state, params, *, donate):  # type: ignore[no-untyped-def]
         flats, owned = self._owned(params)
-        grad_fragments = tree.unflatten(
-            self.treedef, self.layout.fragment_views(self.rank, grads)
-        )
+        grad_fragments = tree.unflatten(self.treedef, self.layout.fragment_views(self.rank, grads))
         new_fragments, new_opt_state = optim_lib.step(
-            optimizer, grad_fragments, opt_state, owned,
-            layout=self.optimizer_layout(), donate=donate,
+            optimizer,
+            grad_fragments,
+            opt_state,
+            owned,
+            layout=self.optimizer_layout(),
+            donate=donate,
         )
         new_flats = self._gather_params(tree.leaves(new_fragments), flats, donate)
         return tree.unflatten(self.treedef, self.layout.leaf_views(new_flats)), new_opt_state
@@ -117,7 +119,8 @@ class ZeroOptimizer:
                     shard = bucket_layout.shard(rank, flats[bucket.index])
                 else:
                     shard = torch.zeros(
-                        bucket_layout.shard_size, dtype=bucket_layout.dtype,
+                        bucket_layout.shard_size,
+                        dtype=bucket_layout.dtype,
                         device=bucket_layout.device,
                     )
                 targets = bucket_layout.fragment_views(rank, shard)
@@ -199,11 +202,12 @@ class ShardedOptimizerPlan(Plan):
         flats = layout.pack(tree.leaves(params))
         params = tree.unflatten(treedef, layout.leaf_views(flats))
         role = ZeroOptimizer(self.mesh, self.axis, layout, treedef)
-        state = self.inner.init(step, params, buffers, key,
-                                self.context(ctx).replace(optimizer=role))
-        return state._replace(opt_state=ShardedOptState(
-            state.opt_state, torch.tensor(self._size, dtype=torch.int64)
-        ))
+        state = self.inner.init(
+            step, params, buffers, key, self.context(ctx).replace(optimizer=role)
+        )
+        return state._replace(
+            opt_state=ShardedOptState(state.opt_state, torch.tensor(self._size, dtype=torch.int64))
+        )
 
     def gradients(self, step, state, batch, ctx):  # type: ignore[no-untyped-def]
         opt_state = self._local_opt_state(step, state)
@@ -214,7 +218,10 @@ class ShardedOptimizerPlan(Plan):
     def apply_gradients(self, step, state, grads, aux, ctx):  # type: ignore[no-untyped-def]
         opt_state = self._local_opt_state(step, state)
         new_state, metrics = self.inner.apply_gradients(
-            step, state._replace(opt_state=opt_state.shard), grads, aux,
+            step,
+            state._replace(opt_state=opt_state.shard),
+            grads,
+            aux,
             self.context(ctx).replace(optimizer=self._role(state.params)),
         )
         return new_state._replace(
@@ -241,8 +248,13 @@ class ShardedOptimizerPlan(Plan):
             )
         layout, treedef = self._layout(state.params)
         expected = self._rank_spec(step, layout, treedef)
-        check_state("shard_optimizer", "state.opt_state.shard", opt_state.shard, expected,
-                    "it does not come from this step's init on these params")
+        check_state(
+            "shard_optimizer",
+            "state.opt_state.shard",
+            opt_state.shard,
+            expected,
+            "it does not come from this step's init on these params",
+        )
         return opt_state
 
     def _rank_spec(self, step: Any, layout: BucketLayout, treedef: Any) -> StateSpec:
@@ -277,8 +289,13 @@ class ShardedOptimizerPlan(Plan):
         full_state = self.inner.shard_state(step, full_state)
         layout, treedef = self._layout(full_state.params)
         state_map = self._state_map(step, layout, treedef)
-        check_state("shard_state", "full_state.opt_state", full_state.opt_state, state_map.full,
-                    "it is not the full state of this step's optimizer on these params")
+        check_state(
+            "shard_state",
+            "full_state.opt_state",
+            full_state.opt_state,
+            state_map.full,
+            "it is not the full state of this step's optimizer on these params",
+        )
         flats = layout.pack(tree.leaves(full_state.params))
         return full_state._replace(
             params=tree.unflatten(treedef, layout.leaf_views(flats)),
@@ -297,8 +314,9 @@ class ShardedOptimizerPlan(Plan):
             return state_spec(plan_state_init(self.inner, step), full, devices=layout.devices())
         params = tree.unflatten(treedef, layout.stand_ins(rank))
         fragments = tree.unflatten(treedef, layout.fragments(rank))
-        return state_spec(plan_state_init(self.inner, step, full), params, fragments,
-                          devices=layout.devices())
+        return state_spec(
+            plan_state_init(self.inner, step, full), params, fragments, devices=layout.devices()
+        )
 
     def _state_map(self, step: Any, layout: BucketLayout, treedef: Any) -> StateMap:
         """The full state's spec and every rank's sharded spec (computed locally, no traffic)."""

@@ -153,6 +153,4 @@ def shard_optimizer(
             "or the sharding"
         )
     layers.check_axis_free(step, mesh, axis, "shard_optimizer", replaces=("data_parallel",))
-    return step.replace(
-        plan=ShardedOptimizerPlan(step.plan, mesh, axis, bucket_bytes, shard_grads)
-    )
+    return step.replace(plan=ShardedOptimizerPlan(step.plan, mesh, axis, bucket_bytes, shard_grads))
