@@ -709,7 +709,7 @@ def format_table(
         )
         return "  ".join(padded).rstrip()
 
-    lines = [render(cells[0]), "-" * sum(widths + [2 * (len(widths) - 1)])]
+    lines = [render(cells[0]), "-" * (sum(widths) + 2 * (len(widths) - 1))]
     lines.extend(render(line) for line in cells[1:])
     return "\n".join(lines)
 

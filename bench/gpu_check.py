@@ -68,9 +68,10 @@ def check_remat(device: torch.device) -> None:
             logits, _ = apply(p, b, batch[:, :-1], key=key)
             return models.lm_loss(logits, batch[:, 1:])
 
-        (_, g), peak = _peak(
-            device, lambda: fs.value_and_grad(loss_fn, params, buffers, tokens, fs.random.key(1))
-        )
+        def forward_backward(loss_fn=loss_fn, params=params, buffers=buffers):
+            return fs.value_and_grad(loss_fn, params, buffers, tokens, fs.random.key(1))
+
+        (_, g), peak = _peak(device, forward_backward)
         grads[variant] = (g, peak)
         print(f"      {variant:<20} peak memory of forward+backward: {peak:8.1f} MiB")
     reference = grads["none"][0]
@@ -91,7 +92,7 @@ def check_offload_optimizer(device: torch.device) -> None:
     on_device = {k: v.to(device) for k, v in host.items()}
     plain, offloaded = fs.optim.adamw(1e-2), fs.offload_optimizer(fs.optim.adamw(1e-2), "cpu")
     plain_state, off_state = plain.init(host), offloaded.init(on_device)
-    for step in range(5):
+    for _ in range(5):
         grads = {k: torch.randn(v.shape, generator=g) for k, v in host.items()}
         host, plain_state = fs.optim.step(plain, grads, plain_state, host)
         on_device, off_state = fs.optim.step(
@@ -159,9 +160,7 @@ def main() -> int:
     check_bf16_step(device)
     if device.type == "cuda":
         losses = fs.launch(_dp_rank, 1, backend="nccl")
-        check(
-            "data_parallel under NCCL", all(map(lambda x: x == x, losses)), f"loss {losses[0]:.3f}"
-        )
+        check("data_parallel under NCCL", all(x == x for x in losses), f"loss {losses[0]:.3f}")
         if not args.skip_tests:
             done = subprocess.run(
                 [

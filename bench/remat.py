@@ -214,7 +214,10 @@ def main(argv: list[str] | None = None) -> dict:
             }
         )
 
-    header = f"{'variant':<18} {'median ms':>10} {'min ms':>8} {'x torch.ckpt':>12} {'saved MiB':>10} {'host MiB':>9}"
+    header = (
+        f"{'variant':<18} {'median ms':>10} {'min ms':>8} {'x torch.ckpt':>12} "
+        f"{'saved MiB':>10} {'host MiB':>9}"
+    )
     print(
         f"GPT d_model={cfg.d_model} layers={cfg.n_layers} heads={cfg.n_heads} seq={cfg.seq_len} "
         f"batch={batch} on {device} ({args.threads} threads), {rounds} interleaved rounds"

@@ -128,8 +128,8 @@ def test_release_drops_a_handed_out_bucket_and_refuses_an_unused_one():
     buckets = assign_buckets(leaves, bucket_bytes=8)  # [1], [0]
     collector = GradBuckets(buckets, 2, lambda b, d: collector.release(b.index))
     hooks = collector.hooks()
+    hooks[0](torch.ones(2))
     with pytest.raises(ValueError, match="bucket 1 has not been handed to `on_ready`"):
-        hooks[0](torch.ones(2))
         collector.release(1)
     hooks[1](torch.ones(2))
     assert collector.bucket_data(0) is None and collector.bucket_data(1) is None

@@ -219,7 +219,7 @@ def test_accumulate_refuses_bad_arguments():
         fs.accumulate(step, 2, dim="0")
     stepped = fs.accumulate(step, 2)
     state = stepped.init({"w": torch.ones(3)})
-    with pytest.raises(ValueError, match="divisible|divide"):
+    with pytest.raises(ValueError, match=r"divisible|divide"):
         stepped(state, torch.ones(3, 3))
     assert "accumulate(micro_batches=2, dim=0) ∘ local" in repr(stepped)
 
@@ -335,7 +335,7 @@ def test_reduction_hook_refusals():
     mesh = fs.Mesh(dp=1)
     with pytest.raises(TypeError, match="`reduce_hook` must be callable"):
         fs.data_parallel(step, mesh, reduce_hook=3)
-    with pytest.raises(ValueError, match="torch.func gradients"):
+    with pytest.raises(ValueError, match=r"torch\.func gradients"):
         fs.data_parallel(step.replace(grad_mode="func"), mesh, reduce_hook=lambda g, b, s: g)
     with pytest.raises(ValueError, match="reduce-scatters"):
         fs.data_parallel(

@@ -1,5 +1,6 @@
 """fscale.data: tokenizers, corpora, [T, B] batching with the seq_len + 1 trick, per-rank views."""
 
+import itertools
 import math
 
 import pytest
@@ -128,7 +129,7 @@ def test_word_vocab_save_and_restore_through_tokens():
 
 
 def test_word_vocab_errors():
-    with pytest.raises(ValueError, match="must contain '<eos>'.*`specials`"):
+    with pytest.raises(ValueError, match=r"must contain '<eos>'.*`specials`"):
         WordVocab.build("a b", specials=("<unk>",))
     with pytest.raises(ValueError, match="`min_count` must be an int >= 1, got 0"):
         WordVocab.build("a", min_count=0)
@@ -164,7 +165,7 @@ def test_load_text_and_errors(tmp_path):
         load_text(tmp_path / "missing.txt")
     with pytest.raises(FileNotFoundError, match="is a directory"):
         load_text(tmp_path)
-    with pytest.raises(TypeError, match="`path` must be a str or os.PathLike"):
+    with pytest.raises(TypeError, match=r"`path` must be a str or os\.PathLike"):
         load_text(3)
 
 
@@ -268,7 +269,7 @@ def test_synthetic_corpus_errors():
         synthetic_corpus(10, 2.5)
     with pytest.raises(ValueError, match="`phrase_length` must be a"):
         synthetic_corpus(10, 10, phrase_length=(5, 2))
-    with pytest.raises(TypeError, match="`seed` must be an int or an fscale.random key"):
+    with pytest.raises(TypeError, match=r"`seed` must be an int or an fscale\.random key"):
         synthetic_corpus(10, 10, seed="0")
 
 
@@ -334,7 +335,7 @@ def test_lm_batches_streams_stay_contiguous(num_tokens, batch_size, seq_len):
     batches = list(LMBatches(data, seq_len, drop_last=False))
     for b in batches:
         assert torch.equal(b.inputs[1:], b.targets[:-1])  # targets are inputs shifted by one
-    for before, after in zip(batches, batches[1:]):
+    for before, after in itertools.pairwise(batches):
         assert torch.equal(before.targets[-1], after.inputs[0])  # next batch continues stream
     # Reading every stream back gives the token sequence in its original order.
     streams = torch.cat([batches[0].inputs[:1]] + [b.targets for b in batches])
@@ -363,7 +364,7 @@ def test_lm_batches_errors():
         LMBatches(data, seq_len=5)
     with pytest.raises(
         ValueError,
-        match="the 6 streams of `data` do not divide among `world_size`=4 ranks; .*multiple of 4",
+        match=r"the 6 streams of `data` do not divide among `world_size`=4 ranks; .*multiple of 4",
     ):
         LMBatches(data, seq_len=2, world_size=4)
     with pytest.raises(ValueError, match=r"`rank` must be an int in \[0, world_size=2\), got 2"):
@@ -419,7 +420,7 @@ def test_shard_batch_errors():
         shard_batch(batch, 0, 4, dim=1)
     with pytest.raises(ValueError, match=r"`dim` must be 1 \(time-major \[T, B\]\) or 0"):
         shard_batch(batch, 0, 2, dim=2)
-    with pytest.raises(TypeError, match="must be an LMBatch of tensors.*use split_batch"):
+    with pytest.raises(TypeError, match=r"must be an LMBatch of tensors.*use split_batch"):
         shard_batch((batch.inputs, batch.targets), 0, 2, dim=1)
     with pytest.raises(ValueError, match="inputs and targets must be 2-D and of one shape"):
         shard_batch(LMBatch(batch.inputs, batch.targets[:1]), 0, 2, dim=1)

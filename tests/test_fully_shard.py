@@ -1,4 +1,4 @@
-"""fully_shard: equal to data_parallel, exact traffic and memory, state round trips, clear errors."""
+"""fully_shard: equals data_parallel, exact traffic and memory, state round trips, clear errors."""
 
 from __future__ import annotations
 
@@ -219,7 +219,7 @@ def _peak_gathered(reshard_after_forward, prefetch):
 
 
 @pytest.mark.parametrize(
-    "reshard_after_forward, prefetch, expected_peak",
+    ("reshard_after_forward", "prefetch", "expected_peak"),
     [(True, 0, 1), (True, 1, 2), (True, 2, 3), ("remat", 1, 2), (False, 1, "all")],
 )
 def test_peak_gathered_units(reshard_after_forward, prefetch, expected_peak):
@@ -325,7 +325,7 @@ def _backward_collectives(prefetch):
 
 
 @pytest.mark.parametrize(
-    "prefetch, expected",
+    ("prefetch", "expected"),
     [
         (0, "AG RS AG RS AG RS RS"),
         # Block 2's re-gather, then block 1's (prefetched) before block 2's reduce-scatter...
@@ -579,7 +579,9 @@ def test_a_unit_parameter_used_outside_its_submodule_is_an_error():
         _Unit(p, {k: v for k, v in params.items() if k.startswith(p + ".")})
         for p in ("blocks.0", "blocks.1")
     ]
-    with pytest.raises(RuntimeError, match="'blocks.0.weight' of unit 'blocks.0' was used outside"):
+    with pytest.raises(
+        RuntimeError, match=r"'blocks\.0\.weight' of unit 'blocks\.0' was used outside"
+    ):
         apply(UnitParams({}, units), buffers, torch.ones(1, 2))
 
 
@@ -687,7 +689,7 @@ def test_a_refused_shard_state_leaves_the_step_usable():
     other = fs.TrainState(
         {"v": torch.ones(5)}, {}, (), torch.zeros((), dtype=torch.int64), fs.random.key(0)
     )
-    with pytest.raises(ValueError, match="full_state.opt_state"):
+    with pytest.raises(ValueError, match=r"full_state\.opt_state"):
         shard_state(step, other)
     state, _ = step(state, torch.ones(3))  # still the model it was initialised with
     assert_trees_equal(consolidate(step, state).params, {"w": torch.full((3,), 0.9)})

@@ -1,4 +1,7 @@
-"""fscale.distributed.spawn (launch, init): spawned ranks, their results and failures; joining a launcher's group."""
+"""fscale.distributed.spawn (launch, init): spawned ranks, their results and failures.
+
+init: joining a launcher's group.
+"""
 
 import os
 import socket

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 # The session runs with deterministic algorithms; on CUDA, cuBLAS then needs a fixed workspace
@@ -226,7 +227,7 @@ def test_low_precision_params_get_a_float32_master():
 
 
 def test_offload_optimizer_errors():
-    with pytest.raises(TypeError, match="`optimizer` must be an fscale.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"`optimizer` must be an fscale\.optim\.Optimizer"):
         offload_optimizer(torch.optim.SGD)
     with pytest.raises(ValueError, match="`device`='gpu0' is not a device torch knows"):
         offload_optimizer(optim.sgd(0.1), device="gpu0")
@@ -353,7 +354,7 @@ def test_at_most_prefetch_plus_one_stages_are_resident(prefetch):
         assert events[-1].resident == ()
         if prefetch:
             # The next stage's copy is issued before the current stage computes.
-            for current, following in zip(order, order[1:]):
+            for current, following in itertools.pairwise(order):
                 assert _position(events, following, "fetch") < _position(events, current, "compute")
 
 
@@ -515,7 +516,7 @@ def test_checked_device_names_the_argument():
     assert transfer.checked_device("f", "where", "cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="f: `where`='gpu0' is not a device torch knows"):
         transfer.checked_device("f", "where", "gpu0")
-    with pytest.raises(TypeError, match="f: `where` must be a device string or torch.device"):
+    with pytest.raises(TypeError, match=r"f: `where` must be a device string or torch\.device"):
         transfer.checked_device("f", "where", 0)
 
 

@@ -151,11 +151,11 @@ def test_adafactor_state_is_factored():
     assert state.v["embed"].numel() == 0 and state.v["blocks"][1].shape == (6,)
 
 
-# ----------------------------------------------------------------------------- layout: simulated shards
+# ------------------------------------------------------------------------ layout: simulated shards
 
 
 class _ThreadGroup:
-    """N ranks in threads; `all_reduce` sums every rank's tensor in rank order, like a collective."""
+    """N ranks in threads; `all_reduce` sums every rank's tensor in rank order, as a collective."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -209,7 +209,7 @@ def _train_sharded(opt, size: int, params=PARAMS, grads_seq=GRADS):
 
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize(
-    "make, calls_per_step",
+    ("make", "calls_per_step"),
     [
         (lambda: optim.lamb(0.05, weight_decay=0.01), 1),
         (lambda: optim.adafactor(clip_threshold=None, beta1=0.9), 1),
@@ -509,12 +509,12 @@ def test_mismatched_trees_name_the_structures():
 
 
 def test_integer_params_are_refused():
-    with pytest.raises(TypeError, match="'n' has dtype torch.int64"):
+    with pytest.raises(TypeError, match=r"'n' has dtype torch\.int64"):
         optim.sgd(0.1).init({"n": torch.ones(3, dtype=torch.int64)})
 
 
 @pytest.mark.parametrize(
-    "make, match",
+    ("make", "match"),
     [
         (lambda: optim.adam(-1e-3), "`lr` must be >= 0"),
         (lambda: optim.sgd(-0.1), "`lr` must be >= 0"),
@@ -545,7 +545,7 @@ def test_negative_schedule_value_fails_at_that_step():
     opt = optim.adam(lambda count: 0.1 - 0.1 * count)
     params, state = optim.step(opt, GRADS[0], opt.init(PARAMS), PARAMS)
     params, state = optim.step(opt, GRADS[1], state, params)
-    with pytest.raises(ValueError, match="returned -0.1.* at count=2"):
+    with pytest.raises(ValueError, match=r"returned -0\.1.* at count=2"):
         optim.step(opt, GRADS[2], state, params)
 
 

@@ -72,7 +72,7 @@ def test_an_innermost_layer_must_compute():
     step = _step().replace(plan=Incomplete())
     with pytest.raises(NotImplementedError, match="innermost layer of a plan must implement"):
         step.init({"w": torch.ones(3)})
-    with pytest.raises(TypeError, match="not an fscale.Plan"):
+    with pytest.raises(TypeError, match=r"not an fscale\.Plan"):
         fs.data_parallel(_step().replace(plan=object()), fs.Mesh(dp=1))
 
 
@@ -99,7 +99,7 @@ def test_layers_axes_and_print():
 
 def test_layers_on_different_meshes_are_refused():
     step = fs.fully_shard(_step(), fs.Mesh(dp=1), "dp")
-    with pytest.raises(ValueError, match="another mesh .Mesh\\(dp=1\\).*Mesh\\(replica=1, dp=1\\)"):
+    with pytest.raises(ValueError, match=r"another mesh \(Mesh\(dp=1\)\).*Mesh\(replica=1, dp=1\)"):
         fs.data_parallel(step, fs.Mesh(replica=1, dp=1), "replica")
 
 

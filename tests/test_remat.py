@@ -46,6 +46,11 @@ def _seeded_loss(fn):
     return loss
 
 
+def _grad_of_grad(loss):
+    """The gradient in (x, w) of the squared norm of loss's gradient in x."""
+    return torch.func.grad(lambda x, w: torch.func.grad(loss)(x, w).pow(2).sum(), (0, 1))
+
+
 def _first_order(loss, path, x, w):
     if path == "autograd":
         return torch.autograd.grad(loss(x, w), (x, w))
@@ -113,10 +118,7 @@ def test_nested_checkpoints(path):
     outer = checkpoint(lambda x, w: inner(inner(x, w), w), policy=save_names("hidden"))
     plain, remat = (_seeded_loss(lambda x, w: _block(_block(x, w), w)), _seeded_loss(outer))
     if path == "grad-of-grad":
-        expected, actual = (
-            torch.func.grad(lambda x, w: torch.func.grad(f)(x, w).pow(2).sum(), (0, 1))(x, w)
-            for f in (plain, remat)
-        )
+        expected, actual = (_grad_of_grad(f)(x, w) for f in (plain, remat))
         torch.testing.assert_close(actual, expected)
     else:
         # w is shared by both inner calls: its two contributions are summed in another order.
@@ -164,7 +166,7 @@ def test_returning_an_input_or_a_view_of_it_under_offload():
         remat = checkpoint(fn, offload=True)
         expected = torch.autograd.grad(fn(x).sum() * 2, x)
         _assert_equal(torch.autograd.grad(remat(x).sum() * 2, x), expected)
-        _assert_equal((torch.func.grad(lambda t: remat(t).sum() * 2)(x),), expected)
+        _assert_equal((torch.func.grad(lambda t, remat=remat: remat(t).sum() * 2)(x),), expected)
 
 
 @pytest.mark.parametrize("path", ["autograd", "func.grad", "vjp"])
@@ -244,7 +246,7 @@ def test_name_is_an_identity_outside_checkpoints():
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(TypeError, match="`fn` must be a callable or an nn.Module, got int"):
+    with pytest.raises(TypeError, match=r"`fn` must be a callable or an nn\.Module, got int"):
         checkpoint(3)
     with pytest.raises(TypeError, match="`offload` must be True or False"):
         checkpoint(torch.sin, offload="yes")
@@ -436,7 +438,7 @@ def test_named_values_are_counted_as_saved():
     assert stats.saved_bytes == (6 * 5 + 5 * 5 + 6 * 5) * 8
 
 
-@pytest.mark.parametrize("module_mode, call_mode", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize(("module_mode", "call_mode"), [(True, True), (False, True), (True, False)])
 def test_recompute_replays_the_train_mode_of_its_forward(module_mode, call_mode):
     """functionalize's apply restores the modules' modes before backward recomputes."""
     import copy
@@ -462,8 +464,8 @@ def test_recompute_replays_the_train_mode_of_its_forward(module_mode, call_mode)
         return fs.value_and_grad(loss_fn, params, buffers, tokens, fs.random.key(3))[1]
 
     expected, actual = grads(plain), grads(checkpointed)
-    for name in expected:
-        assert torch.equal(actual[name], expected[name]), name
+    for key in expected:
+        assert torch.equal(actual[key], expected[key]), key
 
 
 # ----------------------------------------------------------------------------------------------

@@ -332,7 +332,7 @@ def _ledger_one_step(shard_grads):
     return psi, [(r.op, r.numel, r.elements) for r in ledger.records]
 
 
-@pytest.mark.parametrize("world,shard_grads", [(2, True), (4, True), (4, False)])
+@pytest.mark.parametrize(("world", "shard_grads"), [(2, True), (4, True), (4, False)])
 def test_traffic_is_one_reduce_scatter_and_one_all_gather(world, shard_grads):
     for psi, records in run_spmd(_ledger_one_step, world, shard_grads):
         scatters = [r for r in records if r[0] == "reduce_scatter"]
@@ -379,7 +379,7 @@ def test_memory_per_rank(world):
     for out in run_spmd(_memory, world):
         psi, padded, bucket = out["psi"], out["psi_padded"], out["max_bucket"]
         for shard_grads in (True, False):
-            params_bytes, state_bytes, grad_bytes, peak = out[shard_grads]
+            params_bytes, state_bytes, grad_bytes, _peak = out[shard_grads]
             assert params_bytes == 4 * padded  # replicated, in the padded bucket buffers
             # Adam: two fp32 moments of this rank's elements (+ the count and the shard count).
             assert abs(state_bytes - 8 * psi / world) <= 8 * bucket + 16
@@ -541,14 +541,15 @@ def _bad_states():
             fs.train_step(other_model.loss_fn(other_apply), fs.optim.adam(0.1)), fs.Mesh(dp=world)
         ).init(other_params),
     }
-    messages = {}
-    for kind, attempt in attempts.items():
-        try:
-            attempt()
-            messages[kind] = None
-        except ValueError as error:  # raised on every rank before anything is sent
-            messages[kind] = str(error)
-    return messages
+    return {kind: _error_message(attempt) for kind, attempt in attempts.items()}
+
+
+def _error_message(attempt) -> str | None:
+    try:
+        attempt()
+    except ValueError as error:  # raised on every rank before anything is sent
+        return str(error)
+    return None
 
 
 BAD_STATE_MESSAGES = {
@@ -571,7 +572,7 @@ def test_bad_arguments():
     step = fs.train_step(lambda p, b, x, k: p["w"].sum(), fs.optim.sgd(0.1))
     with pytest.raises(ValueError, match="no axis 'dp'"):
         shard_optimizer(step, fs.Mesh(tp=1))
-    with pytest.raises(TypeError, match="fscale.Mesh"):
+    with pytest.raises(TypeError, match=r"fscale\.Mesh"):
         shard_optimizer(step, "dp")
     with pytest.raises(TypeError, match="Step"):
         shard_optimizer(lambda s, b: s, fs.Mesh(dp=1))
@@ -581,8 +582,8 @@ def test_bad_arguments():
         shard_optimizer(step, fs.Mesh(dp=1), shard_grads="yes")
     with pytest.raises(ValueError, match="already shards its optimizer"):
         shard_optimizer(shard_optimizer(step, fs.Mesh(dp=1)), fs.Mesh(dp=1))
-    with pytest.raises(ValueError, match="already shards its optimizer state .fully_shard"):
-        mesh = fs.Mesh(dp=1, fsdp=1)
+    mesh = fs.Mesh(dp=1, fsdp=1)
+    with pytest.raises(ValueError, match=r"already shards its optimizer state \(fully_shard"):
         shard_optimizer(fs.fully_shard(step, mesh), mesh, "fsdp")
     with pytest.raises(TypeError, match="TrainState"):
         consolidate(step, {"w": torch.ones(1)})

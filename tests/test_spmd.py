@@ -79,7 +79,7 @@ def test_describe_tree_and_check_axis():
         "a: (2,) int8",
         "b: float",
     ]
-    with pytest.raises(ValueError, match="no axis 'pp'.*fscale.Mesh\\(pp=world_size\\)"):
+    with pytest.raises(ValueError, match=r"no axis 'pp'.*fscale\.Mesh\(pp=world_size\)"):
         spmd.check_axis(fs.Mesh(dp=1), "pp", "my_plan")
-    with pytest.raises(TypeError, match="my_plan: `mesh` must be an fscale.Mesh"):
+    with pytest.raises(TypeError, match=r"my_plan: `mesh` must be an fscale\.Mesh"):
         spmd.check_axis("dp", "dp", "my_plan")

@@ -38,7 +38,7 @@ def test_optimizer_cases_match_their_torch_counterpart_for_a_step(opt):
 
 def test_frozen_parameters_and_errors():
     case = fst.ModelCase("mlp", freeze=("0.bias",))
-    apply, params, buffers = fs.functionalize(case.module())
+    _, params, buffers = fs.functionalize(case.module())
     assert "0.bias" in buffers and "0.bias" not in params
     with pytest.raises(ValueError, match="cannot freeze"):
         fst.ModelCase("mlp", freeze=("nope",)).module()
