@@ -109,7 +109,7 @@ class PlainOptimizer:
     def init(self, optimizer: optim_lib.Optimizer, params: PyTree) -> PyTree:
         return optimizer.init(params, layout=self.layout)
 
-    def apply(self, optimizer, grads, opt_state, params, *, donate):  # type: ignore[no-untyped-def]
+    def apply(self, optimizer, grads, opt_state, params, *, donate):
         return optim_lib.step(
             optimizer, grads, opt_state, params, layout=self.layout, donate=donate
         )
@@ -165,9 +165,9 @@ class Plan:
     `consolidate` and `shard_state` to unwrap and rewrap it.
     """
 
-    # Subclasses set it (a dataclass field, typically); the base class only declares it, so a
-    # dataclass subclass's `inner` field has no inherited default.
-    inner: Plan | None
+    # Subclasses hold the layer inside them in an attribute `inner` (a dataclass field,
+    # typically; None for the innermost layer). The base class reads it with getattr and does
+    # not declare it, so a dataclass subclass's `inner` field has no inherited default.
 
     # ---- composition ---------------------------------------------------------------------
 
@@ -263,11 +263,11 @@ class LocalPlan(Plan):
     def name(self) -> str:
         return "local"
 
-    def init(self, step, params, buffers, key, ctx):  # type: ignore[no-untyped-def]
+    def init(self, step, params, buffers, key, ctx):
         opt_state = ctx.optimizer.init(step.optimizer, params)
         return TrainState(params, buffers, opt_state, torch.zeros((), dtype=torch.int64), key)
 
-    def gradients(self, step, state, batch, ctx):  # type: ignore[no-untyped-def]
+    def gradients(self, step, state, batch, ctx):
         if ctx.key is None:
             raise ValueError("LocalPlan.gradients: `ctx.key` is None; call step.gradients(...)")
         out, grads = value_and_grad(
@@ -282,15 +282,15 @@ class LocalPlan(Plan):
         metrics = {**out.metrics, "grad_bytes": tree_bytes(grads)}
         return grads, GradAux(out.loss, out.buffers, metrics)
 
-    def apply_gradients(self, step, state, grads, aux, ctx):  # type: ignore[no-untyped-def]
+    def apply_gradients(self, step, state, grads, aux, ctx):
         params, opt_state = ctx.optimizer.apply(
             step.optimizer, grads, state.opt_state, state.params, donate=step.donate
         )
         new_state = TrainState(params, aux.buffers, opt_state, state.step + 1, state.key)
         return new_state, {"loss": aux.loss, **aux.metrics}
 
-    def consolidate(self, step, state):  # type: ignore[no-untyped-def]
+    def consolidate(self, step, state):
         return state
 
-    def shard_state(self, step, full_state):  # type: ignore[no-untyped-def]
+    def shard_state(self, step, full_state):
         return full_state

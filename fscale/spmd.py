@@ -29,6 +29,7 @@ from fscale.distributed.mesh import Mesh
 __all__ = [
     "all_gather_objects",
     "average_updated_buffers",
+    "axis_arg",
     "broadcast_tree",
     "check_axis",
     "check_same_on_all_ranks",
@@ -47,7 +48,12 @@ def rank_key(
     step_key = fsrandom.fold_in(key, step)
     if mesh is None or not axes:
         return step_key
-    return fsrandom.fold_in(step_key, mesh.rank(axes if len(axes) > 1 else axes[0]))
+    return fsrandom.fold_in(step_key, mesh.rank(axis_arg(axes)))
+
+
+def axis_arg(axes: tuple[str, ...]) -> str | tuple[str, ...]:
+    """`axes` as a collective's `axis` argument: the name itself when there is one."""
+    return axes[0] if len(axes) == 1 else axes
 
 
 def check_axis(mesh: Any, axis: str, caller: str) -> None:
@@ -142,7 +148,7 @@ def broadcast_tree(values: Any, mesh: Mesh, axis: str) -> Any:
     return tree.map(copy_from_source, values)
 
 
-def mean_floating_leaves(values: Any, mesh: Mesh, axis: str) -> Any:
+def mean_floating_leaves(values: Any, mesh: Mesh, axis: str | tuple[str, ...]) -> Any:
     """Average the floating-point tensor leaves over `axis` (integer leaves are kept as is).
 
     One collective for all leaves of a dtype: they are packed into one flat buffer first.
@@ -166,7 +172,7 @@ def mean_floating_leaves(values: Any, mesh: Mesh, axis: str) -> Any:
     return tree.unflatten(treedef, out)
 
 
-def average_updated_buffers(old: Any, new: Any, mesh: Mesh, axis: str) -> Any:
+def average_updated_buffers(old: Any, new: Any, mesh: Mesh, axis: str | tuple[str, ...]) -> Any:
     """Average over `axis` the floating-point buffers the loss returned anew.
 
     BatchNorm statistics differ across ranks and are averaged, so every rank holds the same
@@ -184,7 +190,9 @@ def average_updated_buffers(old: Any, new: Any, mesh: Mesh, axis: str) -> Any:
     return tree.unflatten(treedef, new_leaves)
 
 
-def reduce_metrics(metrics: dict[str, Any], mesh: Mesh, axis: str) -> dict[str, Any]:
+def reduce_metrics(
+    metrics: dict[str, Any], mesh: Mesh, axis: str | tuple[str, ...]
+) -> dict[str, Any]:
     """Mean of the scalar floating-point metrics over `axis`, in one collective."""
     if mesh.size(axis) == 1:
         return metrics

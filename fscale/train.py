@@ -11,7 +11,8 @@ local batch, or ``(loss, new_buffers)``, or ``(loss, new_buffers, extra_metrics)
 are taken with ``torch.autograd.grad`` with respect to detached aliases (no copies) of the
 parameter leaves (measured: as fast as eager ``loss.backward()`` and the least memory);
 ``grad_mode="func"`` takes them with ``torch.func.grad`` instead, for users who need
-higher-order gradients of the step (it builds a second-order graph: about 2x the peak memory of the default path).
+higher-order gradients of the step (it builds a second-order graph: about 2x the peak memory of
+the default path).
 
 Metrics: ``loss`` (the mean loss), the loss_fn's extra metrics, and ``grad_bytes``: the bytes of
 gradient storage this rank held for the update (exact, see `fscale.memory.tree_bytes`).
@@ -84,25 +85,19 @@ class Step:
         _check_params(params)
         if buffers is None:
             buffers = {}
-        if key is None:
-            key = fsrandom.key(0)
-        elif isinstance(key, int) and not isinstance(key, bool):
-            key = fsrandom.key(key)
-        elif not fsrandom.is_key(key):
-            raise TypeError(
-                "Step.init: `key` must be an int seed or a key from fscale.random.key(seed), "
-                f"got {type(key).__name__}"
-            )
+        start_key = _key(key)
         mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
         if mesh is not None and axes:
-            lines = spmd.describe_tree(params) + ["buffers:"] + spmd.describe_tree(buffers)
+            lines = [*spmd.describe_tree(params), "buffers:", *spmd.describe_tree(buffers)]
             for axis in axes:
                 spmd.check_same_on_all_ranks(
                     mesh, axis, lines, "the parameter and buffer trees", self.plan.name
                 )
             for axis in axes:
-                params, buffers, key = spmd.broadcast_tree((params, buffers, key), mesh, axis)
-        return self.plan.init(self, params, buffers, key, Context())
+                params, buffers, start_key = spmd.broadcast_tree(
+                    (params, buffers, start_key), mesh, axis
+                )
+        return self.plan.init(self, params, buffers, start_key, Context())
 
     def gradients(self, state: TrainState, batch: Batch) -> tuple[PyTree, GradAux]:
         """The gradient phase: ``(grads, aux)``, grads in the plan's layout (full, reduced or
@@ -126,7 +121,7 @@ class Step:
         new_state, metrics = self.plan.apply_gradients(self, state, grads, aux, Context())
         mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
         if mesh is not None and axes:
-            axis = axes if len(axes) > 1 else axes[0]
+            axis = spmd.axis_arg(axes)
             buffers = spmd.average_updated_buffers(state.buffers, new_state.buffers, mesh, axis)
             new_state = new_state._replace(buffers=buffers)
             metrics = spmd.reduce_metrics(metrics, mesh, axis)
@@ -146,6 +141,20 @@ class Step:
             f"Step(loss_fn={name}, optimizer={self.optimizer!r}, plan={self.plan!r}, "
             f"grad_mode={self.grad_mode!r}, donate={self.donate})"
         )
+
+
+def _key(key: Any) -> torch.Tensor:
+    """`key` (a key, an int seed, or None for seed 0) as a key."""
+    if key is None:
+        return fsrandom.key(0)
+    if isinstance(key, int) and not isinstance(key, bool):
+        return fsrandom.key(key)
+    if not isinstance(key, torch.Tensor) or not fsrandom.is_key(key):
+        raise TypeError(
+            "Step.init: `key` must be an int seed or a key from fscale.random.key(seed), "
+            f"got {type(key).__name__}"
+        )
+    return key
 
 
 def _check_state(state: Any) -> None:
@@ -211,7 +220,8 @@ def train_step(
         raise TypeError(f"train_step: `loss_fn` must be callable, got {type(loss_fn).__name__}")
     if not isinstance(optimizer, optim_lib.Optimizer):
         raise TypeError(
-            "train_step: `optimizer` must be an fscale.optim.Optimizer (e.g. fscale.optim.adamw(3e-4)), "
+            "train_step: `optimizer` must be an fscale.optim.Optimizer (e.g. "
+            "fscale.optim.adamw(3e-4)), "
             f"got {type(optimizer).__name__}"
         )
     if grad_mode not in GRAD_MODES:

@@ -578,3 +578,12 @@ def test_optimizers_print_the_call_that_made_them():
     )
     # The description is metadata only: optimizers with and without it behave the same.
     assert optim.sgd(0.1)._replace(description="").pointwise
+
+
+def test_a_state_missing_a_buffer_its_configuration_needs_is_named():
+    params = {"w": torch.ones(3)}
+    plain = optim.sgd(0.1)
+    with_momentum = optim.sgd(0.1, momentum=0.9)
+    # A state made without momentum has no momentum buffer; the momentum step says which.
+    with pytest.raises(TypeError, match=r"sgd: the state's `momentum_buffer` is None"):
+        optim.step(with_momentum, {"w": torch.ones(3)}, plain.init(params), params)

@@ -125,7 +125,11 @@ def bundled_corpus() -> str:
     punctuation are separated by spaces, and hyphens and number separators are written
     ``@-@``, ``@,@`` and ``@.@`` as in WikiText. Use `split_text` for train / valid / test.
     """
-    return resources.files(__package__).joinpath(_BUNDLED_FILE).read_text(encoding="utf-8")
+    return (
+        resources.files(__name__.rpartition(".")[0])
+        .joinpath(_BUNDLED_FILE)
+        .read_text(encoding="utf-8")
+    )
 
 
 def split_text(text: str, valid_fraction: float = 0.1, test_fraction: float = 0.1) -> Splits:
@@ -215,7 +219,7 @@ def synthetic_corpus(
             "synthetic_corpus: `phrase_length` must be a (shortest, longest) tuple of ints with "
             f"1 <= shortest <= longest, got {phrase_length!r}"
         )
-    if fs_random.is_key(seed):
+    if isinstance(seed, torch.Tensor) and fs_random.is_key(seed):
         seed = fs_random.seed(seed)
     elif isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(

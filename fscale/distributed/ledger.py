@@ -1,8 +1,9 @@
 """The communication ledger: a record of every collective this rank issues, for tests and tuning.
 
-Inside ``with comm_ledger() as ledger:`` each collective of `fscale.distributed.collectives` appends a
-`CommRecord` to `ledger.records` at the point where it is issued, in the forward pass or in the
-backward pass, so a test can assert that a strategy moves exactly the bytes its analysis says::
+Inside ``with comm_ledger() as ledger:`` each collective of `fscale.distributed.collectives`
+appends a `CommRecord` to `ledger.records` at the point where it is issued, in the forward pass
+or in the backward pass, so a test can assert that a strategy moves exactly the bytes its
+analysis says::
 
     with fscale.distributed.comm_ledger() as ledger:
         grads = step_grads(params, batch)

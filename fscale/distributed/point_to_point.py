@@ -47,8 +47,10 @@ class _Exchange(torch.autograd.Function):
             sends = send_to is not None and send_to != comm.index
             issue(comm, kind, x, x.numel() if sends else 0, extra)
         else:
-            peer = send_to if kind == "send" else recv_from
             if debug_enabled():
+                peer = send_to if kind == "send" else recv_from
+                if peer is None:  # `send` and `recv` always name their peer
+                    raise ValueError(f"{kind}: the peer index is None")
                 check_pair(comm, kind, x, peer)
             record(kind, comm.axis, x.dtype, x.numel(), comm.size)
         if send_to is not None and send_to == comm.index:
@@ -56,12 +58,13 @@ class _Exchange(torch.autograd.Function):
         works = []
         if send_to is not None:
             works.append(dist.isend(x.contiguous(), group=comm.group, group_dst=send_to))
+        received = None
         if recv_from is not None:
             received = torch.empty_like(x, memory_format=torch.contiguous_format)
             works.append(dist.irecv(received, group=comm.group, group_src=recv_from))
         for work in works:
             work.wait()
-        if recv_from is not None:
+        if received is not None:
             return received
         return torch.zeros_like(x) if kind == "ppermute" else x.new_zeros(())
 

@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.process
 import os
 import pickle
 import signal
@@ -23,11 +24,20 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    # The parent's end of a context's `Pipe`: a Connection, or on Windows a PipeConnection with
+    # the same methods (the stubs give the two no public common base).
+    PipeEnd: TypeAlias = (
+        multiprocessing.connection.Connection | multiprocessing.connection.PipeConnection
+    )
 
 _BACKENDS = ("gloo", "nccl")
 _LOCALHOST = "127.0.0.1"
@@ -282,7 +292,7 @@ class Replies:
 
 
 def gather_replies(
-    connections: Sequence[multiprocessing.connection.Connection],
+    connections: Sequence[PipeEnd],
     processes: Sequence[multiprocessing.process.BaseProcess],
     deadline: float,
 ) -> Replies:
@@ -329,7 +339,7 @@ def terminate(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
 
 def _receive(
     rank_id: int,
-    connection: multiprocessing.connection.Connection,
+    connection: PipeEnd,
     process: multiprocessing.process.BaseProcess,
     replies: Replies,
 ) -> None:
@@ -364,8 +374,7 @@ def _failure_error(world: int, failures: Mapping[int, str], unfinished: Sequence
     if unfinished:
         summary += f"; rank(s) {list(unfinished)} were still running and were terminated"
     sections = [f"{summary}."]
-    for rank_id in failures:
-        sections.append(f"--- rank {rank_id} ---\n{failures[rank_id].rstrip()}")
+    sections.extend(f"--- rank {rank_id} ---\n{failures[rank_id].rstrip()}" for rank_id in failures)
     return RankError("\n\n".join(sections), failures, unfinished)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.process
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence

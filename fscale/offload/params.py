@@ -134,10 +134,10 @@ class _Pass:
     def _grads_to_host(
         self, grads: list[torch.Tensor | None], host_leaves: Sequence[torch.Tensor]
     ) -> list[torch.Tensor | None]:
-        present = [i for i, g in enumerate(grads) if g is not None]
-        moved = self.stages.transfer.download([grads[i] for i in present]) if present else []
+        present = [(i, g) for i, g in enumerate(grads) if g is not None]
+        moved = self.stages.transfer.download([g for _, g in present]) if present else []
         out: list[torch.Tensor | None] = [None] * len(grads)
-        for i, g in zip(present, moved):
+        for (i, _), g in zip(present, moved):
             out[i] = g.to(host_leaves[i].device)
         return out
 

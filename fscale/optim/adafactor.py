@@ -163,28 +163,24 @@ def adafactor(
         beta2_t = 1.0 - t ** (-decay_rate)
         states = inputs.states
         if inputs.params:
+            rows = core.required_state(name, inputs, "row")
+            cols = core.required_state(name, inputs, "col")
+            vs = core.required_state(name, inputs, "v")
             with torch.no_grad():
                 leaves = [
                     _Leaf(p, g, frag, is_factored(frag))
                     for p, g, frag in zip(inputs.params, inputs.grads, fragments)
                 ]
-                param_rms = _second_moments(
-                    leaves,
-                    states["row"],
-                    states["col"],
-                    states["v"],
-                    all_reduce,
-                    beta2_t,
-                    eps1,
-                )
+                param_rms = _second_moments(leaves, rows, cols, vs, all_reduce, beta2_t, eps1)
                 updates = [
                     leaf.scaled_grad(row, col, v)
-                    for leaf, row, col, v in zip(leaves, states["row"], states["col"], states["v"])
+                    for leaf, row, col, v in zip(leaves, rows, cols, vs)
                 ]
                 if clip_threshold is not None:
                     _clip(leaves, updates, all_reduce, clip_threshold)
                 if beta1 is not None:
-                    momentum = [m.view(-1) for m in states["exp_avg"]]
+                    exp_avg = core.required_state(name, inputs, "exp_avg")
+                    momentum = [m.view(-1) for m in exp_avg]
                     torch._foreach_lerp_(
                         momentum, [u.to(m) for u, m in zip(updates, momentum)], 1 - beta1
                     )

@@ -26,6 +26,8 @@ from fscale.flat import FlatBuffer
 from fscale.optim.base import Layout, Optimizer
 
 PyTree = Any
+# What torch's `_foreach_*` kernels take and return (their results are tuples, not lists).
+TensorList = list[torch.Tensor] | tuple[torch.Tensor, ...]
 
 
 # ----------------------------------------------------------------------------- params and state
@@ -147,7 +149,7 @@ def packed_copy(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def writable(leaves: Sequence[torch.Tensor], donate: bool) -> list[torch.Tensor]:
+def writable(leaves: list[torch.Tensor], donate: bool) -> list[torch.Tensor]:
     """Tensors with the values of `leaves` that the step may update in place.
 
     With `donate`, the caller gave its tensors up, so they are used as they are (a non-contiguous
@@ -231,6 +233,17 @@ def step_inputs(
     return StepInputs(treedef, grad_leaves, param_leaves, state_leaves)
 
 
+def required_state(name: str, inputs: StepInputs, field: str) -> list[torch.Tensor]:
+    """The leaves of state field `field`; a TypeError if the state left it out (None)."""
+    leaves = inputs.states[field]
+    if leaves is None:
+        raise TypeError(
+            f"{name}: the state's `{field}` is None, but this configuration updates it; pass "
+            f"the state that {name}'s init returned"
+        )
+    return leaves
+
+
 def _leaves_like(
     name: str, what: str, value: PyTree, treedef: optree.PyTreeSpec
 ) -> list[torch.Tensor]:
@@ -273,11 +286,11 @@ def bias_correction(beta: float, step: int) -> float:
     return 1 - beta ** float(step)
 
 
-def picker(indices: list[int], total: int) -> Callable[[list[Any] | None], list[Any] | None]:
-    """Select `indices` from a list (None stays None); the identity when they are all of it."""
+def picker(indices: list[int], total: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    """Select `indices` from a list; the identity when they are all of it."""
     if len(indices) == total:
         return lambda leaves: leaves
-    return lambda leaves: None if leaves is None else [leaves[i] for i in indices]
+    return lambda leaves: [leaves[i] for i in indices]
 
 
 def unflattener(treedef: optree.PyTreeSpec) -> Callable[[list[Any] | None], PyTree]:
@@ -287,17 +300,18 @@ def unflattener(treedef: optree.PyTreeSpec) -> Callable[[list[Any] | None], PyTr
 
 def regularized_grads(
     grads: list[torch.Tensor], params: list[torch.Tensor], *, maximize: bool, weight_decay: float
-) -> list[torch.Tensor]:
+) -> TensorList:
     """The gradients negated for `maximize` and with the L2 term ``weight_decay * param`` added.
 
     The first operations of torch.optim's single-tensor paths, as new tensors (`grads` are the
     caller's and stay untouched); `grads` itself when neither applies.
     """
+    regularized: TensorList = grads
     if maximize:
-        grads = torch._foreach_neg(grads)
+        regularized = torch._foreach_neg(regularized)
     if weight_decay != 0:
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)
-    return grads
+        regularized = torch._foreach_add(regularized, params, alpha=weight_decay)
+    return regularized
 
 
 # ----------------------------------------------------------------------------- pointwise optimizers
@@ -309,15 +323,15 @@ class Group(NamedTuple):
     Attributes:
         params: the writable params, updated in place.
         grads: the gradients, read only.
-        buffers: the writable state buffers by field name, updated in place; None for a field
-            that the optimizer's configuration leaves out.
+        buffers: the writable state buffers by field name, updated in place; only the fields
+            that the optimizer's configuration uses.
         step: the number of this update, counting from 1 (torch's ``step`` after its increment).
         lr: the learning rate of this update.
     """
 
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
-    buffers: dict[str, list[torch.Tensor] | None]
+    buffers: dict[str, list[torch.Tensor]]
     step: int
     lr: float
 
@@ -390,7 +404,9 @@ def pointwise_optimizer(
         with torch.no_grad():
             for indices in device_groups(inputs.params):
                 pick = picker(indices, len(inputs.params))
-                group_buffers = {field: pick(leaves) for field, leaves in inputs.states.items()}
+                group_buffers = {
+                    field: pick(required_state(name, inputs, field)) for field in buffers
+                }
                 group = Group(
                     pick(inputs.params), pick(inputs.grads), group_buffers, count + 1, lr_now
                 )

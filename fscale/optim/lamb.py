@@ -101,15 +101,14 @@ def lamb(
         )
         _, all_reduce = resolve_layout(name, layout, inputs.params, inputs.treedef)
         lr_now = lr_at(count)
-        exp_avg, exp_avg_sq = inputs.states["exp_avg"], inputs.states["exp_avg_sq"]
         params_ = inputs.params
         if params_:
             with torch.no_grad():
                 direction = _direction(
                     inputs.grads,
                     params_,
-                    exp_avg,
-                    exp_avg_sq,
+                    core.required_state(name, inputs, "exp_avg"),
+                    core.required_state(name, inputs, "exp_avg_sq"),
                     count + 1,
                     beta1,
                     beta2,
@@ -130,8 +129,8 @@ def lamb(
         unflatten = core.unflattener(inputs.treedef)
         return unflatten(params_), LambState(
             count=core.next_count(count),
-            exp_avg=unflatten(exp_avg),
-            exp_avg_sq=unflatten(exp_avg_sq),
+            exp_avg=unflatten(inputs.states["exp_avg"]),
+            exp_avg_sq=unflatten(inputs.states["exp_avg_sq"]),
         )
 
     return Optimizer(init=init, update=core.derive_update(apply), apply=apply, pointwise=False)
@@ -147,7 +146,7 @@ def _direction(
     beta2: float,
     eps: float,
     weight_decay: float,
-) -> list[torch.Tensor]:
+) -> core.TensorList:
     """Update the moments in place and return ``r``, the Adam direction plus weight decay."""
     torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sq, beta2)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import optree
 import torch
@@ -83,14 +83,14 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
                     f"structure {treedef}; give one label per parameter leaf"
                 )
         indices: dict[str, list[int]] = {label: [] for label in names}
-        for path, label in zip(paths, leaf_labels):
+        for i, (path, label) in enumerate(zip(paths, leaf_labels)):
             if label not in indices:
                 raise ValueError(
                     f"partition: leaf {path!r} has label {label!r}, which has no optimizer; "
                     f"known labels: {names}"
                 )
-        for i, label in enumerate(leaf_labels):
-            indices[label].append(i)
+            # checked just above: `label` is one of the keys of `indices`, the string labels
+            indices[cast(str, label)].append(i)
         return leaves, treedef, indices
 
     def sub_layout(layout: Layout | None, idx: list[int]) -> Layout | None:

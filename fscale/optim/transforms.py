@@ -48,7 +48,9 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         _, all_reduce = resolve_layout(name, layout, leaves, treedef)
         with torch.no_grad():
             device = leaves[0].device
-            squares = sum(core.sum_of_squares(g, device) for g in leaves)
+            squares = core.sum_of_squares(leaves[0], device)
+            for g in leaves[1:]:
+                squares = squares + core.sum_of_squares(g, device)
             norm = all_reduce(squares.reshape(1)).sqrt().reshape(())  # 0-d: keeps 0-d leaves 0-d
             coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             clipped = [g * coefficient.to(g) for g in leaves]

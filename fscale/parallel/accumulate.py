@@ -52,7 +52,9 @@ class AccumulatePlan(Plan):
     def describe(self) -> str:
         return f"accumulate(micro_batches={self.micro_batches}, dim={self.dim})"
 
-    def gradients(self, step, state, batch, ctx):  # type: ignore[no-untyped-def]
+    def gradients(self, step, state, batch, ctx):
+        if ctx.key is None:
+            raise ValueError("accumulate: `ctx.key` is None; call step.gradients(...)")
         count = self.micro_batches
         weight = 1.0 / count
         total, buffers = ctx.accumulated, state.buffers

@@ -243,7 +243,9 @@ class GradBuckets:
             index = self._next_ready
             # Advanced first, so that `on_ready` may call `release` on this bucket.
             self._next_ready += 1
-            self.on_ready(self.buckets[index], self._data[index])
+            data = self._data[index]
+            assert data is not None  # a complete bucket has its buffer
+            self.on_ready(self.buckets[index], data)
 
     def flush(self) -> None:
         """Deliver buckets whose leaves got no gradient hook call (unused leaves) as zeros.

@@ -29,7 +29,8 @@ Randomness: the step's key is folded with the step count and then with this rank
 
 Numerics: each rank computes the gradient of its local mean loss; the mean over N ranks of those
 gradients is the gradient of the mean loss over the global batch. The all-reduce pre-divides by
-N (as torch DDP does) and sums, so at N = 2 the result equals torch DDP bit for bit (at N = 4 to rtol 1e-4: the two lay out
+N (as torch DDP does) and sums, so at N = 2 the result equals torch DDP bit for bit (at N = 4
+to rtol 1e-4: the two lay out
 their buckets differently, and gloo's ring adds four terms in an order that depends on the offset);
 against one process on the concatenated batch it differs by reduction order only (one GEMM over
 the whole batch sums in another order than per-rank GEMMs plus an all-reduce).
@@ -100,11 +101,11 @@ class DataParallelPlan(Plan):
         )
         return ctx.replace(reducer=reducer)
 
-    def init(self, step, params, buffers, key, ctx):  # type: ignore[no-untyped-def]
+    def init(self, step, params, buffers, key, ctx):
         state = self.inner.init(step, params, buffers, key, self.context(ctx))
         return self._with_hook_state(state) if self._stateful else state
 
-    def gradients(self, step, state, batch, ctx):  # type: ignore[no-untyped-def]
+    def gradients(self, step, state, batch, ctx):
         if not self._stateful:
             return self.inner.gradients(step, state, batch, self.context(ctx))
         opt_state = _hook_state(state.opt_state)
@@ -120,7 +121,7 @@ class DataParallelPlan(Plan):
         carry = {**aux.carry, self._carry_key: out.get("states", opt_state.hook)}
         return grads, aux._replace(carry=carry)
 
-    def apply_gradients(self, step, state, grads, aux, ctx):  # type: ignore[no-untyped-def]
+    def apply_gradients(self, step, state, grads, aux, ctx):
         if not self._stateful:
             return self.inner.apply_gradients(step, state, grads, aux, self.context(ctx))
         opt_state = _hook_state(state.opt_state)
@@ -130,14 +131,14 @@ class DataParallelPlan(Plan):
         hook = aux.carry.get(self._carry_key, opt_state.hook)
         return new_state._replace(opt_state=HookState(new_state.opt_state, hook)), metrics
 
-    def consolidate(self, step, state):  # type: ignore[no-untyped-def]
+    def consolidate(self, step, state):
         if self._stateful:
             # The full state is what a step without the hook takes: the hook's state (error
             # feedback, warm starts) starts afresh after resharding.
             state = state._replace(opt_state=_hook_state(state.opt_state).inner)
         return self.inner.consolidate(step, state)
 
-    def shard_state(self, step, full_state):  # type: ignore[no-untyped-def]
+    def shard_state(self, step, full_state):
         state = self.inner.shard_state(step, full_state)
         return self._with_hook_state(state) if self._stateful else state
 

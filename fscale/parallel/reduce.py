@@ -128,8 +128,18 @@ class GradReducer:
         return _AllReduceSession(self, params, grad_mode)
 
 
+def _ours(reducer: Any) -> GradReducer | None:
+    if reducer is not None and not isinstance(reducer, GradReducer):
+        raise TypeError(
+            f"the context's reducer is a {type(reducer).__name__}; the data-parallel layers "
+            "extend only a GradReducer (a plan that reduces its own way must not be wrapped in "
+            "data_parallel or shard_optimizer)"
+        )
+    return reducer
+
+
 def add_mean_axis(
-    reducer: GradReducer | None,
+    reducer: Any,
     mesh: Mesh,
     axis: str,
     bucket_bytes: int,
@@ -138,6 +148,7 @@ def add_mean_axis(
     hook_out: dict[str, Any] | None = None,
 ) -> GradReducer:
     """`reducer` (or a new one) that also averages over `axis`."""
+    reducer = _ours(reducer)
     if reducer is None:
         return GradReducer(mesh, (axis,), None, bucket_bytes, True, hook, hook_states, hook_out)
     changes: dict[str, Any] = {"mean_axes": (*reducer.mean_axes, axis)}
@@ -147,9 +158,10 @@ def add_mean_axis(
 
 
 def add_scatter_axis(
-    reducer: GradReducer | None, mesh: Mesh, axis: str, bucket_bytes: int, shard_grads: bool
+    reducer: Any, mesh: Mesh, axis: str, bucket_bytes: int, shard_grads: bool
 ) -> GradReducer:
     """`reducer` (or a new one) that reduce-scatters over `axis` (the ZeRO layout's buckets)."""
+    reducer = _ours(reducer)
     if reducer is None:
         return GradReducer(mesh, (), axis, bucket_bytes, shard_grads)
     return dataclasses.replace(
@@ -288,14 +300,14 @@ class _ScatterSession:
     """ZeRO's buckets: reduce-scattered (mean) over the scatter axis, then all-reduced."""
 
     def __init__(self, reducer: GradReducer, params: PyTree, grad_mode: str) -> None:
+        assert reducer.scatter_axis is not None  # `GradReducer.session` chose this session
         self.reducer = reducer
+        self.axis: str = reducer.scatter_axis
         self.func = grad_mode == "func"
         self.params = params
         self.layout: BucketLayout
         self.layout, self.treedef = layout_of(
-            params,
-            reducer.bucket_bytes,
-            reducer.mesh.size(reducer.scatter_axis),  # type: ignore[arg-type]
+            params, reducer.bucket_bytes, reducer.mesh.size(self.axis)
         )
         self.live = LiveBytes()
         self.initial: list[torch.Tensor] | None = None
@@ -319,13 +331,8 @@ class _ScatterSession:
         return self.collector.hooks()
 
     def _reduce_start(self, flat_grad: torch.Tensor) -> collectives.Pending:
-        reducer = self.reducer
         return collectives.reduce_scatter_start(
-            flat_grad,
-            reducer.scatter_axis,
-            0,
-            "mean",
-            mesh=reducer.mesh,  # type: ignore[arg-type]
+            flat_grad, self.axis, 0, "mean", mesh=self.reducer.mesh
         )
 
     def _start_and_release(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
@@ -338,8 +345,9 @@ class _ScatterSession:
     def _settle(self, keep: int) -> None:
         while len(self.in_flight) > keep:
             index, pending = self.in_flight.popleft()
-            self.shards[index] = pending.wait()
-            self.live.track(self.shards[index])  # type: ignore[arg-type]
+            shard = pending.wait()
+            self.shards[index] = shard
+            self.live.track(shard)
 
     def finish(self, grads: PyTree) -> list[torch.Tensor]:
         if self.func:
@@ -349,18 +357,18 @@ class _ScatterSession:
             self.collector.flush()
             if not self.reducer.shard_grads:
                 for bucket in self.layout.buckets:
-                    self.in_flight.append(
-                        (bucket.index, self._reduce_start(self.collector.bucket_data(bucket.index)))  # type: ignore[arg-type]
-                    )
+                    full = self.collector.bucket_data(bucket.index)
+                    assert full is not None  # flushed: every bucket has its buffer
+                    self.in_flight.append((bucket.index, self._reduce_start(full)))
                     self.collector.release(bucket.index)
         self._settle(0)
+        shards = [shard for shard in self.shards if shard is not None]
+        assert len(shards) == len(self.shards)  # settled: every bucket is reduced
         axes = self.reducer.all_reduce_axes
         if axes:  # the shard's mean over the other data axes (ZeRO inside data parallelism)
-            self.shards = [
-                collectives.all_reduce(s, _axis(axes), "mean", mesh=self.reducer.mesh)
-                for s in self.shards  # type: ignore[arg-type]
-            ]
-        return self.shards  # type: ignore[return-value]
+            mesh = self.reducer.mesh
+            shards = [collectives.all_reduce(s, _axis(axes), "mean", mesh=mesh) for s in shards]
+        return shards
 
     def _after_backward(self, grads: PyTree) -> None:
         """torch.func gradients run no hooks: the full gradients, then a reduce-scatter each."""

@@ -68,6 +68,7 @@ import atexit
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
+import multiprocessing.process
 import os
 import pickle
 import random
@@ -76,7 +77,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -95,6 +96,9 @@ from fscale.distributed.ranks import (
     terminate,
 )
 from fscale.distributed.spawn import DEFAULT_PG_TIMEOUT
+
+if TYPE_CHECKING:
+    from fscale.distributed.ranks import PipeEnd
 
 __all__ = ["RankPool", "run_spmd"]
 
@@ -291,7 +295,7 @@ class _Ranks:
         self.pg_timeout = pg_timeout
         self.store = new_store(pg_timeout)  # serves the group's rendezvous; outlives the ranks
         self.processes: list[multiprocessing.process.BaseProcess] = []
-        self.connections: list[multiprocessing.connection.Connection] = []
+        self.connections: list[PipeEnd] = []
 
     def spawn(self, world_size: int) -> None:
         context = _process_context()
@@ -322,7 +326,9 @@ class _Ranks:
             connection.close()
 
 
-def _process_context() -> multiprocessing.context.BaseContext:
+def _process_context() -> (
+    multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext
+):
     """Where rank processes come from: a fork server that has already imported torch.
 
     A fresh interpreter spends about a second importing torch; forking from a server that
@@ -338,19 +344,23 @@ def _process_context() -> multiprocessing.context.BaseContext:
 
 
 def _send_to_all(ranks: _Ranks, task: bytes) -> None:
-    for rank_id, connection in enumerate(ranks.connections):
-        try:
-            connection.send_bytes(task)
-        except OSError:
-            # Ranks are idle between calls, so a rank that is gone was killed from outside
-            # (e.g. by the out-of-memory killer).
-            process = ranks.processes[rank_id]
-            process.join(1.0)
-            raise RankError(
-                f"rank {rank_id} of {len(ranks.processes)} had ended (exit code "
-                f"{process.exitcode}) before this call; the pool respawns on the next call.",
-                {rank_id: "the process ended between calls"},
-            ) from None
+    for rank_id in range(len(ranks.connections)):
+        _send_task(ranks, rank_id, task)
+
+
+def _send_task(ranks: _Ranks, rank_id: int, task: bytes) -> None:
+    try:
+        ranks.connections[rank_id].send_bytes(task)
+    except OSError:
+        # Ranks are idle between calls, so a rank that is gone was killed from outside
+        # (e.g. by the out-of-memory killer).
+        process = ranks.processes[rank_id]
+        process.join(1.0)
+        raise RankError(
+            f"rank {rank_id} of {len(ranks.processes)} had ended (exit code "
+            f"{process.exitcode}) before this call; the pool respawns on the next call.",
+            {rank_id: "the process ended between calls"},
+        ) from None
 
 
 def _pool_rank_main(setup: RankSetup, connection: multiprocessing.connection.Connection) -> None:

@@ -59,7 +59,7 @@ class FsdpOptimizer:
         fragments = self.layout.fragment_views(params, self.rank)
         return optimizer.init(fragments, layout=self.optimizer_layout())
 
-    def apply(self, optimizer, grads, opt_state, params, *, donate):  # type: ignore[no-untyped-def]
+    def apply(self, optimizer, grads, opt_state, params, *, donate):
         new_fragments, new_opt_state = optim_lib.step(
             optimizer,
             self.layout.fragment_views(grads, self.rank),
@@ -179,7 +179,7 @@ class FullyShardPlan(Plan):
 
     # ---- phases --------------------------------------------------------------------------
 
-    def init(self, step, params, buffers, key, ctx):  # type: ignore[no-untyped-def]
+    def init(self, step, params, buffers, key, ctx):
         layout = self.layout_for(params)
         spmd.check_same_on_all_ranks(
             self.mesh, self.axis, layout.describe(), "the units", "fully_shard"
@@ -188,25 +188,25 @@ class FullyShardPlan(Plan):
         self.record_layout(layout)
         return self.inner.init(step, shards, buffers, key, ctx.replace(optimizer=self.role()))
 
-    def gradients(self, step, state, batch, ctx):  # type: ignore[no-untyped-def]
+    def gradients(self, step, state, batch, ctx):
         self.checked_shards(state.params)
         gather = GatherAtUse(self, self.reshard(step.grad_mode))
         return self.inner.gradients(
             step, state, batch, ctx.replace(param_maps=(*ctx.param_maps, gather))
         )
 
-    def apply_gradients(self, step, state, grads, aux, ctx):  # type: ignore[no-untyped-def]
+    def apply_gradients(self, step, state, grads, aux, ctx):
         self.checked_shards(state.params)
         return self.inner.apply_gradients(
             step, state, grads, aux, ctx.replace(optimizer=self.role())
         )
 
-    def consolidate(self, step, state):  # type: ignore[no-untyped-def]
+    def consolidate(self, step, state):
         from fscale.parallel.fsdp.state import consolidate_fully_sharded
 
         return self.inner.consolidate(step, consolidate_fully_sharded(self, step, state))
 
-    def shard_state(self, step, full_state):  # type: ignore[no-untyped-def]
+    def shard_state(self, step, full_state):
         from fscale.parallel.fsdp.state import shard_fully_sharded
 
         return shard_fully_sharded(self, step, self.inner.shard_state(step, full_state))

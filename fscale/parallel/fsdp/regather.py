@@ -52,7 +52,7 @@ class Regather:
         # The forward buffer is identified by address only while it is certainly alive (the
         # call): holding the tensor would keep it alive, which is what this class avoids.
         self._address: int | None = gathered.untyped_storage().data_ptr()
-        self._start_offset = gathered.storage_offset()
+        self._start_offset = int(gathered.storage_offset())
         self.needed = False  # whether autograd saved a view of the buffer
         self._pending: tuple[Pending, Callable[[torch.Tensor], None]] | None = None
         self._gathered: torch.Tensor | None = None
@@ -77,7 +77,7 @@ class Regather:
         ):
             return tensor
         self.needed = True
-        offset = tensor.storage_offset() - self._start_offset
+        offset = int(tensor.storage_offset()) - self._start_offset
         return _Place(tensor.size(), tensor.stride(), offset)
 
     def _unpack(self, packed: torch.Tensor | _Place) -> torch.Tensor:

@@ -57,7 +57,8 @@ Communication per rank per step, ring model, units' padded sizes Ψ_u, N ranks o
 3·Ψ_u·(N−1)/N per non-root unit with reshard_after_forward (forward gather, backward re-gather,
 gradient reduce-scatter), 2·Ψ_u·(N−1)/N without it, for the root unit, and for a unit whose
 backward reads none of its parameters; plus one all-reduce
-of the scalar metrics (and of the floating-point buffers, if any). Under `data_parallel` over another axis of R ranks
+of the scalar metrics (and of the floating-point buffers, if any). Under `data_parallel` over
+another axis of R ranks
 (HSDP; ``replicate_axis=`` is sugar for it) each unit's gradient shard is also all-reduced (mean)
 over that axis, bucketed and overlapped: 2·(Ψ_u/N)·(R−1)/R.
 

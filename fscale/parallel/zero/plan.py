@@ -82,7 +82,7 @@ class ZeroOptimizer:
         _, owned = self._owned(params)
         return optimizer.init(owned, layout=self.optimizer_layout())
 
-    def apply(self, optimizer, grads, opt_state, params, *, donate):  # type: ignore[no-untyped-def]
+    def apply(self, optimizer, grads, opt_state, params, *, donate):
         flats, owned = self._owned(params)
         grad_fragments = tree.unflatten(self.treedef, self.layout.fragment_views(self.rank, grads))
         new_fragments, new_opt_state = optim_lib.step(
@@ -196,7 +196,7 @@ class ShardedOptimizerPlan(Plan):
 
     # ---- phases --------------------------------------------------------------------------
 
-    def init(self, step, params, buffers, key, ctx):  # type: ignore[no-untyped-def]
+    def init(self, step, params, buffers, key, ctx):
         layout, treedef = self._layout(params)
         # At rest the parameters view full bucket buffers, which the all-gather writes into.
         flats = layout.pack(tree.leaves(params))
@@ -209,13 +209,13 @@ class ShardedOptimizerPlan(Plan):
             opt_state=ShardedOptState(state.opt_state, torch.tensor(self._size, dtype=torch.int64))
         )
 
-    def gradients(self, step, state, batch, ctx):  # type: ignore[no-untyped-def]
+    def gradients(self, step, state, batch, ctx):
         opt_state = self._local_opt_state(step, state)
         return self.inner.gradients(
             step, state._replace(opt_state=opt_state.shard), batch, self.context(ctx)
         )
 
-    def apply_gradients(self, step, state, grads, aux, ctx):  # type: ignore[no-untyped-def]
+    def apply_gradients(self, step, state, grads, aux, ctx):
         opt_state = self._local_opt_state(step, state)
         new_state, metrics = self.inner.apply_gradients(
             step,
@@ -270,7 +270,7 @@ class ShardedOptimizerPlan(Plan):
 
     # ---- state in and out ----------------------------------------------------------------
 
-    def consolidate(self, step, state):  # type: ignore[no-untyped-def]
+    def consolidate(self, step, state):
         opt_state = self._local_opt_state(step, state)
         layout, treedef = self._layout(state.params)
         full = self._state_map(step, layout, treedef).consolidate(
@@ -280,7 +280,7 @@ class ShardedOptimizerPlan(Plan):
         )
         return self.inner.consolidate(step, state._replace(opt_state=full))
 
-    def shard_state(self, step, full_state):  # type: ignore[no-untyped-def]
+    def shard_state(self, step, full_state):
         if isinstance(full_state.opt_state, ShardedOptState):
             raise ValueError(
                 "shard_state: `full_state.opt_state` is already sharded; consolidate it first "

@@ -142,7 +142,8 @@ def shard_optimizer(
     sharding = layers.sharding_layer(step.plan)
     if sharding is not None:
         raise ValueError(
-            f"shard_optimizer: the step already shards its optimizer state ({sharding.describe()}); "
+            "shard_optimizer: the step already shards its optimizer state "
+            f"({sharding.describe()}); "
             "shard it once: shard_optimizer for ZeRO-1/2 or fully_shard for ZeRO-3"
         )
     dp = step.plan.find("data_parallel")
