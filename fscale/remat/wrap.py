@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -23,8 +23,6 @@ from fscale.remat.engine import checkpoint_call
 from fscale.remat.policy import SavePolicy
 
 __all__ = ["checkpoint"]
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _Options(NamedTuple):
@@ -104,7 +102,10 @@ def _checkpoint_module(module: nn.Module, options: _Options) -> nn.Module:
 
 
 def checkpoint(
-    fn: F | nn.Module | None = None, *, offload: bool = False, policy: SavePolicy | None = None
+    fn: Callable[..., Any] | nn.Module | None = None,
+    *,
+    offload: bool = False,
+    policy: SavePolicy | None = None,
 ) -> Any:
     """Rematerialise `fn`: keep only its inputs for backward and run it again there.
 

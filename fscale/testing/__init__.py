@@ -11,6 +11,8 @@
   path, the largest errors and the worst element when they differ.
 """
 
+from typing import TYPE_CHECKING
+
 from fscale.distributed.spawn import RankError as RankError
 from fscale.distributed.spawn import RankTimeoutError as RankTimeoutError
 from fscale.testing.assertions import assert_trees_close as assert_trees_close
@@ -18,6 +20,9 @@ from fscale.testing.assertions import assert_trees_equal as assert_trees_equal
 from fscale.testing.pool import RankPool as RankPool
 from fscale.testing.pool import run_spmd as run_spmd
 from fscale.testing.probes import on_gradient as on_gradient
+
+if TYPE_CHECKING:  # imported on first access at run time (see `__getattr__`)
+    from fscale.testing import strategies as strategies
 
 __all__ = [
     "RankError",
@@ -31,7 +36,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     # hypothesis is a test dependency, not a runtime one: import the strategies on first use.
     if name == "strategies":
         import importlib
