@@ -83,6 +83,15 @@ def _built_in(name, loss_fn, world):
         "zero2": lambda: fs.shard_optimizer(step, mesh),
         "fully_shard": lambda: fs.fully_shard(step, mesh),
         "fully_shard_remat": lambda: fs.fully_shard(step, mesh, reshard_after_forward="remat"),
+        "hsdp": lambda: fs.data_parallel(
+            fs.fully_shard(step, fs.Mesh(replica=1, dp=world)),
+            fs.Mesh(replica=1, dp=world),
+            "replica",
+        ),
+        "zero_in_replicas": lambda: fs.shard_optimizer(
+            fs.data_parallel(step, fs.Mesh(replica=world, dp=1), "replica"),
+            fs.Mesh(replica=world, dp=1),
+        ),
         "accumulate_ddp": lambda: fs.accumulate(fs.data_parallel(step, mesh), 2),
         "ddp_accumulate": lambda: fs.data_parallel(fs.accumulate(step, 2), mesh),
     }[name]()
@@ -110,6 +119,8 @@ def _phases_equal_call(name):
         "zero2",
         "fully_shard",
         "fully_shard_remat",
+        "hsdp",
+        "zero_in_replicas",
         "accumulate_ddp",
         "ddp_accumulate",
     ],

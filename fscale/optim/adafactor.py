@@ -148,7 +148,7 @@ def adafactor(
         layout: Layout | None = None,
         donate: bool = False,
     ) -> tuple[PyTree, AdafactorState]:
-        core.check_state(name, state, AdafactorState)
+        core.check_state_type(name, state, AdafactorState)
         count = core.read_count(name, state.count)
         inputs = core.step_inputs(
             name,

@@ -64,7 +64,7 @@ def read_count(name: str, count: Any) -> int:
     return int(count)
 
 
-def check_state(name: str, state: Any, state_type: type) -> None:
+def check_state_type(name: str, state: Any, state_type: type) -> None:
     if not isinstance(state, state_type):
         raise TypeError(
             f"{name}: `state` must be the {state_type.__name__} that {name}'s init returned, "
@@ -391,7 +391,7 @@ def pointwise_optimizer(
         layout: Layout | None = None,
         donate: bool = False,
     ) -> tuple[PyTree, Any]:
-        check_state(name, state, state_type)
+        check_state_type(name, state, state_type)
         count = read_count(name, state.count)
         inputs = step_inputs(
             name,

@@ -90,7 +90,7 @@ def lamb(
         layout: Layout | None = None,
         donate: bool = False,
     ) -> tuple[PyTree, LambState]:
-        core.check_state(name, state, LambState)
+        core.check_state_type(name, state, LambState)
         count = core.read_count(name, state.count)
         inputs = core.step_inputs(
             name,
