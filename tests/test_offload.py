@@ -626,6 +626,19 @@ def test_prefetch_schedule_backward_skips_items_outside_among_and_adopts_copies(
     assert schedule.resident == () and started == [3, 2]
 
 
+def test_prefetch_schedule_copies_a_reused_item_again_and_drains_unused_prefetches():
+    schedule, started = _schedule(3, prefetch=1)
+    assert schedule.acquire(0, "forward") == "COPY OF 0"
+    schedule.prefetch_after(0)  # item 1 is now in flight
+    # Item 0 used again while still resident (a unit called twice): a second copy, no prefetch.
+    assert schedule.acquire(0, "forward") == "COPY OF 0"
+    assert started == [0, 1, 0]
+    # Item 1 was prefetched but never used: drain hands its copy back, to be waited for.
+    assert schedule.drain("forward") == ["copy of 1"]
+    assert schedule.resident == (0,)
+    assert schedule.drain("forward") == []
+
+
 def test_prefetch_schedule_refuses_bad_arguments():
     with pytest.raises(ValueError, match="`num_items` must be an int >= 0"):
         PrefetchSchedule(-1, 1, str, str)

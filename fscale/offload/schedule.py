@@ -6,7 +6,8 @@ did), issue the copies of the next `prefetch` items (the previous ones, in backw
 overlap item i's compute, wait for item i's copy, compute, release it. The schedule owns the
 bookkeeping only; what a copy is comes from two callables, ``start(i) -> handle`` (issue the
 copy) and ``finish(handle) -> value`` (wait for it, return the usable value), so the same
-schedule drives host-to-device uploads and could drive all-gathers.
+schedule drives host-to-device uploads (`fscale.offload_params`) and the forward all-gathers
+of `fscale.fully_shard`'s units.
 
 An item is *resident* from the moment its copy is issued until it is released, which is what
 bounds device memory to ``prefetch + 1`` items. Every change is logged as a `ResidencyEvent`.
@@ -97,9 +98,26 @@ class PrefetchSchedule:
         self.record(phase, "fetch", item)
 
     def acquire(self, item: int, phase: str) -> Any:
-        """`item`'s usable value: fetched now unless a prefetch did, then waited for."""
+        """`item`'s usable value: fetched now unless a prefetch did, then waited for.
+
+        An item used before and not released (a unit called twice in one forward) has no copy
+        in flight any more: it is copied again.
+        """
         self.fetch(item, phase)
+        if item not in self._in_flight:
+            self._in_flight[item] = self._start(item)
+            self.record(phase, "fetch", item)
         return self._finish(self._in_flight.pop(item))
+
+    def drain(self, phase: str) -> list[Any]:
+        """The handles of copies issued but never acquired (prefetched items nobody used),
+        released; the caller waits for them (a collective must complete on every rank)."""
+        handles = []
+        for item in sorted(self._in_flight):
+            handles.append(self._in_flight.pop(item))
+            self._resident.discard(item)
+            self.record(phase, "release", item)
+        return handles
 
     def adopt(self, item: int, phase: str) -> None:
         """Count `item` as resident through a copy made by the caller (no `start`).

@@ -24,6 +24,7 @@ from fscale.distributed import collectives
 from fscale.distributed.collectives import Pending
 from fscale.distributed.mesh import Mesh
 from fscale.functional import UnitCall
+from fscale.offload.schedule import PrefetchSchedule
 from fscale.parallel.fsdp.regather import Regather
 from fscale.parallel.fsdp.units import ROOT, UnitLayout
 
@@ -121,9 +122,14 @@ class Gatherer:
         self.plan = plan
         self.order = [u for u in units if u.layout.name != ROOT]
         self.position = {u.layout.name: i for i, u in enumerate(self.order)}
-        # unit name -> its prefetched gather (values only) and the gather's tracking tie
-        self.pending: dict[str, tuple[Pending, Callable[[torch.Tensor], None]]] = {}
-        self.started: set[str] = set()
+        # The forward's gathers, `prefetch` units ahead: a handle is the gather in flight
+        # (values only) and its tracking tie; a unit is prefetched at most once per forward.
+        self.forward = PrefetchSchedule(
+            len(self.order),
+            plan.prefetch,
+            start=lambda position: self.start(self.order[position]),
+            finish=lambda handle: handle,
+        )
         # The resharded forward calls, in call order: backward re-gathers walk it backwards.
         self.regathers: list[Regather] = []
 
@@ -156,25 +162,17 @@ class Gatherer:
         plan = self.plan
         return _GatheredFrom.apply(unit.shard, gathered, plan.axis, plan.mesh)
 
-    def prefetch(self, after: int) -> None:
-        """Start the gathers of the `prefetch` units after position `after` not started yet."""
-        for unit in self.order[after + 1 : after + 1 + self.plan.prefetch]:
-            name = unit.layout.name
-            if name not in self.started:
-                self.started.add(name)
-                self.pending[name] = self.start(unit)
-
     def in_forward(self, unit: ShardedUnit, grad: bool) -> torch.Tensor:
         """`unit`'s gathered buffer for its forward use, issuing the next units' gathers first.
 
         `grad`: whether the use needs the gather's graph (its gradient is the reduce-scatter);
         a use inside a remat forward records no graph and does not.
         """
-        name = unit.layout.name
-        self.started.add(name)
-        pending, tie = self.pending.pop(name, None) or self.start(unit)
+        position = self.position[unit.layout.name]
+        self.forward.fetch(position, "forward")
         # Issued before this unit's gather is waited on, so they overlap its compute.
-        self.prefetch(self.position[name])
+        self.forward.prefetch_after(position)
+        pending, tie = self.forward.acquire(position, "forward")
         gathered = pending.wait()
         tie(gathered)
         return self._differentiable(unit, gathered) if grad else gathered
@@ -197,9 +195,8 @@ class Gatherer:
 
     def drain(self) -> None:
         """Wait for (and drop) gathers prefetched for units the forward did not call."""
-        for pending, tie in self.pending.values():
+        for pending, tie in self.forward.drain("forward"):
             tie(pending.wait())
-        self.pending.clear()
 
     def drain_backward(self) -> None:
         """Wait for (and drop) re-gathers a backward prefetched but did not use."""
