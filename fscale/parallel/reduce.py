@@ -360,6 +360,9 @@ class _ScatterSession:
                     full = self.collector.bucket_data(bucket.index)
                     assert full is not None  # flushed: every bucket has its buffer
                     self.in_flight.append((bucket.index, self._reduce_start(full)))
+                    # Only the collective may hold the full bucket now, so it is freed as
+                    # soon as the reduce-scatter is done with it.
+                    del full
                     self.collector.release(bucket.index)
         self._settle(0)
         shards = [shard for shard in self.shards if shard is not None]
