@@ -480,3 +480,21 @@ def test_a_hooked_data_parallel_layer_is_the_only_one():
         fs.data_parallel(fs.data_parallel(step, mesh, reduce_hook=hook), mesh, "replica")
     # HSDP with compression of the gradient shards is fine.
     fs.data_parallel(fs.fully_shard(step, mesh, "dp"), mesh, "replica", reduce_hook=hook)
+
+
+def test_accumulate_splits_time_major_batches_along_dim_1():
+    case, apply, params, buffers = _model()
+    time_major_loss = case.loss_fn(apply)
+
+    def loss_fn(params, buffers, batch, key):  # the batch is [T, B]; the model reads [B, T]
+        return time_major_loss(params, buffers, batch.T, key)
+
+    whole = fs.train_step(loss_fn, _sgd())
+    split = fs.accumulate(whole, 4, dim=1)
+    results = []
+    for step in (split, whole):
+        state = step.init(params, buffers)
+        for i in range(STEPS):
+            state, metrics = step(state, case.batch(BATCH, seed=i).T)
+        results.append((state.params, metrics["loss"]))
+    assert_trees_close(results[0], results[1], **ROUND_OFF)
