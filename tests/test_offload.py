@@ -619,11 +619,13 @@ def test_prefetch_schedule_fetches_ahead_and_bounds_residency():
 def test_prefetch_schedule_backward_skips_items_outside_among_and_adopts_copies():
     schedule, started = _schedule(4, prefetch=2)
     _use_in_order(schedule, [3], "backward")
-    assert started == [3, 2]  # item 1 is not among the items the backward will use
+    # Item 1 is not among the items the backward will use: skipped, and item 0 fetched instead.
+    assert started == [3, 2, 0]
     schedule.adopt(2, "backward")  # the caller makes item 2's copy itself: the prefetch is dropped
-    assert schedule.resident == (2,)
-    schedule.release(2, "backward")
-    assert schedule.resident == () and started == [3, 2]
+    assert schedule.resident == (0, 2)
+    assert schedule.release(2, "backward") is None  # nothing of item 2's was in flight
+    assert schedule.release(0, "backward") == "copy of 0"  # handed back, to be waited for
+    assert schedule.resident == () and not schedule.holds(0) and started == [3, 2, 0]
 
 
 def test_prefetch_schedule_copies_a_reused_item_again_and_drains_unused_prefetches():

@@ -129,11 +129,17 @@ class PrefetchSchedule:
             self._resident.add(item)
             self.record(phase, "fetch", item)
 
-    def release(self, item: int, phase: str) -> None:
-        """Drop `item`'s device copy (and any copy still in flight)."""
-        self._in_flight.pop(item, None)
+    def holds(self, item: int) -> bool:
+        """Whether `item` is resident (its copy issued and not released)."""
+        return item in self._resident
+
+    def release(self, item: int, phase: str) -> Any:
+        """Drop `item`'s device copy; returns the handle of a copy still in flight (None if
+        there is none), for a caller whose copies must be waited for (a collective)."""
+        handle = self._in_flight.pop(item, None)
         self._resident.discard(item)
         self.record(phase, "release", item)
+        return handle
 
     def prefetch_after(self, item: int, phase: str = "forward") -> None:
         """Fetch the `prefetch` items after `item` (those the forward uses next)."""
@@ -144,16 +150,19 @@ class PrefetchSchedule:
     def prefetch_before(
         self, item: int, phase: str = "backward", among: Container[int] | None = None
     ) -> None:
-        """Fetch the `prefetch` items before `item` (those the backward uses next).
+        """Fetch the `prefetch` items before `item` that the backward uses next.
 
         Args:
             item: the item in use.
             phase: the log's phase.
-            among: only these items are fetched (default all): an item that will not be
-                used (e.g. gets no backward call) must not be fetched, or its copy would never
-                be released.
+            among: the items the backward will still use (default all): only they are fetched
+                and counted, so an item that gets no backward call is skipped (its copy would
+                never be released) and the next used one is fetched in its place.
         """
-        first = max(item - self.prefetch, 0)
-        for behind in range(item - 1, first - 1, -1):
+        fetched = 0
+        for behind in range(item - 1, -1, -1):
+            if fetched == self.prefetch:
+                break
             if among is None or behind in among:
                 self.fetch(behind, phase)
+                fetched += 1

@@ -132,6 +132,7 @@ class Gatherer:
         )
         # The resharded forward calls, in call order: backward re-gathers walk it backwards.
         self.regathers: list[Regather] = []
+        self._backward: PrefetchSchedule | None = None
 
     def now(self, unit: ShardedUnit, shard: torch.Tensor) -> torch.Tensor:
         """Gather `shard` (differentiable: its gradient is reduce-scattered) and wait for it."""
@@ -183,15 +184,26 @@ class Gatherer:
         self.regathers.append(regather)
         return regather
 
+    def backward_schedule(self) -> PrefetchSchedule:
+        """The backward's re-gathers: the resharded calls in reverse, `prefetch` ahead.
+
+        Made when backward first needs a unit again, once the forward's calls are all known.
+        """
+        if self._backward is None:
+            regathers = self.regathers
+            self._backward = PrefetchSchedule(
+                len(regathers),
+                self.plan.prefetch,
+                start=lambda index: self.start(regathers[index].unit),
+                finish=lambda handle: handle,
+            )
+        return self._backward
+
     def prefetch_backward(self, before: int) -> None:
-        """Start the re-gathers of the `prefetch` resharded calls before position `before`."""
-        started = 0
-        for regather in reversed(self.regathers[:before]):
-            if started == self.plan.prefetch:
-                break
-            if regather.needed:
-                regather.start()
-                started += 1
+        """Start the re-gathers of the `prefetch` resharded calls before position `before`
+        whose backward still reads their parameters."""
+        among = {r.index for r in self.regathers if r.needed and not r.done}
+        self.backward_schedule().prefetch_before(before, "backward", among=among)
 
     def drain(self) -> None:
         """Wait for (and drop) gathers prefetched for units the forward did not call."""

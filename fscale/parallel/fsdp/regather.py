@@ -5,17 +5,18 @@ returns, while autograd keeps the call's activations. Saved-tensor hooks record 
 autograd saves that views the gathered buffer as a *place* in it (offset, size, strides), so
 nothing holds the buffer. In backward the first place unpacked gathers the unit's shard again
 and reads the views out of the new buffer; the calls before it are prefetched; the buffer is
-dropped when the gradient of the forward's buffer is complete.
+dropped when the gradient of the forward's buffer is complete. Which re-gathers are in flight
+is the Gatherer's backward `PrefetchSchedule` (the engine of the forward gathers and of
+`offload_params`' uploads).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from fscale.distributed.collectives import Pending
 from fscale.functional import UnitCall
 
 if TYPE_CHECKING:
@@ -54,9 +55,8 @@ class Regather:
         self._address: int | None = gathered.untyped_storage().data_ptr()
         self._start_offset = int(gathered.storage_offset())
         self.needed = False  # whether autograd saved a view of the buffer
-        self._pending: tuple[Pending, Callable[[torch.Tensor], None]] | None = None
+        self.done = False  # whether the unit's gradient is complete (no re-gather needed)
         self._gathered: torch.Tensor | None = None
-        self._done = False
         gathered.register_hook(self._gradient_complete)
 
     def run(self, call: UnitCall, params: Mapping[str, torch.Tensor]) -> Any:
@@ -88,33 +88,31 @@ class Regather:
             packed.size, packed.stride, gathered.storage_offset() + packed.offset
         )
 
-    def start(self) -> None:
-        """Issue the re-gather (once; not after the unit's backward is done)."""
-        if self._pending is None and self._gathered is None and not self._done:
-            self._pending = self.gatherer.start(self.unit)
-
     def fetch(self) -> torch.Tensor:
         """The gathered buffer for backward: waits for the re-gather, issuing it if needed."""
-        if self._gathered is None:
-            self._done = False  # read after its gradient: a (rare) second re-gather
-            self.start()
-            assert self._pending is not None
-            pending, tie = self._pending
-            # The calls before this one are gathered while this unit's backward computes.
-            self.gatherer.prefetch_backward(self.index)
-            self._gathered = pending.wait()
-            self._pending = None
-            tie(self._gathered)
-        return self._gathered
+        if self._gathered is not None:
+            return self._gathered
+        self.done = False  # read after its gradient: a (rare) second re-gather
+        schedule = self.gatherer.backward_schedule()
+        schedule.fetch(self.index, "backward")
+        # The calls before this one are gathered while this unit's backward computes.
+        self.gatherer.prefetch_backward(self.index)
+        pending, tie = schedule.acquire(self.index, "backward")
+        gathered = pending.wait()
+        tie(gathered)
+        self._gathered = gathered
+        return gathered
 
     def _gradient_complete(self, grad: torch.Tensor) -> None:
         self.release()
-        self._done = True
+        self.done = True
 
     def release(self) -> None:
         """Drop the re-gathered buffer (waiting for a re-gather still in flight)."""
-        if self._pending is not None:
-            pending, tie = self._pending
-            tie(pending.wait())
-            self._pending = None
+        schedule = self.gatherer.backward_schedule()
+        if schedule.holds(self.index):
+            handle = schedule.release(self.index, "backward")
+            if handle is not None:
+                pending, tie = handle
+                tie(pending.wait())
         self._gathered = None
