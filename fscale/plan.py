@@ -102,16 +102,16 @@ class OptimizerRole(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class PlainOptimizer:
-    """The optimizer on the parameters as they are (a `fscale.optim.Layout` may name fragments)."""
+    """The optimizer on the parameters as they are (an `fscale.optim.Sharding` names fragments)."""
 
-    layout: optim_lib.Layout | None = None
+    sharding: optim_lib.Sharding | None = None
 
     def init(self, optimizer: optim_lib.Optimizer, params: PyTree) -> PyTree:
-        return optimizer.init(params, layout=self.layout)
+        return optimizer.init(params, sharding=self.sharding)
 
     def apply(self, optimizer, grads, opt_state, params, *, donate):
         return optim_lib.step(
-            optimizer, grads, opt_state, params, layout=self.layout, donate=donate
+            optimizer, grads, opt_state, params, sharding=self.sharding, donate=donate
         )
 
 

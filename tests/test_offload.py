@@ -127,43 +127,45 @@ def test_layout_passes_through_unchanged():
     seen = []
     inner = optim.sgd(0.1, momentum=0.9)
 
-    def init(params, *, layout=None):
-        seen.append(("init", layout))
-        return inner.init(params, layout=layout)
+    def init(params, *, sharding=None):
+        seen.append(("init", sharding))
+        return inner.init(params, sharding=sharding)
 
-    def update(grads, state, params=None, *, layout=None):
-        seen.append(("update", layout))
-        return inner.update(grads, state, params, layout=layout)
+    def update(grads, state, params=None, *, sharding=None):
+        seen.append(("update", sharding))
+        return inner.update(grads, state, params, sharding=sharding)
 
-    def apply(grads, state, params, *, layout=None, donate=False):
-        seen.append(("apply", layout))
-        return inner.apply(grads, state, params, layout=layout, donate=donate)
+    def apply(grads, state, params, *, sharding=None, donate=False):
+        seen.append(("apply", sharding))
+        return inner.apply(grads, state, params, sharding=sharding, donate=donate)
 
     recording = inner._replace(init=init, update=update, apply=apply)
     # Each rank's shard: a 1-D fragment of a larger tensor.
     shard = {"w": torch.arange(4.0)}
-    layout = optim.Layout({"w": flat.Fragment(torch.Size([2, 4]), 2, 6)}, lambda t: t)
+    sharding = optim.Sharding({"w": flat.Fragment(torch.Size([2, 4]), 2, 6)}, lambda t: t)
     offloaded = offload_optimizer(recording)
-    state = offloaded.init(shard, layout=layout)
-    offloaded.update({"w": torch.ones(4)}, state, shard, layout=layout)
-    offloaded.apply({"w": torch.ones(4)}, state, shard, layout=layout)
+    state = offloaded.init(shard, sharding=sharding)
+    offloaded.update({"w": torch.ones(4)}, state, shard, sharding=sharding)
+    offloaded.apply({"w": torch.ones(4)}, state, shard, sharding=sharding)
     assert [kind for kind, _ in seen] == ["init", "update", "apply"]
-    assert all(got is layout for _, got in seen)
+    assert all(got is sharding for _, got in seen)
 
 
-def test_sharded_non_pointwise_optimizer_equals_plain_with_same_layout():
+def test_sharded_non_pointwise_optimizer_equals_plain_with_same_sharding():
     shard = {"w": torch.linspace(-1.0, 1.0, 6)}
-    layout = optim.Layout({"w": flat.Fragment(torch.Size([3, 4]), 3, 9)}, lambda t: t)
+    sharding = optim.Sharding({"w": flat.Fragment(torch.Size([3, 4]), 3, 9)}, lambda t: t)
     plain, offloaded = optim.lamb(1e-2), offload_optimizer(optim.lamb(1e-2))
     plain_params, off_params = shard, tree.map(torch.clone, shard)
-    plain_state = plain.init(plain_params, layout=layout)
-    off_state = offloaded.init(off_params, layout=layout)
+    plain_state = plain.init(plain_params, sharding=sharding)
+    off_state = offloaded.init(off_params, sharding=sharding)
     for i in range(3):
         grads = _grads(shard, i)
         plain_params, plain_state = optim.step(
-            plain, grads, plain_state, plain_params, layout=layout
+            plain, grads, plain_state, plain_params, sharding=sharding
         )
-        off_params, off_state = optim.step(offloaded, grads, off_state, off_params, layout=layout)
+        off_params, off_state = optim.step(
+            offloaded, grads, off_state, off_params, sharding=sharding
+        )
         _assert_trees_equal(off_params, plain_params)
 
 

@@ -1,4 +1,4 @@
-"""fscale.optim: LAMB and Adafactor against the papers' equations, the sharding layout hook,
+"""fscale.optim: LAMB and Adafactor against the papers' equations, the `Sharding` hook,
 chain / clip / partition / schedules, purity and donation, and errors at the boundary."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _close(a, b, rtol=2e-5, atol=2e-6) -> None:
 
 
 def _train(opt, params=PARAMS, grads_seq=GRADS, **kwargs):
-    state = opt.init(params, layout=kwargs.get("layout"))
+    state = opt.init(params, sharding=kwargs.get("sharding"))
     for grads in grads_seq:
         params, state = optim.step(opt, grads, state, params, **kwargs)
     return params, state
@@ -191,11 +191,11 @@ def _train_sharded(opt, size: int, params=PARAMS, grads_seq=GRADS):
 
     def rank_main(rank: int):
         local, fragments = _shard(params, size, rank)
-        layout = optim.Layout(tree.unflatten(treedef, fragments), group.all_reduce(rank))
-        state = opt.init(local, layout=layout)
+        sharding = optim.Sharding(tree.unflatten(treedef, fragments), group.all_reduce(rank))
+        state = opt.init(local, sharding=sharding)
         for grads in grads_seq:
             local_grads, _ = _shard(grads, size, rank)
-            local, state = optim.step(opt, local_grads, state, local, layout=layout)
+            local, state = optim.step(opt, local_grads, state, local, sharding=sharding)
         return tree.leaves(local)
 
     with ThreadPoolExecutor(size) as pool:
@@ -227,25 +227,25 @@ def _train_sharded(opt, size: int, params=PARAMS, grads_seq=GRADS):
         ),
     ],
 )
-def test_sharded_layout_equals_unsharded(size, make, calls_per_step):
+def test_sharded_update_equals_unsharded(size, make, calls_per_step):
     unsharded, _ = _train(make())
     sharded, calls = _train_sharded(make(), size)
     _close(sharded, unsharded)
     assert calls == [calls_per_step * len(GRADS)] * size
 
 
-def test_layout_must_match_params():
+def test_sharding_must_match_params():
     opt = optim.lamb(0.1)
     params = {"w": torch.ones(4)}
-    bad = optim.Layout({"w": flat.Fragment(torch.Size([8]), 0, 3)}, lambda t: t)
+    bad = optim.Sharding({"w": flat.Fragment(torch.Size([8]), 0, 3)}, lambda t: t)
     with pytest.raises(ValueError, match="fragment"):
-        optim.step(opt, params, opt.init(params), params, layout=bad)
-    as_tuple = optim.Layout({"w": flat.Fragment((2, 4), 2, 6)}, lambda t: t)
-    new, _ = optim.step(opt, params, opt.init(params, layout=as_tuple), params, layout=as_tuple)
+        optim.step(opt, params, opt.init(params), params, sharding=bad)
+    as_tuple = optim.Sharding({"w": flat.Fragment((2, 4), 2, 6)}, lambda t: t)
+    new, _ = optim.step(opt, params, opt.init(params, sharding=as_tuple), params, sharding=as_tuple)
     assert new["w"].shape == (4,)
-    wrong_tree = optim.Layout([flat.Fragment(torch.Size([4]), 0, 4)], lambda t: t)
+    wrong_tree = optim.Sharding([flat.Fragment(torch.Size([4]), 0, 4)], lambda t: t)
     with pytest.raises(ValueError, match="structure"):
-        optim.step(opt, params, opt.init(params), params, layout=wrong_tree)
+        optim.step(opt, params, opt.init(params), params, sharding=wrong_tree)
 
 
 # ----------------------------------------------------------------------------- combinators

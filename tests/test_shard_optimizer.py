@@ -598,9 +598,9 @@ def _init_calls(steps):
     adam = fs.optim.adam(0.1)
     calls = []
 
-    def counted_init(params, *, layout=None):
+    def counted_init(params, *, sharding=None):
         calls.append(1)
-        return adam.init(params, layout=layout)
+        return adam.init(params, sharding=sharding)
 
     opt = adam._replace(init=counted_init)
     step = shard_optimizer(fs.train_step(case.loss_fn(apply), opt), fs.Mesh(dp=world))

@@ -91,7 +91,7 @@ def offload_optimizer(
     Results equal the wrapped optimizer run on the host; a CPU kernel may round differently from
     the accelerator's.
 
-    The wrapper composes: `layout` passes through unchanged, so a sharded optimizer wrapper
+    The wrapper composes: `sharding` passes through unchanged, so a sharded optimizer wrapper
     that offloads its shard keeps a host master of that shard only; ``chain`` and
     ``clip_by_global_norm`` go *inside* (``offload_optimizer(chain(clip, adamw))``), so the whole
     update runs on the host. The returned updates of `update` must be applied as given (by
@@ -202,7 +202,7 @@ def offload_optimizer(
             return master
         return pinned_packed_copy(master)
 
-    def init(params: PyTree, *, layout: Any = None) -> OffloadState:
+    def init(params: PyTree, *, sharding: Any = None) -> OffloadState:
         leaves, treedef = tree.flatten(params)
         for path, leaf in zip(tree.paths(params), leaves):
             if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
@@ -223,7 +223,7 @@ def offload_optimizer(
         if pin and not any(t.is_meta for t in master):
             master = pinned_packed_copy(master)
         master_tree = tree.unflatten(treedef, master)
-        return OffloadState(optimizer.init(master_tree, layout=layout), master_tree)
+        return OffloadState(optimizer.init(master_tree, sharding=sharding), master_tree)
 
     def unpack(
         grads: PyTree, state: Any
@@ -243,14 +243,14 @@ def offload_optimizer(
         return grad_leaves, master, treedef
 
     def update(
-        grads: PyTree, state: OffloadState, params: PyTree = None, *, layout: Any = None
+        grads: PyTree, state: OffloadState, params: PyTree = None, *, sharding: Any = None
     ) -> tuple[PyTree, OffloadState]:
         grad_leaves, master, treedef = unpack(grads, state)
         host_grads = to_host(grad_leaves, [m.dtype for m in master])
         wait_for_uploads()
         master_tree = tree.unflatten(treedef, master)
         host_updates, inner_state = optimizer.update(
-            tree.unflatten(treedef, host_grads), state.inner, master_tree, layout=layout
+            tree.unflatten(treedef, host_grads), state.inner, master_tree, sharding=sharding
         )
         # The caller adds exactly these updates to its params; the master takes the same step.
         new_master = optim_lib.apply_updates(master_tree, host_updates)
@@ -263,7 +263,7 @@ def offload_optimizer(
         state: OffloadState,
         params: PyTree,
         *,
-        layout: Any = None,
+        sharding: Any = None,
         donate: bool = False,
     ) -> tuple[PyTree, OffloadState]:
         grad_leaves, master, treedef = unpack(grads, state)
@@ -281,7 +281,7 @@ def offload_optimizer(
             host_grads,
             state.inner,
             tree.unflatten(treedef, master),
-            layout=layout,
+            sharding=sharding,
             donate=donate,
         )
         new_master_leaves = keep_pinned(tree.leaves(new_master))

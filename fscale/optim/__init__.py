@@ -2,7 +2,7 @@
 
 ``opt = adamw(3e-4)``; ``state = opt.init(params)``;
 ``params, state = step(opt, grads, state, params)``. See `fscale.optim.base` for the
-`Optimizer` contract and the `Layout` hook that sharded wrappers use.
+`Optimizer` contract and the `Sharding` hook that sharded wrappers use.
 """
 
 from fscale.optim import schedules as schedules
@@ -18,8 +18,8 @@ from fscale.optim.adam import adamw as adamw
 from fscale.optim.adamax import AdamaxState as AdamaxState
 from fscale.optim.adamax import adamax as adamax
 from fscale.optim.base import EmptyState as EmptyState
-from fscale.optim.base import Layout as Layout
 from fscale.optim.base import Optimizer as Optimizer
+from fscale.optim.base import Sharding as Sharding
 from fscale.optim.base import apply_updates as apply_updates
 from fscale.optim.base import chain as chain
 from fscale.optim.base import step as step

@@ -4,11 +4,11 @@ For a tensor with two or more dimensions the second moment is kept as row and co
 the last two dimensions (earlier dimensions are a batch of matrices), which costs ``R + C`` per
 matrix instead of ``R * C``. Everything per element is local, but three statistics span a
 tensor: the row/column sums of ``g^2 + eps1``, RMS(p) for the relative step, and RMS(u) for
-update clipping. Under a `Layout` a rank holds a contiguous range of a tensor's flattening, so
+update clipping. Under a `Sharding` a rank holds a contiguous range of a tensor's flattening, so
 each element index is mapped to its (matrix, row, column) and the partial sums are accumulated
 with ``index_add_``; the row/column factors are replicated on every rank.
 
-Reduction rounds under a layout: one batched ``all_reduce`` carries all row sums, column sums and
+Reduction rounds under a sharding: one batched ``all_reduce`` carries all row sums, column sums and
 squared parameter norms. Update clipping needs a second one, because ``u = g / sqrt(v_hat)``
 depends on the *completed* factors; with ``clip_threshold=None`` a step makes one call.
 """
@@ -22,7 +22,7 @@ import torch
 
 from fscale.flat import Fragment
 from fscale.optim import core, hyper
-from fscale.optim.base import Layout, Optimizer, described, resolve_layout
+from fscale.optim.base import Optimizer, Sharding, described, resolve_sharding
 
 __all__ = ["AdafactorState", "adafactor"]
 
@@ -118,9 +118,9 @@ def adafactor(
     def is_factored(frag: Fragment) -> bool:
         return factored and len(frag.shape) >= 2
 
-    def init(params: PyTree, *, layout: Layout | None = None) -> AdafactorState:
+    def init(params: PyTree, *, sharding: Sharding | None = None) -> AdafactorState:
         leaves, treedef = core.float_leaves(name, params)
-        fragments, _ = resolve_layout(name, layout, leaves, treedef)
+        fragments, _ = resolve_sharding(name, sharding, leaves, treedef)
         rows, cols, vs = [], [], []
         for leaf, frag in zip(leaves, fragments):
             if is_factored(frag):
@@ -145,7 +145,7 @@ def adafactor(
         state: AdafactorState,
         params: PyTree,
         *,
-        layout: Layout | None = None,
+        sharding: Sharding | None = None,
         donate: bool = False,
     ) -> tuple[PyTree, AdafactorState]:
         core.check_state_type(name, state, AdafactorState)
@@ -157,7 +157,7 @@ def adafactor(
             {"row": state.row, "col": state.col, "v": state.v, "exp_avg": state.exp_avg},
             donate=donate,
         )
-        fragments, all_reduce = resolve_layout(name, layout, inputs.params, inputs.treedef)
+        fragments, all_reduce = resolve_sharding(name, sharding, inputs.params, inputs.treedef)
         t = count + 1
         rho = min(1e-2, 1 / math.sqrt(t)) if lr_at is None else lr_at(count)
         beta2_t = 1.0 - t ** (-decay_rate)

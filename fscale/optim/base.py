@@ -1,12 +1,12 @@
-"""The optimizer type, the sharding layout hook, and the combinators `step` and `chain`.
+"""The optimizer type, the `Sharding` of sharded callers, and the combinators `step` and `chain`.
 
 An `Optimizer` is a NamedTuple of pure functions over explicit pytree state, in the manner of
 optax's ``GradientTransformation``:
 
-- ``init(params, *, layout=None) -> state``
-- ``update(grads, state, params=None, *, layout=None) -> (updates, new_state)``: additive
+- ``init(params, *, sharding=None) -> state``
+- ``update(grads, state, params=None, *, sharding=None) -> (updates, new_state)``: additive
   updates, ``new_params = apply_updates(params, updates)``.
-- ``apply(grads, state, params, *, layout=None, donate=False) -> (new_params, new_state)`` or
+- ``apply(grads, state, params, *, sharding=None, donate=False) -> (new_params, new_state)`` or
   None: the bit-exact path. torch.optim updates parameters with fused multiply-adds
   (``param.add_(update, alpha=-lr)``), so ``params + updates`` rounded separately differs from
   it in the last bit; every real optimizer therefore computes new params directly and derives
@@ -14,7 +14,7 @@ optax's ``GradientTransformation``:
 - ``pointwise``: True when every output element depends only on the same element of the grads,
   params and state, so a sharded wrapper may run the optimizer on any slice unchanged.
 
-`Layout` is how sharded wrappers run non-pointwise optimizers on pieces of tensors: it says
+`Sharding` is how sharded wrappers run non-pointwise optimizers on pieces of tensors: it says
 which piece of which full tensor each leaf is, and how to sum a statistic across the ranks that
 share the pieces.
 """
@@ -34,8 +34,8 @@ from fscale.flat import Fragment
 
 __all__ = [
     "EmptyState",
-    "Layout",
     "Optimizer",
+    "Sharding",
     "apply_updates",
     "chain",
     "step",
@@ -106,7 +106,7 @@ class EmptyState(NamedTuple):
     """The state of a stateless transformation."""
 
 
-class Layout(NamedTuple):
+class Sharding(NamedTuple):
     """Where each leaf sits in a full tensor, and how to complete a sum across ranks.
 
     Args:
@@ -117,8 +117,8 @@ class Layout(NamedTuple):
             sharded wrapper passes ``lambda t: fscale.distributed.all_reduce(t, axis)``.
 
     Non-pointwise optimizers compute partial statistics over their fragments and complete them
-    with one batched `all_reduce` per reduction round; pointwise ones ignore the layout.
-    ``layout=None`` means every leaf is a whole, local tensor.
+    with one batched `all_reduce` per reduction round; pointwise ones ignore the sharding.
+    ``sharding=None`` means every leaf is a whole, local tensor.
     """
 
     fragments: PyTree
@@ -129,20 +129,22 @@ def is_fragment(x: Any) -> bool:
     return isinstance(x, Fragment)
 
 
-def resolve_layout(
-    name: str, layout: Layout | None, leaves: list[torch.Tensor], treedef: optree.PyTreeSpec
+def resolve_sharding(
+    name: str, sharding: Sharding | None, leaves: list[torch.Tensor], treedef: optree.PyTreeSpec
 ) -> tuple[list[Fragment], Callable[[torch.Tensor], torch.Tensor]]:
-    """Per-leaf fragments and the all-reduce of `layout` (whole local tensors when None)."""
-    if layout is None:
+    """Per-leaf fragments and the all-reduce of `sharding` (whole local tensors when None)."""
+    if sharding is None:
         return [Fragment(t.shape, 0, t.numel()) for t in leaves], _identity
-    if not isinstance(layout, Layout):
-        raise TypeError(f"{name}: `layout` must be an fscale.optim.Layout, got {type(layout)}")
+    if not isinstance(sharding, Sharding):
+        raise TypeError(
+            f"{name}: `sharding` must be an fscale.optim.Sharding, got {type(sharding)}"
+        )
     fragments, fragments_def = optree.tree_flatten(
-        layout.fragments, is_leaf=is_fragment, none_is_leaf=False
+        sharding.fragments, is_leaf=is_fragment, none_is_leaf=False
     )
     if fragments_def != treedef or not all(map(is_fragment, fragments)):
         raise ValueError(
-            f"{name}: `layout.fragments` has structure {fragments_def} but the params have "
+            f"{name}: `sharding.fragments` has structure {fragments_def} but the params have "
             f"structure {treedef}; give one fscale.flat.Fragment per parameter leaf"
         )
     # A shape given as a tuple is accepted: everything downstream calls `shape.numel()`.
@@ -156,7 +158,7 @@ def resolve_layout(
                 f"{name}: leaf {i} has {leaf.numel()} elements but its fragment is {frag}; "
                 "a leaf must hold exactly elements [start, stop) of a tensor of `shape`"
             )
-    return fragments, layout.all_reduce
+    return fragments, sharding.all_reduce
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -179,7 +181,7 @@ def step(
     state: Any,
     params: PyTree,
     *,
-    layout: Layout | None = None,
+    sharding: Sharding | None = None,
     donate: bool = False,
 ) -> tuple[PyTree, Any]:
     """One optimizer step: ``(new_params, new_state)``.
@@ -190,15 +192,15 @@ def step(
     Args:
         optimizer: the optimizer.
         grads, state, params: the gradients, the optimizer state and the current params.
-        layout: where each leaf sits in a full tensor, for sharded callers (see `Layout`).
+        sharding: where each leaf sits in a full tensor, for sharded callers (see `Sharding`).
         donate: give `params` and `state` up so their buffers may be updated in place.
 
     Returns:
         The new params and the new state.
     """
     if optimizer.apply is not None:
-        return optimizer.apply(grads, state, params, layout=layout, donate=donate)
-    updates, new_state = optimizer.update(grads, state, params, layout=layout)
+        return optimizer.apply(grads, state, params, sharding=sharding, donate=donate)
+    updates, new_state = optimizer.update(grads, state, params, sharding=sharding)
     return apply_updates(params, updates), new_state
 
 
@@ -220,8 +222,8 @@ def chain(*optimizers: Optimizer) -> Optimizer:
         if not isinstance(opt, Optimizer):
             raise TypeError(f"chain: argument {i} is a {type(opt).__name__}, not an Optimizer")
 
-    def init(params: PyTree, *, layout: Layout | None = None) -> tuple[Any, ...]:
-        return tuple(opt.init(params, layout=layout) for opt in optimizers)
+    def init(params: PyTree, *, sharding: Sharding | None = None) -> tuple[Any, ...]:
+        return tuple(opt.init(params, sharding=sharding) for opt in optimizers)
 
     def check(state: Any) -> None:
         if not isinstance(state, tuple) or len(state) != len(optimizers):
@@ -235,12 +237,12 @@ def chain(*optimizers: Optimizer) -> Optimizer:
         state: tuple[Any, ...],
         params: PyTree = None,
         *,
-        layout: Layout | None = None,
+        sharding: Sharding | None = None,
     ) -> tuple[PyTree, tuple[Any, ...]]:
         check(state)
         new_states = []
         for opt, opt_state in zip(optimizers, state):
-            grads, opt_state = opt.update(grads, opt_state, params, layout=layout)
+            grads, opt_state = opt.update(grads, opt_state, params, sharding=sharding)
             new_states.append(opt_state)
         return grads, tuple(new_states)
 
@@ -248,11 +250,11 @@ def chain(*optimizers: Optimizer) -> Optimizer:
     head = optimizers[:-1]
 
     def head_update(
-        grads: PyTree, state: tuple[Any, ...], params: PyTree, *, layout: Layout | None
+        grads: PyTree, state: tuple[Any, ...], params: PyTree, *, sharding: Sharding | None
     ) -> tuple[PyTree, tuple[Any, ...]]:
         new_states = []
         for opt, opt_state in zip(head, state):
-            grads, opt_state = opt.update(grads, opt_state, params, layout=layout)
+            grads, opt_state = opt.update(grads, opt_state, params, sharding=sharding)
             new_states.append(opt_state)
         return grads, tuple(new_states)
 
@@ -261,13 +263,13 @@ def chain(*optimizers: Optimizer) -> Optimizer:
         state: tuple[Any, ...],
         params: PyTree,
         *,
-        layout: Layout | None = None,
+        sharding: Sharding | None = None,
         donate: bool = False,
     ) -> tuple[PyTree, tuple[Any, ...]]:
         check(state)
-        grads, head_states = head_update(grads, state[:-1], params, layout=layout)
+        grads, head_states = head_update(grads, state[:-1], params, sharding=sharding)
         new_params, last_state = last.apply(  # type: ignore[misc]
-            grads, state[-1], params, layout=layout, donate=donate
+            grads, state[-1], params, sharding=sharding, donate=donate
         )
         return new_params, (*head_states, last_state)
 

@@ -23,7 +23,7 @@ from torch._utils import _unflatten_dense_tensors
 
 from fscale import tree
 from fscale.flat import FlatBuffer
-from fscale.optim.base import Layout, Optimizer
+from fscale.optim.base import Optimizer, Sharding
 
 PyTree = Any
 # What torch's `_foreach_*` kernels take and return (their results are tuples, not lists).
@@ -262,9 +262,9 @@ def derive_update(
     """An optax-style `update` from an `apply` that produces new params directly."""
 
     def update(
-        grads: PyTree, state: Any, params: PyTree = None, *, layout: Any = None
+        grads: PyTree, state: Any, params: PyTree = None, *, sharding: Any = None
     ) -> tuple[PyTree, Any]:
-        new_params, new_state = apply(grads, state, params, layout=layout, donate=False)
+        new_params, new_state = apply(grads, state, params, sharding=sharding, donate=False)
         with torch.no_grad():
             return tree.map(torch.sub, new_params, params), new_state
 
@@ -378,7 +378,7 @@ def pointwise_optimizer(
     fields = state_type._fields[1:]
     absent = {field: None for field in fields if field not in buffers}
 
-    def init(params: PyTree, *, layout: Layout | None = None) -> Any:
+    def init(params: PyTree, *, sharding: Sharding | None = None) -> Any:
         leaves, treedef = float_leaves(name, params)
         filled = {field: tree.unflatten(treedef, packed_full(leaves, fill)) for field in buffers}
         return state_type(count=new_count(), **filled, **absent)
@@ -388,7 +388,7 @@ def pointwise_optimizer(
         state: Any,
         params: PyTree,
         *,
-        layout: Layout | None = None,
+        sharding: Sharding | None = None,
         donate: bool = False,
     ) -> tuple[PyTree, Any]:
         check_state_type(name, state, state_type)

@@ -1,8 +1,8 @@
 """LAMB: Adam moments with a per-tensor trust ratio (You et al., 2019).
 
-LAMB is not pointwise: each tensor's update is scaled by ``||p|| / ||r||``. Under a `Layout`
+LAMB is not pointwise: each tensor's update is scaled by ``||p|| / ||r||``. Under a `Sharding`
 each rank holds fragments of the tensors, so the squared norms are computed over the fragments
-and completed with a single batched ``layout.all_reduce`` per step.
+and completed with a single batched ``sharding.all_reduce`` per step.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from fscale import tree
 from fscale.optim import core, hyper
-from fscale.optim.base import Layout, Optimizer, described, resolve_layout
+from fscale.optim.base import Optimizer, Sharding, described, resolve_sharding
 
 __all__ = ["LambState", "lamb"]
 
@@ -61,7 +61,7 @@ def lamb(
         weight_decay: decoupled weight decay added to the update direction, >= 0.
 
     Returns:
-        An `Optimizer` (``pointwise=False``) whose state is a `LambState`. With a `Layout`, it
+        An `Optimizer` (``pointwise=False``) whose state is a `LambState`. With a `Sharding`, it
         makes exactly one ``all_reduce`` call per step (the per-tensor squared norms of the
         params and of the update direction, stacked).
 
@@ -74,7 +74,7 @@ def lamb(
     eps = hyper.check_non_negative(name, "eps", eps)
     weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
 
-    def init(params: PyTree, *, layout: Layout | None = None) -> LambState:
+    def init(params: PyTree, *, sharding: Sharding | None = None) -> LambState:
         leaves, treedef = core.float_leaves(name, params)
 
         def zeros() -> PyTree:
@@ -87,7 +87,7 @@ def lamb(
         state: LambState,
         params: PyTree,
         *,
-        layout: Layout | None = None,
+        sharding: Sharding | None = None,
         donate: bool = False,
     ) -> tuple[PyTree, LambState]:
         core.check_state_type(name, state, LambState)
@@ -99,7 +99,7 @@ def lamb(
             {"exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq},
             donate=donate,
         )
-        _, all_reduce = resolve_layout(name, layout, inputs.params, inputs.treedef)
+        _, all_reduce = resolve_sharding(name, sharding, inputs.params, inputs.treedef)
         lr_now = lr_at(count)
         params_ = inputs.params
         if params_:

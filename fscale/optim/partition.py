@@ -9,7 +9,7 @@ import optree
 import torch
 
 from fscale import tree
-from fscale.optim.base import Layout, Optimizer, described, is_fragment, resolve_layout
+from fscale.optim.base import Optimizer, Sharding, described, is_fragment, resolve_sharding
 from fscale.optim.base import step as optimizer_step
 
 __all__ = ["PartitionState", "partition"]
@@ -32,12 +32,12 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
     """Route each parameter to the optimizer of its label.
 
     Every group's optimizer sees a flat list of its leaves (in the params' leaf order) and the
-    matching fragments of the `Layout`, so non-pointwise optimizers stay exact under sharding.
+    matching fragments of the `Sharding`, so non-pointwise optimizers stay exact under sharding.
 
     Args:
         labels: a pytree of strings with the params' structure, or a function
             ``(path, leaf) -> label`` where `path` is the leaf's dotted path (``"blocks.0.w"``);
-            under a `Layout`, `leaf` is a meta tensor with the full tensor's shape and dtype.
+            under a `Sharding`, `leaf` is a meta tensor with the full tensor's shape and dtype.
         optimizers: the optimizer of each label.
 
     Returns:
@@ -63,15 +63,17 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
     names = sorted(optimizers)
 
     def groups(
-        params: PyTree, layout: Layout | None
+        params: PyTree, sharding: Sharding | None
     ) -> tuple[list[torch.Tensor], optree.PyTreeSpec, dict[str, list[int]]]:
         paths, leaves, treedef = tree.flatten_with_paths(params)
         if callable(labels):
-            # Under a layout a leaf is a 1-D fragment; the label function sees a stand-in with
+            # Under a sharding a leaf is a 1-D fragment; the label function sees a stand-in with
             # the full tensor's shape, so `leaf.dim()` rules label every rank's pieces alike.
-            fragments, _ = resolve_layout("partition", layout, leaves, treedef)
+            fragments, _ = resolve_sharding("partition", sharding, leaves, treedef)
             shaped = [
-                leaf if layout is None else torch.empty(frag.shape, dtype=leaf.dtype, device="meta")
+                leaf
+                if sharding is None
+                else torch.empty(frag.shape, dtype=leaf.dtype, device="meta")
                 for leaf, frag in zip(leaves, fragments)
             ]
             leaf_labels = [labels(path, leaf) for path, leaf in zip(paths, shaped)]
@@ -93,11 +95,11 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
             indices[cast(str, label)].append(i)
         return leaves, treedef, indices
 
-    def sub_layout(layout: Layout | None, idx: list[int]) -> Layout | None:
-        if layout is None:
+    def sub_sharding(sharding: Sharding | None, idx: list[int]) -> Sharding | None:
+        if sharding is None:
             return None
-        fragments = optree.tree_leaves(layout.fragments, is_leaf=is_fragment, none_is_leaf=False)
-        return Layout([fragments[i] for i in idx], layout.all_reduce)
+        fragments = optree.tree_leaves(sharding.fragments, is_leaf=is_fragment, none_is_leaf=False)
+        return Sharding([fragments[i] for i in idx], sharding.all_reduce)
 
     def pick(leaves: list[Any], idx: list[int]) -> list[Any]:
         return [leaves[i] for i in idx]
@@ -109,12 +111,12 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
                 f"{names}"
             )
 
-    def init(params: PyTree, *, layout: Layout | None = None) -> PartitionState:
-        leaves, _, indices = groups(params, layout)
+    def init(params: PyTree, *, sharding: Sharding | None = None) -> PartitionState:
+        leaves, _, indices = groups(params, sharding)
         return PartitionState(
             {
                 label: optimizers[label].init(
-                    pick(leaves, indices[label]), layout=sub_layout(layout, indices[label])
+                    pick(leaves, indices[label]), sharding=sub_sharding(sharding, indices[label])
                 )
                 for label in names
             }
@@ -127,12 +129,12 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
         params: PyTree,
         **kwargs: Any,
     ) -> tuple[PyTree, PartitionState]:
-        """`group_fn(optimizer, grads, state, params, layout=..., **kwargs)` on every group."""
+        """`group_fn(optimizer, grads, state, params, sharding=..., **kwargs)` on every group."""
         check(state)
         if params is None:
             raise ValueError("partition: `params` is required (labels are assigned from them)")
-        layout = kwargs.pop("layout", None)
-        leaves, treedef, indices = groups(params, layout)
+        sharding = kwargs.pop("sharding", None)
+        leaves, treedef, indices = groups(params, sharding)
         grad_leaves, grads_def = tree.flatten(grads)
         if grads_def != treedef:
             raise ValueError(
@@ -148,7 +150,7 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
                 pick(grad_leaves, idx),
                 state.inner[label],
                 pick(leaves, idx),
-                layout=sub_layout(layout, idx),
+                sharding=sub_sharding(sharding, idx),
                 **kwargs,
             )
             for i, value in zip(idx, result):
@@ -156,19 +158,23 @@ def partition(labels: Labels, optimizers: Mapping[str, Optimizer]) -> Optimizer:
         return tree.unflatten(treedef, out), PartitionState(new_inner)
 
     def update(
-        grads: PyTree, state: PartitionState, params: PyTree = None, *, layout: Layout | None = None
+        grads: PyTree,
+        state: PartitionState,
+        params: PyTree = None,
+        *,
+        sharding: Sharding | None = None,
     ) -> tuple[PyTree, PartitionState]:
-        return run(_group_update, grads, state, params, layout=layout)
+        return run(_group_update, grads, state, params, sharding=sharding)
 
     def apply(
         grads: PyTree,
         state: PartitionState,
         params: PyTree,
         *,
-        layout: Layout | None = None,
+        sharding: Sharding | None = None,
         donate: bool = False,
     ) -> tuple[PyTree, PartitionState]:
-        return run(optimizer_step, grads, state, params, layout=layout, donate=donate)
+        return run(optimizer_step, grads, state, params, sharding=sharding, donate=donate)
 
     # With no group producing params, the partition is a gradient transform (apply=None), so
     # chain() and step() treat it as one.

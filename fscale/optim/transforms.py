@@ -8,7 +8,7 @@ import torch
 
 from fscale import tree
 from fscale.optim import core, hyper
-from fscale.optim.base import EmptyState, Layout, Optimizer, described, resolve_layout
+from fscale.optim.base import EmptyState, Optimizer, Sharding, described, resolve_sharding
 
 __all__ = ["clip_by_global_norm", "scale"]
 
@@ -20,7 +20,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
     """Scale the gradients so that their global L2 norm is at most `max_norm`.
 
     The coefficient is ``min(1, max_norm / (norm + 1e-6))``, as in
-    ``torch.nn.utils.clip_grad_norm_``. Under a `Layout` the squared norm is summed over the
+    ``torch.nn.utils.clip_grad_norm_``. Under a `Sharding` the squared norm is summed over the
     rank's fragments and completed with one ``all_reduce`` of a one-element tensor.
 
     Args:
@@ -36,16 +36,16 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
     name = "clip_by_global_norm"
     max_norm = hyper.check_non_negative(name, "max_norm", max_norm)
 
-    def init(params: PyTree, *, layout: Layout | None = None) -> EmptyState:
+    def init(params: PyTree, *, sharding: Sharding | None = None) -> EmptyState:
         return EmptyState()
 
     def update(
-        grads: PyTree, state: EmptyState, params: PyTree = None, *, layout: Layout | None = None
+        grads: PyTree, state: EmptyState, params: PyTree = None, *, sharding: Sharding | None = None
     ) -> tuple[PyTree, EmptyState]:
         leaves, treedef = tree.flatten(grads)
         if not leaves:
             return grads, state
-        _, all_reduce = resolve_layout(name, layout, leaves, treedef)
+        _, all_reduce = resolve_sharding(name, sharding, leaves, treedef)
         with torch.no_grad():
             device = leaves[0].device
             squares = core.sum_of_squares(leaves[0], device)
@@ -73,11 +73,11 @@ def scale(factor: float) -> Optimizer:
         raise TypeError(f"scale: `factor` must be a number, got {type(factor).__name__}")
     factor = float(factor)
 
-    def init(params: PyTree, *, layout: Layout | None = None) -> EmptyState:
+    def init(params: PyTree, *, sharding: Sharding | None = None) -> EmptyState:
         return EmptyState()
 
     def update(
-        grads: PyTree, state: EmptyState, params: PyTree = None, *, layout: Layout | None = None
+        grads: PyTree, state: EmptyState, params: PyTree = None, *, sharding: Sharding | None = None
     ) -> tuple[PyTree, EmptyState]:
         with torch.no_grad():
             return tree.map(lambda g: g * factor, grads), state

@@ -8,7 +8,7 @@ optimizer's state type, so every optimizer (and chain) works unchanged:
 1. Initialise the optimizer on full-shape meta tensors: the full state's structure and leaf
    shapes, no memory (`state_spec` without fragments).
 2. Initialise it, for every rank r of N, on meta tensors shaped like rank r's fragments, with a
-   `fscale.optim.Layout` naming their places: rank r's structure and shapes. It must have the
+   `fscale.optim.Sharding` naming their places: rank r's structure and shapes. It must have the
    full state's structure (treedef).
 3. A leaf whose shape is the same on every rank as in the full state is *replicated* (a step
    count; Adafactor's row and column factors, which sharded Adafactor keeps whole). Any other
@@ -46,12 +46,12 @@ class StateSpec(NamedTuple):
 
 
 InitFn = Callable[..., PyTree]
-"""``init(params, layout=...) -> state``: an optimizer's init, or a plan's opt_state init."""
+"""``init(params, sharding=...) -> state``: an optimizer's init, or a plan's opt_state init."""
 
 
 def plan_state_init(plan: Any, step: Any, plan_params: PyTree | None = None) -> InitFn:
-    """``init(params, layout=...)``: the optimizer state `plan`'s init makes (with the layers
-    inside it) when its optimizer is initialised on `params` with `layout`.
+    """``init(params, sharding=...)``: the optimizer state `plan`'s init makes (with the layers
+    inside it) when its optimizer is initialised on `params` with `sharding`.
 
     Sharded layers build their state specs from it, so a user plan between them and the
     innermost layer that adds state (e.g. a copy of the params) is sharded and consolidated by
@@ -61,8 +61,8 @@ def plan_state_init(plan: Any, step: Any, plan_params: PyTree | None = None) -> 
     """
     key = fsrandom.key(0)
 
-    def init(params: PyTree, *, layout: optim_lib.Layout | None = None) -> PyTree:
-        ctx = Context(optimizer=_OnGiven(params, layout))
+    def init(params: PyTree, *, sharding: optim_lib.Sharding | None = None) -> PyTree:
+        ctx = Context(optimizer=_OnGiven(params, sharding))
         given = params if plan_params is None else plan_params
         return plan.init(step, given, {}, key, ctx).opt_state
 
@@ -72,11 +72,11 @@ def plan_state_init(plan: Any, step: Any, plan_params: PyTree | None = None) -> 
 class _OnGiven:
     """An optimizer role that initialises on fixed params, whatever the plan passes it."""
 
-    def __init__(self, params: PyTree, layout: optim_lib.Layout | None) -> None:
-        self.params, self.layout = params, layout
+    def __init__(self, params: PyTree, sharding: optim_lib.Sharding | None) -> None:
+        self.params, self.sharding = params, sharding
 
     def init(self, optimizer: optim_lib.Optimizer, params: PyTree) -> PyTree:
-        return optimizer.init(self.params, layout=self.layout)
+        return optimizer.init(self.params, sharding=self.sharding)
 
     def apply(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("a state spec is only initialised, never stepped")
@@ -94,7 +94,7 @@ def state_spec(
         optimizer: the optimizer, or an init function (`plan_state_init`).
         params: meta tensors: the full parameters, or (with `fragments`) a rank's 1-D fragments.
         fragments: for a rank's fragments, the tree of `fscale.flat.Fragment` naming each one's
-            place in its full tensor (given to the init as its layout); None for full tensors.
+            place in its full tensor (given to the init as its sharding); None for full tensors.
         devices: per leaf of `params`, the device of the real tensor. An optimizer whose init
             needs real values (`offload_optimizer` copies them to the host) is then initialised
             on zeros there instead; without `devices` its error propagates.
@@ -103,12 +103,12 @@ def state_spec(
         The state's structure and leaf shapes.
     """
     init = optimizer.init if isinstance(optimizer, optim_lib.Optimizer) else optimizer
-    layout = None
+    sharding = None
     if fragments is not None:
         # Only shapes are read, so the init's reductions need not reach the other ranks.
-        layout = optim_lib.Layout(fragments, _local_sum)
+        sharding = optim_lib.Sharding(fragments, _local_sum)
     try:
-        state = init(params, layout=layout)
+        state = init(params, sharding=sharding)
     except (NotImplementedError, RuntimeError):
         if devices is None:
             raise
@@ -116,7 +116,7 @@ def state_spec(
         real = [
             torch.zeros(t.shape, dtype=t.dtype, device=device) for t, device in zip(leaves, devices)
         ]
-        state = init(tree.unflatten(treedef, real), layout=layout)
+        state = init(tree.unflatten(treedef, real), sharding=sharding)
     leaves, treedef = tree.flatten(state)
     return StateSpec(treedef, tuple(_shape(leaf) for leaf in leaves))
 

@@ -36,7 +36,7 @@ class FsdpOptimizer:
     """The `fscale.plan.OptimizerRole` of ZeRO-3: the optimizer on this rank's fragments.
 
     Each parameter's fragment in this rank's shard is one leaf (``{name: 1-D fragment}``), and a
-    `fscale.optim.Layout` lets non-pointwise optimizers complete their statistics over the
+    `fscale.optim.Sharding` lets non-pointwise optimizers complete their statistics over the
     shard axis.
     """
 
@@ -48,16 +48,16 @@ class FsdpOptimizer:
     def rank(self) -> int:
         return self.mesh.rank(self.axis)
 
-    def optimizer_layout(self) -> optim_lib.Layout:
+    def sharding(self) -> optim_lib.Sharding:
         mesh, axis = self.mesh, self.axis
-        return optim_lib.Layout(
+        return optim_lib.Sharding(
             fragments=self.layout.fragments(self.rank),
             all_reduce=lambda t: collectives.all_reduce(t, axis, "sum", mesh=mesh),
         )
 
     def init(self, optimizer: optim_lib.Optimizer, params: Shards) -> Any:
         fragments = self.layout.fragment_views(params, self.rank)
-        return optimizer.init(fragments, layout=self.optimizer_layout())
+        return optimizer.init(fragments, sharding=self.sharding())
 
     def apply(self, optimizer, grads, opt_state, params, *, donate):
         new_fragments, new_opt_state = optim_lib.step(
@@ -65,7 +65,7 @@ class FsdpOptimizer:
             self.layout.fragment_views(grads, self.rank),
             opt_state,
             self.layout.fragment_views(params, self.rank),
-            layout=self.optimizer_layout(),
+            sharding=self.sharding(),
             donate=donate,
         )
         return self.layout.pack(new_fragments, params, self.rank), new_opt_state

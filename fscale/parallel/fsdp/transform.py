@@ -63,7 +63,7 @@ another axis of R ranks
 over that axis, bucketed and overlapped: 2·(Ψ_u/N)·(R−1)/R.
 
 The optimizer runs on the shards: each parameter's fragment in this rank's shard is one leaf
-(``{name: 1-D fragment}``), and a `fscale.optim.Layout` built from the units' fragments lets
+(``{name: 1-D fragment}``), and a `fscale.optim.Sharding` built from the units' fragments lets
 non-pointwise optimizers (LAMB, Adafactor, clip_by_global_norm) complete their per-tensor
 statistics with an all-reduce over `axis`, so they stay exact.
 

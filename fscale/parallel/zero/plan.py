@@ -20,7 +20,7 @@ from fscale import optim as optim_lib
 from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
-from fscale.optim.base import Layout
+from fscale.optim.base import Sharding
 from fscale.parallel.bucket_layout import BucketLayout, layout_of
 from fscale.parallel.opt_state import StateMap, StateSpec, check_state, plan_state_init, state_spec
 from fscale.parallel.reduce import MAX_IN_FLIGHT, add_scatter_axis
@@ -66,9 +66,9 @@ class ZeroOptimizer:
     def rank(self) -> int:
         return self.mesh.rank(self.axis)
 
-    def optimizer_layout(self) -> Layout:
+    def sharding(self) -> Sharding:
         mesh, axis = self.mesh, self.axis
-        return Layout(
+        return Sharding(
             tree.unflatten(self.treedef, self.layout.fragments(self.rank)),
             lambda t: collectives.all_reduce(t, axis, "sum", mesh=mesh),
         )
@@ -80,7 +80,7 @@ class ZeroOptimizer:
 
     def init(self, optimizer: optim_lib.Optimizer, params: PyTree) -> PyTree:
         _, owned = self._owned(params)
-        return optimizer.init(owned, layout=self.optimizer_layout())
+        return optimizer.init(owned, sharding=self.sharding())
 
     def apply(self, optimizer, grads, opt_state, params, *, donate):
         flats, owned = self._owned(params)
@@ -90,7 +90,7 @@ class ZeroOptimizer:
             grad_fragments,
             opt_state,
             owned,
-            layout=self.optimizer_layout(),
+            sharding=self.sharding(),
             donate=donate,
         )
         new_flats = self._gather_params(tree.leaves(new_fragments), flats, donate)

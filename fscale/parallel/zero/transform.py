@@ -19,7 +19,7 @@ takes the same path as in the unsharded update. At rest, ``state.params`` is the
 whose leaves are views into the full bucket buffers (the all-gather writes straight into them).
 
 The optimizer sees a pytree with the params' structure whose leaves are the 1-D fragments this
-rank owns (empty for leaves it owns none of), plus a `fscale.optim.Layout` naming each
+rank owns (empty for leaves it owns none of), plus a `fscale.optim.Sharding` naming each
 fragment's place in its full tensor and an all-reduce over the axis. Pointwise optimizers ignore
 the layout; LAMB, Adafactor and `clip_by_global_norm` complete their per-tensor and global
 statistics with it, so they stay exact under sharding (FairScale's OSS cannot do this: its
