@@ -10,7 +10,8 @@ What it exercises (each prints one line; the script exits non-zero if a check fa
    copies of the parameters, state on the host.
 3. A bf16 `train_step` on the device: finite, decreasing loss.
 4. `data_parallel` under `fscale.launch` with NCCL on one GPU (skipped with `--device cpu`).
-5. The test-suite cases that skip without CUDA (`pytest -k cuda tests/test_offload.py`).
+5. The test-suite cases that skip without CUDA (`pytest -k cuda tests/test_offload.py
+   tests/test_random.py`).
 
 On the GPU machine (torch 2.11, no optree there): carry an optree wheel and install it with
 `pip install --no-deps`, then `pip install --no-deps -e .` and run this script.
@@ -173,6 +174,7 @@ def main() -> int:
                     "-k",
                     "cuda",
                     "tests/test_offload.py",
+                    "tests/test_random.py",
                 ],
                 check=False,
             )
