@@ -261,7 +261,8 @@ def _around_diloco(order):
     rank = dist.get_rank()
     case, apply, params, buffers = _model()
     # Every rank reads its own data, so the layers' data axes must cover all four ranks.
-    mesh = fs.Mesh(replica=4, dp=1) if order == "accumulate(diloco)" else fs.Mesh(replica=2, dp=2)
+    one_axis = order in ("accumulate(diloco)", "diloco(accumulate)")
+    mesh = fs.Mesh(replica=4, dp=1) if one_axis else fs.Mesh(replica=2, dp=2)
     diloco = _example("diloco").diloco
     step = fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.05))
     outer = fs.optim.sgd(1.0)
@@ -281,6 +282,18 @@ def _around_diloco(order):
         "accumulate(diloco)": lambda: fs.accumulate(
             diloco(step, mesh, "replica", outer=outer, every=1), 2
         ),
+        "diloco(ddp)": lambda: diloco(
+            fs.data_parallel(step, mesh, "dp"), mesh, "replica", outer=outer, every=1
+        ),
+        "diloco(fsdp)": lambda: diloco(
+            fs.fully_shard(step, mesh, "dp"), mesh, "replica", outer=outer, every=1
+        ),
+        "diloco(accumulate)": lambda: diloco(
+            fs.accumulate(step, 2), mesh, "replica", outer=outer, every=1
+        ),
+        "diloco(diloco)": lambda: diloco(
+            diloco(step, mesh, "dp", outer=outer, every=1), mesh, "replica", outer=outer, every=1
+        ),
     }[order]()
     state, losses = _train(step, params, buffers, case, 4, rank)
     if order == "fsdp(diloco)":  # the anchor is sharded: compare the gathered shards
@@ -295,7 +308,18 @@ def _around_diloco(order):
 
 
 @pytest.mark.parametrize(
-    "order", ["zero(diloco)", "fsdp(diloco)", "diloco(zero)", "ddp(diloco)", "accumulate(diloco)"]
+    "order",
+    [
+        "zero(diloco)",
+        "fsdp(diloco)",
+        "diloco(zero)",
+        "ddp(diloco)",
+        "accumulate(diloco)",
+        "diloco(ddp)",
+        "diloco(fsdp)",
+        "diloco(accumulate)",
+        "diloco(diloco)",
+    ],
 )
 def test_built_ins_compose_with_a_user_plan(order):
     for params, losses, (ref_params, ref_losses) in run_spmd(_around_diloco, 4, order):
@@ -410,7 +434,14 @@ MATRIX = {
     ("accumulate", "fully_shard"): ("works", "test_accumulate_equals_one_step_on_the_whole_batch"),
     ("accumulate", "accumulate"): ("works", "test_accumulate_in_one_process"),
     ("accumulate", "user plan (DiLoCo)"): ("works", "test_built_ins_compose_with_a_user_plan"),
+    ("user plan (DiLoCo)", "data_parallel"): ("works", "test_built_ins_compose_with_a_user_plan"),
     ("user plan (DiLoCo)", "shard_optimizer"): ("works", "test_built_ins_compose_with_a_user_plan"),
+    ("user plan (DiLoCo)", "fully_shard"): ("works", "test_built_ins_compose_with_a_user_plan"),
+    ("user plan (DiLoCo)", "accumulate"): ("works", "test_built_ins_compose_with_a_user_plan"),
+    ("user plan (DiLoCo)", "user plan (DiLoCo)"): (
+        "works",
+        "test_built_ins_compose_with_a_user_plan",
+    ),
 }
 SAME_AXIS = "refused on one axis: each data axis belongs to one layer (use two mesh axes)"
 
