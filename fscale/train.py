@@ -33,6 +33,7 @@ from fscale import optim as optim_lib
 from fscale import random as fsrandom
 from fscale import spmd, tree
 from fscale.grad import GRAD_MODES, value_and_grad
+from fscale.optim.hyper import check_bool
 from fscale.plan import Context, GradAux, LocalPlan, Plan, TrainState
 
 __all__ = ["LossFn", "Plan", "Step", "TrainState", "train_step", "value_and_grad"]
@@ -184,6 +185,12 @@ def _check_params(params: PyTree) -> None:
                 f"Step.init: params leaf `{path}` has dtype {leaf.dtype}; trained parameters must "
                 "be floating point (keep integer state in `buffers`)"
             )
+        if leaf.device.type == "meta":
+            raise ValueError(
+                f"Step.init: params leaf `{path}` is on the meta device (it has a shape but no "
+                "values); materialise the model first, e.g. module.to_empty(device='cpu') and "
+                "initialise or load its weights, then functionalize it"
+            )
 
 
 def train_step(
@@ -226,4 +233,5 @@ def train_step(
         )
     if grad_mode not in GRAD_MODES:
         raise ValueError(f"train_step: `grad_mode` must be one of {GRAD_MODES}, got {grad_mode!r}")
-    return Step(loss_fn=loss_fn, optimizer=optimizer, grad_mode=grad_mode, donate=bool(donate))
+    donate = check_bool("train_step", "donate", donate)
+    return Step(loss_fn=loss_fn, optimizer=optimizer, grad_mode=grad_mode, donate=donate)

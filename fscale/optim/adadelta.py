@@ -64,7 +64,7 @@ def adadelta(
     rho = hyper.check_unit_interval(name, "rho", rho)
     eps = hyper.check_non_negative(name, "eps", eps)
     weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
-    maximize = bool(maximize)
+    maximize = hyper.check_bool(name, "maximize", maximize)
 
     def update_group(group: core.Group) -> None:
         square_avg, acc_delta = group.buffers["square_avg"], group.buffers["acc_delta"]

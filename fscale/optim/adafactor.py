@@ -108,7 +108,9 @@ def adafactor(
     eps1 = hyper.check_non_negative(name, "eps[0]", eps[0])
     eps2 = hyper.check_non_negative(name, "eps[1]", eps[1])
     if clip_threshold is not None:
-        clip_threshold = hyper.check_non_negative(name, "clip_threshold", clip_threshold)
+        clip_threshold = hyper.check_non_negative(
+            name, "clip_threshold", clip_threshold, finite=False
+        )
         if clip_threshold == 0:
             raise ValueError("adafactor: `clip_threshold` must be > 0 (or None for no clipping)")
     if beta1 is not None:
@@ -156,6 +158,8 @@ def adafactor(
             params,
             {"row": state.row, "col": state.col, "v": state.v, "exp_avg": state.exp_avg},
             donate=donate,
+            # Factored leaves keep a row and a column, not a tensor of the param's shape.
+            param_shaped=("exp_avg",),
         )
         fragments, all_reduce = resolve_sharding(name, sharding, inputs.params, inputs.treedef)
         t = count + 1

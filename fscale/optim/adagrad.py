@@ -63,7 +63,7 @@ def adagrad(
     weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
     initial = hyper.check_non_negative(name, "initial_accumulator_value", initial_accumulator_value)
     eps = hyper.check_non_negative(name, "eps", eps)
-    maximize = bool(maximize)
+    maximize = hyper.check_bool(name, "maximize", maximize)
 
     def update_group(group: core.Group) -> None:
         torch._fused_adagrad_(

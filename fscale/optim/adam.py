@@ -116,7 +116,8 @@ def _adam_family(
     beta1, beta2 = hyper.check_betas(name, betas)
     eps = hyper.check_non_negative(name, "eps", eps)
     weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
-    amsgrad, maximize = bool(amsgrad), bool(maximize)
+    amsgrad = hyper.check_bool(name, "amsgrad", amsgrad)
+    maximize = hyper.check_bool(name, "maximize", maximize)
 
     def update_group(group: core.Group) -> None:
         kernel(

@@ -65,7 +65,7 @@ def adamax(
     beta1, beta2 = hyper.check_betas(name, betas)
     eps = hyper.check_non_negative(name, "eps", eps)
     weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
-    maximize = bool(maximize)
+    maximize = hyper.check_bool(name, "maximize", maximize)
 
     def update_group(group: core.Group) -> None:
         exp_avg, exp_inf = group.buffers["exp_avg"], group.buffers["exp_inf"]

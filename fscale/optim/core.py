@@ -14,7 +14,7 @@ step returned), the copy is a single `clone` of that span instead of one copy pe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -166,26 +166,48 @@ def _contiguous(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t if t.is_contiguous() else t.contiguous() for t in leaves]
 
 
+def _signature(t: Any) -> tuple[Any, ...] | None:
+    return (t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None
+
+
+def _check_like_params(
+    name: str, what: str, leaves: list[Any], params: list[torch.Tensor], params_tree: PyTree
+) -> None:
+    """Each leaf of `what` must be a tensor of its parameter's shape, dtype and device."""
+    if [_signature(t) for t in leaves] == [_signature(p) for p in params]:
+        return
+    for path, leaf, p in zip(tree.paths(params_tree), leaves, params):
+        if _signature(leaf) != _signature(p):
+            found = (
+                f"{tuple(leaf.shape)} {leaf.dtype} on {leaf.device}"
+                if isinstance(leaf, torch.Tensor)
+                else type(leaf).__name__
+            )
+            raise ValueError(
+                f"{name}: {what} leaf {path!r} is {found} but the param is "
+                f"{tuple(p.shape)} {p.dtype} on {p.device}; the optimizer state does not belong "
+                "to these params (a layer resized, params cast or moved): rebuild it with "
+                "step.init(params), or fscale.shard_state(step, full_state) from a matching state"
+            )
+
+
 def _check_grads_match(
     name: str, grads: list[Any], params: list[torch.Tensor], params_tree: PyTree
 ) -> None:
     """Each gradient must be a tensor of its parameter's shape and dtype."""
-    try:
-        same = [g.shape for g in grads] == [p.shape for p in params] and [
-            g.dtype for g in grads
-        ] == [p.dtype for p in params]
-    except AttributeError:
-        same = False
-    if same:
+    if [_signature(g) for g in grads] == [_signature(p) for p in params]:
         return
     for path, g, p in zip(tree.paths(params_tree), grads, params):
-        if not isinstance(g, torch.Tensor) or g.shape != p.shape or g.dtype != p.dtype:
+        if _signature(g) != _signature(p):
             found = (
-                f"{tuple(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__
+                f"{tuple(g.shape)} {g.dtype} on {g.device}"
+                if isinstance(g, torch.Tensor)
+                else type(g).__name__
             )
             raise ValueError(
                 f"{name}: grads leaf {path!r} is {found} but the param is "
-                f"{tuple(p.shape)} {p.dtype}; each gradient must match its parameter"
+                f"{tuple(p.shape)} {p.dtype} on {p.device}; each gradient must match its "
+                "parameter"
             )
 
 
@@ -206,12 +228,15 @@ def step_inputs(
     *,
     donate: bool,
     copy_params: bool = True,
+    param_shaped: Collection[str] | None = None,
 ) -> StepInputs:
     """Flatten and check one step's inputs; params (if `copy_params`) and states made writable.
 
     `states` maps a state field's name to its per-leaf tree (None for an absent optional
     field). Every tree must have the structure of `params`; a mismatch raises a ValueError that
-    names both structures.
+    names both structures. The leaves of the fields in `param_shaped` (default: every field)
+    must have their parameter's shape, dtype and device: a state from other params (a layer
+    widened, params cast) would otherwise reach the fused kernels, which do not check.
     """
     if params is None:
         raise ValueError(
@@ -227,6 +252,8 @@ def step_inputs(
             state_leaves[field] = None
             continue
         leaves = _leaves_like(name, f"state.{field}", state_tree, treedef)
+        if param_shaped is None or field in param_shaped:
+            _check_like_params(name, f"state.{field}", leaves, param_leaves, params)
         state_leaves[field] = writable(leaves, donate)
     if copy_params:
         param_leaves = writable(param_leaves, donate)

@@ -5,13 +5,16 @@ Every check names the optimizer and the argument, so a bad value fails where it 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 __all__ = [
     "LearningRate",
     "check_betas",
+    "check_bool",
     "check_non_negative",
     "check_unit_interval",
     "learning_rate",
@@ -20,13 +23,28 @@ __all__ = [
 LearningRate = float | Callable[[int], float]
 
 
-def check_non_negative(name: str, arg: str, value: float) -> float:
-    """`value` as a float, or a ValueError naming `name`'s argument `arg` if it is < 0 or NaN."""
+def check_non_negative(name: str, arg: str, value: float, *, finite: bool = True) -> float:
+    """`value` as a float, or a ValueError naming `name`'s argument `arg` if it is < 0, NaN or
+    (unless `finite` is False: a clipping threshold may be infinite) infinite."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: `{arg}` must be a number, got {type(value).__name__}")
     if not value >= 0.0:  # also rejects NaN
         raise ValueError(f"{name}: `{arg}` must be >= 0, got {arg}={value!r}")
+    if finite and math.isinf(value):
+        raise ValueError(f"{name}: `{arg}` must be finite, got {arg}={value!r}")
     return float(value)
+
+
+def check_bool(name: str, arg: str, value: object) -> bool:
+    """`value` if it is a bool (numpy's included), else a TypeError naming `arg`.
+
+    Truthiness is not enough: ``maximize='False'`` is a true string and would train by ascent.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(
+        f"{name}: `{arg}` must be True or False, got {value!r} (a {type(value).__name__})"
+    )
 
 
 def check_unit_interval(name: str, arg: str, value: float) -> float:

@@ -74,7 +74,8 @@ def rmsprop(
     eps = hyper.check_non_negative(name, "eps", eps)
     weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
     momentum = hyper.check_non_negative(name, "momentum", momentum)
-    centered, maximize = bool(centered), bool(maximize)
+    centered = hyper.check_bool(name, "centered", centered)
+    maximize = hyper.check_bool(name, "maximize", maximize)
 
     def update_group(group: core.Group) -> None:
         square_avg = group.buffers["square_avg"]

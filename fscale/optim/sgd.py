@@ -72,7 +72,8 @@ def sgd(
     momentum = hyper.check_non_negative(name, "momentum", momentum)
     dampening = hyper.check_non_negative(name, "dampening", dampening)
     weight_decay = hyper.check_non_negative(name, "weight_decay", weight_decay)
-    nesterov, maximize = bool(nesterov), bool(maximize)
+    nesterov = hyper.check_bool(name, "nesterov", nesterov)
+    maximize = hyper.check_bool(name, "maximize", maximize)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(
             f"sgd: Nesterov momentum needs momentum > 0 and dampening == 0, got "

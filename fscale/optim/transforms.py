@@ -34,7 +34,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         ValueError: for a negative `max_norm`.
     """
     name = "clip_by_global_norm"
-    max_norm = hyper.check_non_negative(name, "max_norm", max_norm)
+    max_norm = hyper.check_non_negative(name, "max_norm", max_norm, finite=False)
 
     def init(params: PyTree, *, sharding: Sharding | None = None) -> EmptyState:
         return EmptyState()
