@@ -45,13 +45,30 @@ class LossOutput(NamedTuple):
     metrics: Metrics
 
 
+# Metric names the step itself reports; a loss function's own metric must not replace them.
+RESERVED_METRICS = ("loss", "grad_bytes", "grad_peak_bytes")
+
+
 def normalize_loss_output(out: Any, buffers: PyTree) -> LossOutput:
     """Accept ``loss``, ``(loss, new_buffers)`` or ``(loss, new_buffers, metrics)``."""
+    if not isinstance(out, (torch.Tensor, tuple)) and isinstance(
+        getattr(out, "loss", None), torch.Tensor
+    ):
+        raise TypeError(
+            f"loss_fn returned a {type(out).__name__} (a model's output object); return its "
+            "loss instead: `return out.loss` (or `(out.loss, new_buffers)`)"
+        )
     if isinstance(out, torch.Tensor):
         loss, new_buffers, metrics = out, buffers, {}
     elif isinstance(out, tuple) and len(out) in (2, 3):
         loss, new_buffers = out[0], out[1]
         metrics = dict(out[2]) if len(out) == 3 else {}
+        reserved = sorted(set(metrics) & set(RESERVED_METRICS))
+        if reserved:
+            raise ValueError(
+                f"loss_fn returned a metric named {reserved[0]!r}, which the step reports itself "
+                f"(reserved: {', '.join(RESERVED_METRICS)}); rename it, e.g. 'my_{reserved[0]}'"
+            )
         if new_buffers is None:
             new_buffers = buffers
     else:

@@ -134,3 +134,57 @@ def test_an_infinite_clipping_threshold_means_no_clipping():
     grads = {"w": torch.full((3,), 1e6)}
     updates, _ = clip.update(grads, clip.init(grads))
     assert torch.equal(updates["w"], grads["w"])
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def test_a_schedule_is_checked_when_the_optimizer_is_built():
+    def warmup():  # forgot the count argument
+        return 0.1
+
+    with pytest.raises(TypeError, match=r"sgd: the learning-rate schedule warmup could not be"):
+        optim.sgd(warmup)
+    with pytest.raises(
+        ValueError, match=r"schedule <lambda> returned tensor\(\[0\.1000, 0\.2000\]\)"
+    ):
+        optim.adam(lambda count: torch.tensor([0.1, 0.2]))
+    with pytest.raises(
+        ValueError, match=r"returned inf at count=0; a schedule must return a finite"
+    ):
+        optim.sgd(lambda count: math.inf)
+
+
+# ----------------------------------------------------------------------------- loss functions
+
+
+def test_a_loss_fn_returning_a_model_output_is_told_to_return_its_loss():
+    class ModelOutput(dict):  # what transformers models return
+        def __init__(self, loss):
+            super().__init__(loss=loss)
+            self.loss = loss
+
+    step = fs.train_step(lambda p, b, x, k: ModelOutput(_loss(p, b, x, k)), optim.sgd(0.1))
+    state = step.init({"w": torch.ones(3)})
+    with pytest.raises(TypeError, match=r"a ModelOutput .*`return out\.loss`"):
+        step(state, torch.ones(3))
+
+
+@pytest.mark.parametrize("name", ["loss", "grad_bytes", "grad_peak_bytes"])
+def test_a_loss_fn_metric_may_not_take_a_reserved_name(name):
+    def loss_fn(params, buffers, batch, key):
+        loss = _loss(params, buffers, batch, key)
+        return loss, buffers, {name: loss * 0}
+
+    step = fs.train_step(loss_fn, optim.sgd(0.1))
+    state = step.init({"w": torch.ones(3)})
+    with pytest.raises(ValueError, match=rf"metric named '{name}', which the step reports itself"):
+        step(state, torch.ones(3))
+
+
+@pytest.mark.parametrize("value", ["x", 0, -1.0, True])
+def test_bucket_sizes_are_checked_under_their_public_name(value):
+    step = fs.train_step(_loss, optim.sgd(0.1))
+    for transform in (fs.data_parallel, fs.shard_optimizer):
+        with pytest.raises(ValueError, match=r"`bucket_mb` must be a positive number"):
+            transform(step, fs.Mesh(dp=1), bucket_mb=value)

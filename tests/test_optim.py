@@ -377,8 +377,9 @@ def test_schedules_values():
 def test_schedule_is_called_with_count():
     seen = []
     opt = optim.sgd(lambda count: seen.append(count) or 0.1)
+    assert seen == [0]  # checked when the optimizer is built
     _train(opt)
-    assert seen == [0, 1, 2, 3]
+    assert seen == [0, 0, 1, 2, 3]
 
 
 # ----------------------------------------------------------------------------- purity and donation

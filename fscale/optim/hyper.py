@@ -68,22 +68,39 @@ def check_betas(name: str, betas: Sequence[float]) -> tuple[float, float]:
 def learning_rate(name: str, lr: LearningRate) -> Callable[[int], float]:
     """`lr` (a float or a schedule ``count -> float``) as a checked schedule.
 
-    A constant is checked once here; a schedule's value is checked at every step, so a schedule
-    that turns negative fails at the step where it does instead of silently ascending.
+    A constant is checked once here. A schedule is called once here, at count 0, so one that
+    takes no count or returns something else than a number fails when the optimizer is built;
+    its value is checked again at every step, so a schedule that turns negative fails at the
+    step where it does instead of silently ascending.
     """
     if callable(lr):
+        schedule_name = getattr(lr, "__name__", type(lr).__name__)
 
         def scheduled(count: int) -> float:
-            value = lr(count)
-            if isinstance(value, torch.Tensor):
+            try:
+                value = lr(count)
+            except TypeError as error:
+                if count != 0:
+                    raise
+                raise TypeError(
+                    f"{name}: the learning-rate schedule {schedule_name} could not be called as "
+                    f"{schedule_name}(count) ({error}); a schedule maps the step count to a float"
+                ) from None
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not value >= 0
+                or math.isinf(value)
+            ):
                 raise ValueError(
-                    f"{name}: the learning-rate schedule returned {value!r} at count={count}; "
-                    "a schedule must return a float >= 0"
+                    f"{name}: the learning-rate schedule {schedule_name} returned {value!r} at "
+                    f"count={count}; a schedule must return a finite float >= 0"
                 )
             return float(value)
 
+        scheduled(0)
         return scheduled
     constant = check_non_negative(name, "lr", lr)
     return lambda count: constant
