@@ -211,10 +211,17 @@ def _value_and_grad_autograd(
                 "the loss does not depend on `params`: check that loss_fn uses the params it is "
                 "given (not the module's own parameters)"
             )
-        grads = torch.autograd.grad(
-            _weighted(out.loss, weight), live, allow_unused=True, materialize_grads=True
+        found = torch.autograd.grad(_weighted(out.loss, weight), live, allow_unused=True)
+    if live and all(g is None for g in found):
+        # The loss needs grad, yet through none of the given params: it was computed from other
+        # tensors, typically the module's own parameters (calling the module, not `apply`).
+        raise ValueError(
+            "the loss does not depend on any of the `params` it was given: loss_fn computes it "
+            "from other tensors (e.g. calls the nn.Module itself); call the functional "
+            "`apply(params, buffers, ...)` from fscale.functionalize with the params it receives"
         )
-    return out._replace(loss=out.loss.detach()), tree.unflatten(treedef, list(grads))
+    grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(found, live)]
+    return out._replace(loss=out.loss.detach()), tree.unflatten(treedef, grads)
 
 
 def _value_and_grad_func(

@@ -188,3 +188,16 @@ def test_bucket_sizes_are_checked_under_their_public_name(value):
     for transform in (fs.data_parallel, fs.shard_optimizer):
         with pytest.raises(ValueError, match=r"`bucket_mb` must be a positive number"):
             transform(step, fs.Mesh(dp=1), bucket_mb=value)
+
+
+def test_a_loss_fn_that_calls_the_module_itself_is_refused():
+    module = torch.nn.Linear(3, 1)
+    _apply, params, buffers = fs.functionalize(module)
+
+    def loss_fn(params, buffers, batch, key):  # forgot `apply`: trains nothing
+        return module(batch).square().mean()
+
+    step = fs.train_step(loss_fn, optim.sgd(0.1))
+    state = step.init(params, buffers)
+    with pytest.raises(ValueError, match=r"does not depend on any of the `params`.*apply\(params"):
+        step(state, torch.ones(2, 3))
