@@ -170,8 +170,20 @@ def _signature(t: Any) -> tuple[Any, ...] | None:
     return (t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None
 
 
+_NOT_THIS_STATE = (
+    "the optimizer state does not belong to these params (a layer resized, params cast or "
+    "moved): rebuild it with step.init(params), or fscale.shard_state(step, full_state) from a "
+    "matching state"
+)
+
+
 def _check_like_params(
-    name: str, what: str, leaves: list[Any], params: list[torch.Tensor], params_tree: PyTree
+    name: str,
+    what: str,
+    leaves: list[Any],
+    params: list[torch.Tensor],
+    params_tree: PyTree,
+    why: str = _NOT_THIS_STATE,
 ) -> None:
     """Each leaf of `what` must be a tensor of its parameter's shape, dtype and device."""
     if [_signature(t) for t in leaves] == [_signature(p) for p in params]:
@@ -185,29 +197,7 @@ def _check_like_params(
             )
             raise ValueError(
                 f"{name}: {what} leaf {path!r} is {found} but the param is "
-                f"{tuple(p.shape)} {p.dtype} on {p.device}; the optimizer state does not belong "
-                "to these params (a layer resized, params cast or moved): rebuild it with "
-                "step.init(params), or fscale.shard_state(step, full_state) from a matching state"
-            )
-
-
-def _check_grads_match(
-    name: str, grads: list[Any], params: list[torch.Tensor], params_tree: PyTree
-) -> None:
-    """Each gradient must be a tensor of its parameter's shape and dtype."""
-    if [_signature(g) for g in grads] == [_signature(p) for p in params]:
-        return
-    for path, g, p in zip(tree.paths(params_tree), grads, params):
-        if _signature(g) != _signature(p):
-            found = (
-                f"{tuple(g.shape)} {g.dtype} on {g.device}"
-                if isinstance(g, torch.Tensor)
-                else type(g).__name__
-            )
-            raise ValueError(
-                f"{name}: grads leaf {path!r} is {found} but the param is "
-                f"{tuple(p.shape)} {p.dtype} on {p.device}; each gradient must match its "
-                "parameter"
+                f"{tuple(p.shape)} {p.dtype} on {p.device}; {why}"
             )
 
 
@@ -244,7 +234,9 @@ def step_inputs(
         )
     param_leaves, treedef = tree.flatten(params)
     grad_leaves = _leaves_like(name, "grads", grads, treedef)
-    _check_grads_match(name, grad_leaves, param_leaves, params)
+    _check_like_params(
+        name, "grads", grad_leaves, param_leaves, params, "each gradient must match its parameter"
+    )
     grad_leaves = _contiguous(grad_leaves)
     state_leaves: dict[str, list[torch.Tensor] | None] = {}
     for field, state_tree in states.items():
