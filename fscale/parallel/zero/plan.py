@@ -184,10 +184,6 @@ class ShardedOptimizerPlan(Plan):
     def _layout(self, params: PyTree) -> tuple[BucketLayout, Any]:
         return layout_of(params, self.bucket_bytes, self._size)
 
-    def _role(self, params: PyTree) -> ZeroOptimizer:
-        layout, treedef = self._layout(params)
-        return ZeroOptimizer(self.mesh, self.axis, layout, treedef)
-
     def context(self, ctx: Context) -> Context:
         reducer = add_scatter_axis(
             ctx.reducer, self.mesh, self.axis, self.bucket_bytes, self.shard_grads
@@ -216,13 +212,15 @@ class ShardedOptimizerPlan(Plan):
         )
 
     def apply_gradients(self, step, state, grads, aux, ctx):
-        opt_state = self._local_opt_state(step, state)
+        layout, treedef = self._layout(state.params)
+        opt_state = self._local_opt_state(step, state, layout, treedef)
+        role = ZeroOptimizer(self.mesh, self.axis, layout, treedef)
         new_state, metrics = self.inner.apply_gradients(
             step,
             state._replace(opt_state=opt_state.shard),
             grads,
             aux,
-            self.context(ctx).replace(optimizer=self._role(state.params)),
+            self.context(ctx).replace(optimizer=role),
         )
         return new_state._replace(
             opt_state=ShardedOptState(new_state.opt_state, opt_state.num_shards)
@@ -230,7 +228,9 @@ class ShardedOptimizerPlan(Plan):
 
     # ---- checks --------------------------------------------------------------------------
 
-    def _local_opt_state(self, step: Any, state: TrainState) -> ShardedOptState:
+    def _local_opt_state(
+        self, step: Any, state: TrainState, layout: BucketLayout | None = None, treedef: Any = None
+    ) -> ShardedOptState:
         opt_state = state.opt_state
         if not isinstance(opt_state, ShardedOptState):
             raise ValueError(
@@ -246,7 +246,8 @@ class ShardedOptimizerPlan(Plan):
                 "fscale.shard_state(step, fscale.consolidate(old_step, state)), where old_step "
                 "is the step that made it"
             )
-        layout, treedef = self._layout(state.params)
+        if layout is None:
+            layout, treedef = self._layout(state.params)
         expected = self._rank_spec(step, layout, treedef)
         check_state(
             "shard_optimizer",
@@ -271,8 +272,8 @@ class ShardedOptimizerPlan(Plan):
     # ---- state in and out ----------------------------------------------------------------
 
     def consolidate(self, step, state):
-        opt_state = self._local_opt_state(step, state)
         layout, treedef = self._layout(state.params)
+        opt_state = self._local_opt_state(step, state, layout, treedef)
         full = self._state_map(step, layout, treedef).consolidate(
             opt_state.shard,
             self._rank,
