@@ -15,6 +15,7 @@ from fscale.functional import functionalize
 from fscale.models import GPT, GPTConfig, ResNetConfig, lm_loss, resnet
 from fscale.offload import transfer
 from fscale.remat import (
+    MutatedArgumentError,
     checkpoint,
     checkpoint_call,
     name,
@@ -548,3 +549,82 @@ def test_checkpoint_call_refuses_bad_arguments():
         checkpoint_call(fn, (x,), offload=1)
     with pytest.raises(TypeError, match="`policy` must be None or a SavePolicy"):
         checkpoint_call(fn, (x,), policy="attn")
+
+
+# ----------------------------------------------------------------------------------------------
+# side effects on non-tensor arguments
+
+
+class _Cache:
+    """A key/value cache as transformers keeps one: each call appends its keys to a layer."""
+
+    def __init__(self):
+        self.keys = []
+
+    def update(self, key):
+        self.keys.append(key)
+        return torch.cat(self.keys)
+
+
+class _CachedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, cache=None, scale=1.0):
+        k = self.proj(x)
+        keys = k if cache is None else cache.update(k)
+        return (x @ keys.t()).softmax(-1) @ keys * scale
+
+
+def test_a_forward_that_changes_a_non_tensor_argument_is_refused_with_the_fix():
+    block = checkpoint(_CachedBlock())
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(MutatedArgumentError, match=r"argument `cache` \(a _Cache\)") as error:
+        block(x, cache=_Cache())
+    assert "use_cache=False" in str(error.value)
+    assert isinstance(error.value, ValueError)
+    # Positional, and inside a pytree: named by position and path.
+    with pytest.raises(MutatedArgumentError, match=r"argument at position 1 \(inside it: 0\)"):
+        checkpoint(lambda x, caches: caches[0].update(x).sum())(x, [_Cache()])
+
+
+def test_a_tensor_attribute_updated_in_place_or_rebound_counts_as_a_change():
+    class Counter:
+        def __init__(self):
+            self.total = torch.zeros(())
+
+    def add_in_place(x, counter):
+        counter.total += 1
+        return x * 2
+
+    def rebind(x, counter):
+        counter.total = counter.total + 1
+        return x * 2
+
+    x = torch.randn(3, requires_grad=True)
+    for fn in (add_in_place, rebind):
+        with pytest.raises(MutatedArgumentError, match="position 1"):
+            checkpoint(fn)(x, Counter())
+
+
+def test_arguments_only_read_pass_and_nothing_is_checked_without_recompute():
+    block = _CachedBlock()
+    checkpointed = checkpoint(block)
+    x = torch.randn(3, 4, requires_grad=True)
+    cache = _Cache()
+    cache.update(torch.ones(2, 4))
+
+    def read_only(x, cache, config):
+        return (x @ cache.keys[0].t()).sum() * config["scale"]
+
+    config = {"scale": 0.5, "names": ["a"]}
+    y = checkpoint(read_only)(x, cache, config)
+    (grad,) = torch.autograd.grad(y, x)
+    torch.testing.assert_close(grad, torch.ones(3, 2) @ cache.keys[0] * 0.5)
+    # No recompute, no check: the cache is appended to once, as in eager code.
+    with torch.no_grad():
+        checkpointed(x, cache=cache)
+    assert len(cache.keys) == 2
+    # A module without a cache works as before.
+    torch.testing.assert_close(checkpointed(x), block(x))

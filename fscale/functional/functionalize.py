@@ -48,7 +48,7 @@ from torch import nn
 from fscale import random as fsrandom
 from fscale import tree
 from fscale.functional import buffers as buffers_lib
-from fscale.functional import rng, unit_calls
+from fscale.functional import checks, rng, unit_calls
 from fscale.functional import slots as slots_lib
 from fscale.functional.units import ParamUnit, UnitParams
 
@@ -75,12 +75,16 @@ def functionalize(
 
     Raises:
         TypeError: `module` is not an ``nn.Module`` or `train` is not a bool.
+        ValueError: a submodule has gradient checkpointing enabled
+            (``model.gradient_checkpointing_enable()``), whose recompute cannot see the params
+            given to ``apply``; use `fscale.checkpoint` instead.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"functionalize: `module` must be a torch.nn.Module, got {type(module).__name__}"
         )
     _check_bool("functionalize", "train", train)
+    checks.refuse_torch_checkpointing("functionalize", list(module.named_modules()))
     params: Tensors = {}
     buffers: Tensors = {}
     for name, parameter in module.named_parameters():
@@ -133,7 +137,9 @@ class FunctionalModule:
         self.buffer_names = buffer_names
         self.aliases = aliases
         # The module tree as of functionalize (its parameter names are fixed then too).
-        self._submodules = list(module.modules())
+        self._named_submodules = list(module.named_modules())
+        self._submodules = [submodule for _, submodule in self._named_submodules]
+        self._param_check = checks.ParamCheck((n, module.get_parameter(n)) for n in param_names)
 
     def __repr__(self) -> str:
         return (
@@ -174,7 +180,9 @@ class FunctionalModule:
             TypeError: `params` or `buffers` is not a mapping of tensors, `key` is not a key,
                 or `train` is not a bool.
             ValueError: a name is missing from `params` or `buffers`, or is not one of the
-                module's (all offending names are listed).
+                module's (all offending names are listed); a param has another shape than the
+                module's parameter, or another kind of dtype (`fscale.functional.checks`); in
+                training mode, a submodule is flagged for torch.utils gradient checkpointing.
             RuntimeError: in evaluation mode the module modified a buffer in place (the
                 caller's tensor has then changed; such a module needs ``train=True``).
         """
@@ -194,9 +202,13 @@ class FunctionalModule:
                 aliases=self.aliases,
                 hint=self._hint,
             )
+            self._param_check.check(params.eager)
             params = unit_calls.unit_tensors(self.module, params, module_units, self.param_names)
         else:
             self._check_names("params", params, self.param_names)
+            self._param_check.check(params)
+        if mode and torch.is_grad_enabled():
+            checks.refuse_torch_checkpointing("apply", self._named_submodules)
         self._check_names("buffers", buffers, self.buffer_names + self.frozen_names)
 
         # Mutable state is passed as clones in training mode, so in-place updates (BatchNorm's
@@ -220,9 +232,16 @@ class FunctionalModule:
         ):
             # The aliases are mapped above, so tying by functional_call itself is not needed;
             # strict=True turns any name this wrapper failed to map into an error.
-            output = torch.func.functional_call(
-                self.module, tensors, args, kwargs, tie_weights=False, strict=True
-            )
+            try:
+                output = torch.func.functional_call(
+                    self.module, tensors, args, kwargs, tie_weights=False, strict=True
+                )
+            except Exception as error:
+                note = self._param_check.dtype_note(params)
+                add_note = getattr(error, "add_note", None)  # Python 3.11+
+                if note is not None and add_note is not None:
+                    add_note(note)
+                raise
 
         new_buffers = self._new_buffers(buffers, passed_buffers, versions_before, captured, mode)
         return output, new_buffers

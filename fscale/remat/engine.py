@@ -35,6 +35,7 @@ import torch
 from fscale import tree
 from fscale.offload import transfer
 from fscale.random import RngState
+from fscale.remat.mutation import Watch, describe_argument
 from fscale.remat.policy import (
     KeptOutputs,
     ReplayOps,
@@ -140,6 +141,8 @@ class _Call:
             if offload and i >= self._module_state and not transfer.on_host(t):
                 self.kept[i] = transfer.park(t)
         before = {i: tensors[i].clone() for i in self._buffer_indexes}
+        paths = self._treedef.paths()
+        watch = Watch(self._leaves, lambda i: describe_argument(paths[i]))
 
         policy = self.options.policy
         if policy is None:
@@ -148,6 +151,7 @@ class _Call:
             with recording(policy) as recorder:
                 out = self.run(tensors)
             self.replay = recorder.finish()
+        watch.check("checkpoint")  # a change the recompute would make a second time
 
         # A buffer fn updated in place (BatchNorm's running stats) is kept as it was before the
         # update, so the recompute sees the forward's value and updates only a throwaway copy.
