@@ -325,3 +325,34 @@ def test_huggingface_gradient_checkpointing_is_refused_with_the_fix() -> None:
     apply(params, buffers, x, train=False)
     with torch.no_grad():
         apply(params, buffers, x)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5)
+        self.head.weight = self.embed.weight
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("table", torch.arange(3.0), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids) + self.table)
+
+
+def test_state_dict_fills_every_name_of_the_module_state_dict() -> None:
+    module = _Tied()
+    apply, params, buffers = functional.functionalize(module)
+    assert "head.weight" not in params  # one leaf for the tied tensor
+    trained = {name: p + 1 for name, p in params.items()}
+    state_dict = apply.state_dict(trained, {**buffers, "steps": torch.ones(())})
+    assert list(state_dict) == list(module.state_dict())  # tied name in, non-persistent out
+    assert state_dict["head.weight"] is state_dict["embed.weight"] is trained["embed.weight"]
+    fresh = _Tied()
+    fresh.load_state_dict(state_dict, strict=True)
+    assert fresh.head.weight is fresh.embed.weight
+    assert torch.equal(fresh.embed.weight, trained["embed.weight"]) and fresh.steps == 1
+    with pytest.raises(
+        ValueError, match=r"state_dict: `params` does not match(?s:.*)missing: \['head.bias'\]"
+    ):
+        apply.state_dict({"embed.weight": params["embed.weight"]}, buffers)

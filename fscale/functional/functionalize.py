@@ -140,6 +140,7 @@ class FunctionalModule:
         self._named_submodules = list(module.named_modules())
         self._submodules = [submodule for _, submodule in self._named_submodules]
         self._param_check = checks.ParamCheck((n, module.get_parameter(n)) for n in param_names)
+        self._state_dict_names = tuple(module.state_dict(keep_vars=True))
 
     def __repr__(self) -> str:
         return (
@@ -246,6 +247,34 @@ class FunctionalModule:
         new_buffers = self._new_buffers(buffers, passed_buffers, versions_before, captured, mode)
         return output, new_buffers
 
+    def state_dict(
+        self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]
+    ) -> Tensors:
+        """`params` and `buffers` under the names of ``module.state_dict()``, in its order.
+
+        Every name the module's own state dict has is filled: a tied tensor under each of its
+        names (a GPT-2's ``lm_head.weight`` beside ``transformer.wte.weight``), non-persistent
+        buffers left out. So ``module.load_state_dict(apply.state_dict(params, buffers),
+        strict=True)`` loads trained (e.g. `fscale.consolidate`-d) state into the module.
+
+        Raises:
+            TypeError, ValueError: `params` or `buffers` do not hold exactly the module's
+                names, as for a call; ValueError also if the module's state dict holds an
+                entry that is neither a parameter nor a buffer (extra state).
+        """
+        self._check_names("params", params, self.param_names, caller="state_dict")
+        names = self.buffer_names + self.frozen_names
+        self._check_names("buffers", buffers, names, caller="state_dict")
+        tensors = self._with_aliases(params)
+        tensors.update(self._with_aliases(buffers))
+        other = [name for name in self._state_dict_names if name not in tensors]
+        if other:
+            raise ValueError(
+                f"state_dict: the state dict of {type(self.module).__name__} holds entries that "
+                f"are neither parameters nor buffers (extra state): {other}"
+            )
+        return {name: tensors[name] for name in self._state_dict_names}
+
     def _new_buffers(
         self,
         buffers: Mapping[str, torch.Tensor],
@@ -272,10 +301,12 @@ class FunctionalModule:
                 named[alias] = tensor
         return named
 
-    def _check_names(self, argument: str, given: object, expected: tuple[str, ...]) -> None:
+    def _check_names(
+        self, argument: str, given: object, expected: tuple[str, ...], caller: str = "apply"
+    ) -> None:
         if not isinstance(given, Mapping):
             raise TypeError(
-                f"apply: `{argument}` must be a dict of name -> tensor (the `{argument}` "
+                f"{caller}: `{argument}` must be a dict of name -> tensor (the `{argument}` "
                 f"returned by functionalize), got {type(given).__name__}"
             )
         expected_set = set(expected)
@@ -283,7 +314,7 @@ class FunctionalModule:
         unknown = [name for name in given if name not in expected_set]
         if missing or unknown:
             module_name = type(self.module).__name__
-            lines = [f"apply: `{argument}` does not match the module {module_name}:"]
+            lines = [f"{caller}: `{argument}` does not match the module {module_name}:"]
             if missing:
                 lines.append(f"  - missing: {missing}")
             lines.extend(f"  - unknown: {name!r}{self._hint(name)}" for name in unknown)
@@ -294,7 +325,7 @@ class FunctionalModule:
         for name in expected:
             if not isinstance(given[name], torch.Tensor):
                 raise TypeError(
-                    f"apply: `{argument}[{name!r}]` must be a tensor, got "
+                    f"{caller}: `{argument}[{name!r}]` must be a tensor, got "
                     f"{type(given[name]).__name__}"
                 )
 
