@@ -26,6 +26,10 @@ result depends only on its arguments:
   module run right after ``torch.manual_seed(fscale.random.seed(key))``, and the ambient RNG is
   untouched. ``key=None`` draws from the ambient torch RNG (and advances it), as eager code does.
 
+- **Checked at the boundary.** A param of another shape (or kind of dtype) than the module's
+  is refused naming the leaf, and a module flagged for ``torch.utils.checkpoint`` recompute
+  (transformers' ``gradient_checkpointing_enable()``) is refused (`fscale.functional.checks`).
+
 ``params`` and ``buffers`` share memory with the module (they are detached views, not copies).
 ``apply`` works under ``torch.autograd.grad`` (give the ``params`` leaves ``requires_grad``),
 ``torch.func.grad`` and ``torch.func.vjp``.

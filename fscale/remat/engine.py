@@ -141,8 +141,7 @@ class _Call:
             if offload and i >= self._module_state and not transfer.on_host(t):
                 self.kept[i] = transfer.park(t)
         before = {i: tensors[i].clone() for i in self._buffer_indexes}
-        paths = self._treedef.paths()
-        watch = Watch(self._leaves, lambda i: describe_argument(paths[i]))
+        watch = Watch(self._leaves, lambda i: describe_argument(self._treedef.paths()[i]))
 
         policy = self.options.policy
         if policy is None:
@@ -381,6 +380,7 @@ def checkpoint_call(
             mapping, an item of `state` is not a tensor, `offload` is not a bool or `policy`
             is not a `SavePolicy`.
         ValueError: if an index in `mutable` is not an index of `state`.
+        MutatedArgumentError: (a ValueError) in forward, if fn changed a non-tensor argument.
 
     Example:
         >>> import torch
