@@ -52,6 +52,25 @@ def test_default_formula_is_clip_grad_norm_bit_for_bit(dtypes, max_norm):
     assert all(c.dtype == g.dtype for c, g in zip(clipped.values(), grads.values()))
 
 
+def test_norms_are_stacked_in_the_order_torch_iterates_the_parameters():
+    # optree flattens a dict in sorted key order; torch iterates insertion order, and the norm
+    # of the stacked per-tensor norms depends on the order of its summands.
+    g = torch.Generator().manual_seed(0)
+    flat = {
+        f"z{i}" if i % 2 else f"a{i}": torch.randn(3, generator=g)
+        * torch.rand((), generator=g).exp()
+        * 10
+        for i in range(8)
+    }
+    expected = _torch_clipped(flat, 0.5)
+    in_sorted_order = _torch_clipped(dict(sorted(flat.items())), 0.5)
+    assert any(not torch.equal(expected[k], in_sorted_order[k]) for k in flat)  # order matters
+    names = list(flat)
+    grads = {"nested": {k: flat[k] for k in names[:6]}, "list": [flat[k] for k in names[6:]]}
+    clipped, _ = optim.clip_by_global_norm(0.5).update(grads, optim.EmptyState())
+    assert_trees_equal([*clipped["nested"].values(), *clipped["list"]], list(expected.values()))
+
+
 def test_sum_of_squares_formula_is_one_sum_of_all_squares():
     grads = _grads([torch.float32] * 5)
     clip = optim.clip_by_global_norm(0.5, formula="sum_of_squares")

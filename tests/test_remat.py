@@ -6,10 +6,12 @@ import pickle
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fscale as fs
 import fscale.random as fsrandom
 from fscale.functional import functionalize
 from fscale.models import GPT, GPTConfig, ResNetConfig, lm_loss, resnet
@@ -23,6 +25,7 @@ from fscale.remat import (
     save_names,
     track,
 )
+from fscale.testing import run_spmd
 
 # ----------------------------------------------------------------------------------------------
 # helpers
@@ -628,3 +631,42 @@ def test_arguments_only_read_pass_and_nothing_is_checked_without_recompute():
     assert len(cache.keys) == 2
     # A module without a cache works as before.
     torch.testing.assert_close(checkpointed(x), block(x))
+
+
+class _CachedStack(nn.Module):
+    """Blocks that share one cache argument, as a transformers decoder's layers do."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_CachedBlock(), _CachedBlock()])
+
+    def forward(self, x, use_cache=True):
+        cache = _Cache() if use_cache else None
+        for block in self.blocks:
+            x = block(x, cache=cache)
+        return x
+
+
+def _fully_shard_remat(use_cache):
+    torch.manual_seed(0)
+    apply, params, buffers = functionalize(_CachedStack())
+
+    def loss_fn(params, buffers, x, key):
+        return apply(params, buffers, x, use_cache=use_cache, key=key)[0].square().mean()
+
+    world = dist.get_world_size()
+    step = fs.fully_shard(
+        fs.train_step(loss_fn, fs.optim.sgd(0.1)), fs.Mesh(dp=world), reshard_after_forward="remat"
+    )
+    state = step.init(params, buffers)
+    try:
+        _, metrics = step(state, torch.randn(2, 4))
+    except MutatedArgumentError as error:
+        return str(error)
+    return float(metrics["loss"])
+
+
+def test_fully_shard_remat_refuses_a_cache_argument_on_every_rank():
+    for message in run_spmd(_fully_shard_remat, 2, True):
+        assert "argument `cache` (a _Cache)" in message and "use_cache=False" in message
+    assert all(isinstance(loss, float) for loss in run_spmd(_fully_shard_remat, 2, False))
