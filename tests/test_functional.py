@@ -268,3 +268,91 @@ def test_forwards_hand_each_call_to_the_unit_and_are_removed_after() -> None:
         out = tower(x)
     assert unit.calls == 1 and torch.equal(out, tower(x))
     assert "forward" not in tower.blocks[0].__dict__
+
+
+# ------------------------------------------------------------------------ checks at the boundary
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_apply_names_a_param_of_the_wrong_shape_or_kind() -> None:
+    apply, params, buffers = functional.functionalize(_mlp())
+    x = torch.randn(3, 4)
+    widened = {**params, "2.weight": torch.zeros(2, 4), "0.bias": torch.zeros(9)}
+    shape_error = r"`params\['0.bias'\]` has shape \(9,\), the module's parameter \(8,\)"
+    with pytest.raises(ValueError, match=shape_error) as e:
+        apply(widened, buffers, x)
+    assert "`params['2.weight']` has shape (2, 4), the module's parameter (2, 8)" in str(e.value)
+    integer = {**params, "0.bias": torch.zeros(8, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"`params\['0.bias'\]` is torch.int64.*integer for"):
+        apply(integer, buffers, x)
+
+
+def test_apply_takes_a_model_cast_alike_and_names_a_leaf_cast_alone() -> None:
+    module = _mlp()
+    apply, params, buffers = functional.functionalize(module)
+    x = torch.randn(3, 4)
+    doubled = {name: p.double() for name, p in params.items()}
+    out, _ = apply(doubled, buffers, x.double())
+    torch.testing.assert_close(out, module.double()(x.double()))
+    one_cast = {**params, "2.weight": params["2.weight"].double()}
+    with pytest.raises(RuntimeError) as error:
+        apply(one_cast, buffers, x)
+    if sys.version_info >= (3, 11):
+        assert "`params['2.weight']` is torch.float64 (the module's: torch.float32)" in "".join(
+            error.value.__notes__
+        )
+
+
+def test_huggingface_gradient_checkpointing_is_refused_with_the_fix() -> None:
+    # transformers' gradient_checkpointing_enable() sets this flag on each layer; the layer
+    # then recomputes through torch.utils.checkpoint in backward, outside apply.
+    module = _mlp()
+    module[0].gradient_checkpointing = True
+    refused = r"functionalize: gradient checkpointing is enabled on `0` \(Linear"
+    with pytest.raises(ValueError, match=refused):
+        functional.functionalize(module)
+    module[0].gradient_checkpointing = False
+    apply, params, buffers = functional.functionalize(module)
+    module[0].gradient_checkpointing = True  # enabled after functionalize
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match=r"apply: .*fs\.checkpoint\(blocks\[i\]\)"):
+        apply(params, buffers, x)
+    # Without a backward nothing is recomputed, so evaluation runs.
+    apply(params, buffers, x, train=False)
+    with torch.no_grad():
+        apply(params, buffers, x)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5)
+        self.head.weight = self.embed.weight
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("table", torch.arange(3.0), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids) + self.table)
+
+
+def test_state_dict_fills_every_name_of_the_module_state_dict() -> None:
+    module = _Tied()
+    apply, params, buffers = functional.functionalize(module)
+    assert "head.weight" not in params  # one leaf for the tied tensor
+    trained = {name: p + 1 for name, p in params.items()}
+    state_dict = apply.state_dict(trained, {**buffers, "steps": torch.ones(())})
+    assert list(state_dict) == list(module.state_dict())  # tied name in, non-persistent out
+    assert state_dict["head.weight"] is state_dict["embed.weight"] is trained["embed.weight"]
+    fresh = _Tied()
+    fresh.load_state_dict(state_dict, strict=True)
+    assert fresh.head.weight is fresh.embed.weight
+    assert torch.equal(fresh.embed.weight, trained["embed.weight"]) and fresh.steps == 1
+    with pytest.raises(
+        ValueError, match=r"state_dict: `params` does not match(?s:.*)missing: \['head.bias'\]"
+    ):
+        apply.state_dict({"embed.weight": params["embed.weight"]}, buffers)

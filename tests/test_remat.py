@@ -6,15 +6,18 @@ import pickle
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fscale as fs
 import fscale.random as fsrandom
 from fscale.functional import functionalize
 from fscale.models import GPT, GPTConfig, ResNetConfig, lm_loss, resnet
 from fscale.offload import transfer
 from fscale.remat import (
+    MutatedArgumentError,
     checkpoint,
     checkpoint_call,
     name,
@@ -22,6 +25,7 @@ from fscale.remat import (
     save_names,
     track,
 )
+from fscale.testing import run_spmd
 
 # ----------------------------------------------------------------------------------------------
 # helpers
@@ -548,3 +552,121 @@ def test_checkpoint_call_refuses_bad_arguments():
         checkpoint_call(fn, (x,), offload=1)
     with pytest.raises(TypeError, match="`policy` must be None or a SavePolicy"):
         checkpoint_call(fn, (x,), policy="attn")
+
+
+# ----------------------------------------------------------------------------------------------
+# side effects on non-tensor arguments
+
+
+class _Cache:
+    """A key/value cache as transformers keeps one: each call appends its keys to a layer."""
+
+    def __init__(self):
+        self.keys = []
+
+    def update(self, key):
+        self.keys.append(key)
+        return torch.cat(self.keys)
+
+
+class _CachedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, cache=None, scale=1.0):
+        k = self.proj(x)
+        keys = k if cache is None else cache.update(k)
+        return (x @ keys.t()).softmax(-1) @ keys * scale
+
+
+def test_a_forward_that_changes_a_non_tensor_argument_is_refused_with_the_fix():
+    block = checkpoint(_CachedBlock())
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(MutatedArgumentError, match=r"argument `cache` \(a _Cache\)") as error:
+        block(x, cache=_Cache())
+    assert "use_cache=False" in str(error.value)
+    assert isinstance(error.value, ValueError)
+    # Positional, and inside a pytree: named by position and path.
+    with pytest.raises(MutatedArgumentError, match=r"argument at position 1 \(inside it: 0\)"):
+        checkpoint(lambda x, caches: caches[0].update(x).sum())(x, [_Cache()])
+
+
+def test_a_tensor_attribute_updated_in_place_or_rebound_counts_as_a_change():
+    class Counter:
+        def __init__(self):
+            self.total = torch.zeros(())
+
+    def add_in_place(x, counter):
+        counter.total += 1
+        return x * 2
+
+    def rebind(x, counter):
+        counter.total = counter.total + 1
+        return x * 2
+
+    x = torch.randn(3, requires_grad=True)
+    for fn in (add_in_place, rebind):
+        with pytest.raises(MutatedArgumentError, match="position 1"):
+            checkpoint(fn)(x, Counter())
+
+
+def test_arguments_only_read_pass_and_nothing_is_checked_without_recompute():
+    block = _CachedBlock()
+    checkpointed = checkpoint(block)
+    x = torch.randn(3, 4, requires_grad=True)
+    cache = _Cache()
+    cache.update(torch.ones(2, 4))
+
+    def read_only(x, cache, config):
+        return (x @ cache.keys[0].t()).sum() * config["scale"]
+
+    config = {"scale": 0.5, "names": ["a"]}
+    y = checkpoint(read_only)(x, cache, config)
+    (grad,) = torch.autograd.grad(y, x)
+    torch.testing.assert_close(grad, torch.ones(3, 2) @ cache.keys[0] * 0.5)
+    # No recompute, no check: the cache is appended to once, as in eager code.
+    with torch.no_grad():
+        checkpointed(x, cache=cache)
+    assert len(cache.keys) == 2
+    # A module without a cache works as before.
+    torch.testing.assert_close(checkpointed(x), block(x))
+
+
+class _CachedStack(nn.Module):
+    """Blocks that share one cache argument, as a transformers decoder's layers do."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_CachedBlock(), _CachedBlock()])
+
+    def forward(self, x, use_cache=True):
+        cache = _Cache() if use_cache else None
+        for block in self.blocks:
+            x = block(x, cache=cache)
+        return x
+
+
+def _fully_shard_remat(use_cache):
+    torch.manual_seed(0)
+    apply, params, buffers = functionalize(_CachedStack())
+
+    def loss_fn(params, buffers, x, key):
+        return apply(params, buffers, x, use_cache=use_cache, key=key)[0].square().mean()
+
+    world = dist.get_world_size()
+    step = fs.fully_shard(
+        fs.train_step(loss_fn, fs.optim.sgd(0.1)), fs.Mesh(dp=world), reshard_after_forward="remat"
+    )
+    state = step.init(params, buffers)
+    try:
+        _, metrics = step(state, torch.randn(2, 4))
+    except MutatedArgumentError as error:
+        return str(error)
+    return float(metrics["loss"])
+
+
+def test_fully_shard_remat_refuses_a_cache_argument_on_every_rank():
+    for message in run_spmd(_fully_shard_remat, 2, True):
+        assert "argument `cache` (a _Cache)" in message and "use_cache=False" in message
+    assert all(isinstance(loss, float) for loss in run_spmd(_fully_shard_remat, 2, False))

@@ -26,6 +26,10 @@ result depends only on its arguments:
   module run right after ``torch.manual_seed(fscale.random.seed(key))``, and the ambient RNG is
   untouched. ``key=None`` draws from the ambient torch RNG (and advances it), as eager code does.
 
+- **Checked at the boundary.** A param of another shape (or kind of dtype) than the module's
+  is refused naming the leaf, and a module flagged for ``torch.utils.checkpoint`` recompute
+  (transformers' ``gradient_checkpointing_enable()``) is refused (`fscale.functional.checks`).
+
 ``params`` and ``buffers`` share memory with the module (they are detached views, not copies).
 ``apply`` works under ``torch.autograd.grad`` (give the ``params`` leaves ``requires_grad``),
 ``torch.func.grad`` and ``torch.func.vjp``.
@@ -48,7 +52,7 @@ from torch import nn
 from fscale import random as fsrandom
 from fscale import tree
 from fscale.functional import buffers as buffers_lib
-from fscale.functional import rng, unit_calls
+from fscale.functional import checks, rng, unit_calls
 from fscale.functional import slots as slots_lib
 from fscale.functional.units import ParamUnit, UnitParams
 
@@ -75,12 +79,16 @@ def functionalize(
 
     Raises:
         TypeError: `module` is not an ``nn.Module`` or `train` is not a bool.
+        ValueError: a submodule has gradient checkpointing enabled
+            (``model.gradient_checkpointing_enable()``), whose recompute cannot see the params
+            given to ``apply``; use `fscale.checkpoint` instead.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"functionalize: `module` must be a torch.nn.Module, got {type(module).__name__}"
         )
     _check_bool("functionalize", "train", train)
+    checks.refuse_torch_checkpointing("functionalize", list(module.named_modules()))
     params: Tensors = {}
     buffers: Tensors = {}
     for name, parameter in module.named_parameters():
@@ -133,7 +141,10 @@ class FunctionalModule:
         self.buffer_names = buffer_names
         self.aliases = aliases
         # The module tree as of functionalize (its parameter names are fixed then too).
-        self._submodules = list(module.modules())
+        self._named_submodules = list(module.named_modules())
+        self._submodules = [submodule for _, submodule in self._named_submodules]
+        self._param_check = checks.ParamCheck((n, module.get_parameter(n)) for n in param_names)
+        self._state_dict_names = tuple(module.state_dict(keep_vars=True))
 
     def __repr__(self) -> str:
         return (
@@ -174,7 +185,9 @@ class FunctionalModule:
             TypeError: `params` or `buffers` is not a mapping of tensors, `key` is not a key,
                 or `train` is not a bool.
             ValueError: a name is missing from `params` or `buffers`, or is not one of the
-                module's (all offending names are listed).
+                module's (all offending names are listed); a param has another shape than the
+                module's parameter, or another kind of dtype (`fscale.functional.checks`); in
+                training mode, a submodule is flagged for torch.utils gradient checkpointing.
             RuntimeError: in evaluation mode the module modified a buffer in place (the
                 caller's tensor has then changed; such a module needs ``train=True``).
         """
@@ -194,9 +207,13 @@ class FunctionalModule:
                 aliases=self.aliases,
                 hint=self._hint,
             )
+            self._param_check.check(params.eager)
             params = unit_calls.unit_tensors(self.module, params, module_units, self.param_names)
         else:
             self._check_names("params", params, self.param_names)
+            self._param_check.check(params)
+        if mode and torch.is_grad_enabled():
+            checks.refuse_torch_checkpointing("apply", self._named_submodules)
         self._check_names("buffers", buffers, self.buffer_names + self.frozen_names)
 
         # Mutable state is passed as clones in training mode, so in-place updates (BatchNorm's
@@ -220,12 +237,47 @@ class FunctionalModule:
         ):
             # The aliases are mapped above, so tying by functional_call itself is not needed;
             # strict=True turns any name this wrapper failed to map into an error.
-            output = torch.func.functional_call(
-                self.module, tensors, args, kwargs, tie_weights=False, strict=True
-            )
+            try:
+                output = torch.func.functional_call(
+                    self.module, tensors, args, kwargs, tie_weights=False, strict=True
+                )
+            except Exception as error:
+                note = self._param_check.dtype_note(params)
+                add_note = getattr(error, "add_note", None)  # Python 3.11+
+                if note is not None and add_note is not None:
+                    add_note(note)
+                raise
 
         new_buffers = self._new_buffers(buffers, passed_buffers, versions_before, captured, mode)
         return output, new_buffers
+
+    def state_dict(
+        self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]
+    ) -> Tensors:
+        """`params` and `buffers` under the names of ``module.state_dict()``, in its order.
+
+        Every name the module's own state dict has is filled: a tied tensor under each of its
+        names (a GPT-2's ``lm_head.weight`` beside ``transformer.wte.weight``), non-persistent
+        buffers left out. So ``module.load_state_dict(apply.state_dict(params, buffers),
+        strict=True)`` loads trained (e.g. `fscale.consolidate`-d) state into the module.
+
+        Raises:
+            TypeError, ValueError: `params` or `buffers` do not hold exactly the module's
+                names, as for a call; ValueError also if the module's state dict holds an
+                entry that is neither a parameter nor a buffer (extra state).
+        """
+        self._check_names("params", params, self.param_names, caller="state_dict")
+        names = self.buffer_names + self.frozen_names
+        self._check_names("buffers", buffers, names, caller="state_dict")
+        tensors = self._with_aliases(params)
+        tensors.update(self._with_aliases(buffers))
+        other = [name for name in self._state_dict_names if name not in tensors]
+        if other:
+            raise ValueError(
+                f"state_dict: the state dict of {type(self.module).__name__} holds entries that "
+                f"are neither parameters nor buffers (extra state): {other}"
+            )
+        return {name: tensors[name] for name in self._state_dict_names}
 
     def _new_buffers(
         self,
@@ -253,10 +305,12 @@ class FunctionalModule:
                 named[alias] = tensor
         return named
 
-    def _check_names(self, argument: str, given: object, expected: tuple[str, ...]) -> None:
+    def _check_names(
+        self, argument: str, given: object, expected: tuple[str, ...], caller: str = "apply"
+    ) -> None:
         if not isinstance(given, Mapping):
             raise TypeError(
-                f"apply: `{argument}` must be a dict of name -> tensor (the `{argument}` "
+                f"{caller}: `{argument}` must be a dict of name -> tensor (the `{argument}` "
                 f"returned by functionalize), got {type(given).__name__}"
             )
         expected_set = set(expected)
@@ -264,7 +318,7 @@ class FunctionalModule:
         unknown = [name for name in given if name not in expected_set]
         if missing or unknown:
             module_name = type(self.module).__name__
-            lines = [f"apply: `{argument}` does not match the module {module_name}:"]
+            lines = [f"{caller}: `{argument}` does not match the module {module_name}:"]
             if missing:
                 lines.append(f"  - missing: {missing}")
             lines.extend(f"  - unknown: {name!r}{self._hint(name)}" for name in unknown)
@@ -275,7 +329,7 @@ class FunctionalModule:
         for name in expected:
             if not isinstance(given[name], torch.Tensor):
                 raise TypeError(
-                    f"apply: `{argument}[{name!r}]` must be a tensor, got "
+                    f"{caller}: `{argument}[{name!r}]` must be a tensor, got "
                     f"{type(given[name]).__name__}"
                 )
 

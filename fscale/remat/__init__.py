@@ -4,10 +4,13 @@
 for backward but its inputs and whose backward runs it again; `checkpoint_call`
 (`fscale.remat.engine`, the one recompute engine) is the same for one call with extra inputs.
 Save policies and `name` (`fscale.remat.policy`) choose intermediates to keep instead of
-recomputing; `track` (`fscale.remat.stats`) counts what is kept and recomputed.
+recomputing; `track` (`fscale.remat.stats`) counts what is kept and recomputed. A forward that
+changes a non-tensor argument (a key/value cache), which the recompute would change again, is
+refused (`fscale.remat.mutation`).
 """
 
 from fscale.remat.engine import checkpoint_call as checkpoint_call
+from fscale.remat.mutation import MutatedArgumentError as MutatedArgumentError
 from fscale.remat.policy import SavePolicy as SavePolicy
 from fscale.remat.policy import name as name
 from fscale.remat.policy import save_matmuls as save_matmuls
@@ -17,6 +20,7 @@ from fscale.remat.stats import track as track
 from fscale.remat.wrap import checkpoint as checkpoint
 
 __all__ = [
+    "MutatedArgumentError",
     "RematStats",
     "SavePolicy",
     "checkpoint",

@@ -35,6 +35,7 @@ import torch
 from fscale import tree
 from fscale.offload import transfer
 from fscale.random import RngState
+from fscale.remat.mutation import Watch, describe_argument
 from fscale.remat.policy import (
     KeptOutputs,
     ReplayOps,
@@ -140,6 +141,7 @@ class _Call:
             if offload and i >= self._module_state and not transfer.on_host(t):
                 self.kept[i] = transfer.park(t)
         before = {i: tensors[i].clone() for i in self._buffer_indexes}
+        watch = Watch(self._leaves, lambda i: describe_argument(self._treedef.paths()[i]))
 
         policy = self.options.policy
         if policy is None:
@@ -148,6 +150,7 @@ class _Call:
             with recording(policy) as recorder:
                 out = self.run(tensors)
             self.replay = recorder.finish()
+        watch.check("checkpoint")  # a change the recompute would make a second time
 
         # A buffer fn updated in place (BatchNorm's running stats) is kept as it was before the
         # update, so the recompute sees the forward's value and updates only a throwaway copy.
@@ -377,6 +380,7 @@ def checkpoint_call(
             mapping, an item of `state` is not a tensor, `offload` is not a bool or `policy`
             is not a `SavePolicy`.
         ValueError: if an index in `mutable` is not an index of `state`.
+        MutatedArgumentError: (a ValueError) in forward, if fn changed a non-tensor argument.
 
     Example:
         >>> import torch

@@ -151,6 +151,9 @@ def checkpoint(
             `SavePolicy`.
         ValueError: at the forward of the first call that records gradients, if a policy name
             was never marked with `name` inside fn (the message lists the names that were).
+        MutatedArgumentError: (a ValueError) at a forward that records gradients, if it
+            changed a non-tensor argument (a key/value cache: call a transformers model with
+            ``use_cache=False``), which the recompute would change a second time.
 
     Example:
         >>> import torch
