@@ -37,6 +37,8 @@ from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step
 from fscale.train import value_and_grad as value_and_grad
 
+from fscale.parallel import moe_dispatch as moe_dispatch
+
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
