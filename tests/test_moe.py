@@ -239,3 +239,127 @@ def test_expert_with_no_token_and_rank_with_no_token():
         _, _, tokens_per_expert, _ = _dense_reference(*case)
         assert (tokens_per_expert[0] == 0).any()
         _check_against_dense(case, 2)
+
+
+# ---- the uneven all-to-all ------------------------------------------------------------------
+
+
+def _sizes_between(source: int, dest: int) -> int:
+    return (3 * source + 2 * dest + 1) % 4  # zeros included
+
+
+def _uneven_case():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mesh = fd.Mesh(ep=n)
+    send = [_sizes_between(rank, j) for j in range(n)]
+    recv = [_sizes_between(i, rank) for i in range(n)]
+    x = (torch.arange(sum(send) * 2, dtype=F64).view(-1, 2) + 100 * rank).requires_grad_()
+    with fd.comm_ledger() as ledger:
+        y = fd.all_to_all_uneven(x, "ep", send, recv, mesh=mesh)
+        weight = torch.arange(y.numel(), dtype=F64).view_as(y) + 1000 * rank
+        (grad,) = torch.autograd.grad((y * weight).sum(), x)
+    return x.detach(), y.detach(), grad, send, recv, [r.bytes for r in ledger.records]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_uneven_moves_rows_and_backward_is_the_reverse_exchange(world):
+    results = run_spmd(_uneven_case, world)
+    inputs = [r[0] for r in results]
+    chunks = [torch.split(x, r[3]) for x, r in zip(inputs, results)]
+    for rank, (_, y, grad, send, recv, record_bytes) in enumerate(results):
+        torch.testing.assert_close(y, torch.cat([chunks[i][rank] for i in range(world)]))
+        # The gradient of row block j is rank j's weight for the rows it received from us.
+        weights = [
+            (torch.arange(r[1].numel(), dtype=F64).view_as(r[1]) + 1000 * j).split(r[4])[rank]
+            for j, r in enumerate(results)
+        ]
+        torch.testing.assert_close(grad, torch.cat(weights))
+        # Forward sends our rows to the others; backward sends back the rows we received.
+        sent_forward = (sum(send) - send[rank]) * 2 * 8
+        sent_backward = (sum(recv) - recv[rank]) * 2 * 8
+        assert record_bytes == [sent_forward, sent_backward]
+
+
+def _uneven_bad_sizes_case():
+    mesh = fd.Mesh(ep=dist.get_world_size())
+    x = torch.zeros(3, 2)
+    with pytest.raises(ValueError, match="`send_sizes`.*sum to 2"):
+        fd.all_to_all_uneven(x, "ep", [1, 1], [1, 1], mesh=mesh)
+    with pytest.raises(ValueError, match="`recv_sizes` must hold 2"):
+        fd.all_to_all_uneven(x, "ep", [1, 2], [1], mesh=mesh)
+    with pytest.raises(ValueError, match="non-negative"):
+        fd.all_to_all_uneven(x, "ep", [4, -1], [1, 1], mesh=mesh)
+
+
+def test_all_to_all_uneven_bad_sizes():
+    run_spmd(_uneven_bad_sizes_case, 2)
+
+
+def test_all_to_all_uneven_on_one_process_is_identity():
+    x = torch.randn(3, 2)
+    assert fd.all_to_all_uneven(x, "ep", [3], [3], mesh=fd.Mesh(ep=1)) is x
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+
+def test_bad_construction_arguments():
+    with pytest.raises(ValueError, match="`k`=2 experts per token is more than `num_experts`=1"):
+        fs.moe_dispatch(expert_fn, num_experts=1, k=2)
+    with pytest.raises(ValueError, match="`k` must be 1"):
+        fs.moe_dispatch(expert_fn, num_experts=4, k=3)
+    with pytest.raises(ValueError, match="`capacity_factor` must be > 0"):
+        fs.moe_dispatch(expert_fn, num_experts=4, capacity_factor=0)
+    with pytest.raises(ValueError, match="`eval_capacity_factor` must be > 0"):
+        fs.moe_dispatch(expert_fn, num_experts=4, eval_capacity_factor=0.0)
+    with pytest.raises(ValueError, match="`capacity` must be one of"):
+        fs.moe_dispatch(expert_fn, num_experts=4, capacity="unbounded")
+    with pytest.raises(ValueError, match="`num_experts` must be a positive int"):
+        fs.moe_dispatch(expert_fn, num_experts=0)
+    with pytest.raises(ValueError, match="`axis`='tp' is not an axis"):
+        fs.moe_dispatch(expert_fn, fd.Mesh(ep=1), "tp", num_experts=4)
+
+
+def _indivisible_case():
+    with pytest.raises(ValueError, match="`num_experts`=3 is not divisible by the 2 ranks"):
+        fs.moe_dispatch(expert_fn, fd.Mesh(ep=2), num_experts=3)
+
+
+def test_num_experts_not_divisible_by_the_axis():
+    run_spmd(_indivisible_case, 2)
+
+
+def test_bad_call_arguments():
+    moe = fs.moe_dispatch(expert_fn, num_experts=4)
+    params = make_params(4, seed=0)
+    with pytest.raises(ValueError, match=r"`x` must be a floating-point tensor of shape \(tokens"):
+        moe(params, torch.zeros(2, 3, D_MODEL))
+    with pytest.raises(ValueError, match=r"`params\['gate'\]\['weight'\]` must be .* \(6, 4\)"):
+        moe({"gate": {"weight": torch.zeros(D_MODEL, 3)}, "experts": params["experts"]},
+            torch.zeros(2, D_MODEL))
+    with pytest.raises(ValueError, match="leaf `w_in` has shape"):
+        moe({"gate": params["gate"], "experts": {"w_in": torch.zeros(3, 2)}},
+            torch.zeros(2, D_MODEL, dtype=F64))
+    with pytest.raises(ValueError, match="`params` must be"):
+        moe({"experts": params["experts"]}, torch.zeros(2, D_MODEL))
+
+
+def _nan_gate_case():
+    rank = dist.get_rank()
+    mesh = fd.Mesh(ep=2)
+    moe = fs.moe_dispatch(expert_fn, mesh, num_experts=2)
+    params = _local_experts(make_params(2, seed=0), rank, 2)
+    x = make_tokens(4, seed=rank, skew=False)
+    if rank == 1:
+        x[2, 0] = float("nan")
+    # Every rank raises (the flag travels with the sizes), so none is left waiting.
+    with pytest.raises(ValueError, match=r"not finite \(NaN or inf\) on rank\(s\) \[1\]"):
+        moe(params, x)
+    return True
+
+
+def test_nan_gate_fails_on_every_rank():
+    assert run_spmd(_nan_gate_case, 2) == [True, True]
+    moe = fs.moe_dispatch(expert_fn, num_experts=2)
+    with pytest.raises(ValueError, match="not finite"):
+        moe(make_params(2, seed=0), torch.full((2, D_MODEL), float("inf"), dtype=F64))
