@@ -36,7 +36,7 @@ from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step
 from fscale.train import value_and_grad as value_and_grad
-
+from fscale.parallel import expert_parallel as expert_parallel
 from fscale.parallel import moe_dispatch as moe_dispatch
 
 __version__ = "0.1.0"

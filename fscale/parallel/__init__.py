@@ -14,7 +14,9 @@ from fscale.parallel.ddp import HookState as HookState
 from fscale.parallel.ddp import data_parallel as data_parallel
 from fscale.parallel.fsdp import FullyShardPlan as FullyShardPlan
 from fscale.parallel.fsdp import fully_shard as fully_shard
+from fscale.parallel.moe import ExpertParallelPlan as ExpertParallelPlan
 from fscale.parallel.moe import MoEDispatch as MoEDispatch
+from fscale.parallel.moe import expert_parallel as expert_parallel
 from fscale.parallel.moe import moe_dispatch as moe_dispatch
 from fscale.parallel.reduce import BucketInfo as BucketInfo
 from fscale.parallel.state import consolidate as consolidate
@@ -27,6 +29,7 @@ __all__ = [
     "AccumulatePlan",
     "BucketInfo",
     "DataParallelPlan",
+    "ExpertParallelPlan",
     "FullyShardPlan",
     "HookState",
     "MoEDispatch",
@@ -35,6 +38,7 @@ __all__ = [
     "accumulate",
     "consolidate",
     "data_parallel",
+    "expert_parallel",
     "fully_shard",
     "moe_dispatch",
     "shard_optimizer",
