@@ -139,7 +139,9 @@ def _local_experts(params, rank, world):
     local = params["gate"]["weight"].shape[1] // world
     return {
         "gate": params["gate"],
-        "experts": {n: leaf[rank * local : (rank + 1) * local] for n, leaf in params["experts"].items()},
+        "experts": {
+            n: leaf[rank * local : (rank + 1) * local] for n, leaf in params["experts"].items()
+        },
     }
 
 
@@ -167,9 +169,11 @@ def _ep_case(num_experts, k, capacity, factor, counts, skew, seed):
         x_grad, *grads = torch.autograd.grad(
             loss, [x, params["gate"]["weight"], *params["experts"].values()]
         )
-    gate_grad = fd.all_reduce(grads[0], "ep", mesh=mesh)  # the gate is replicated: sum the ranks' parts
+    gate_grad = fd.all_reduce(
+        grads[0], "ep", mesh=mesh
+    )  # the gate is replicated: sum the ranks' parts
     expert_grads = [fd.all_gather(g, "ep", dim=0, mesh=mesh) for g in grads[1:]]
-    a2a = ledger.count("all_to_all")
+    a2a = (ledger.count("all_to_all"), ledger.total_bytes("all_to_all"))
     return y, x_grad, aux["tokens_per_expert"], gate_grad, expert_grads, a2a
 
 
@@ -219,7 +223,11 @@ def _check_against_dense(case, world):
         torch.testing.assert_close(gate_grad, grads[0], rtol=1e-9, atol=1e-11)
         for got, want in zip(expert_grads, grads[1:]):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
-        assert a2a == 4  # two exchanges forward, their two duals backward
+        assert a2a[0] == 4  # two exchanges forward, their two duals backward
+        num_experts, k, capacity, factor, counts = case[:5]
+        if capacity == "fixed":  # (E, C, d) float64 slots, C the largest capacity of the ranks
+            slots = max(math.ceil(round(factor * k * n / num_experts, 9)) for n in counts)
+            assert a2a[1] == 4 * num_experts * slots * D_MODEL * 8 * (world - 1) / world
 
 
 @given(ep_cases(world=2))
@@ -283,7 +291,7 @@ def test_all_to_all_uneven_moves_rows_and_backward_is_the_reverse_exchange(world
 def _uneven_bad_sizes_case():
     mesh = fd.Mesh(ep=dist.get_world_size())
     x = torch.zeros(3, 2)
-    with pytest.raises(ValueError, match="`send_sizes`.*sum to 2"):
+    with pytest.raises(ValueError, match=r"`send_sizes`.*sum to 2"):
         fd.all_to_all_uneven(x, "ep", [1, 1], [1, 1], mesh=mesh)
     with pytest.raises(ValueError, match="`recv_sizes` must hold 2"):
         fd.all_to_all_uneven(x, "ep", [1, 2], [1], mesh=mesh)
@@ -335,11 +343,15 @@ def test_bad_call_arguments():
     with pytest.raises(ValueError, match=r"`x` must be a floating-point tensor of shape \(tokens"):
         moe(params, torch.zeros(2, 3, D_MODEL))
     with pytest.raises(ValueError, match=r"`params\['gate'\]\['weight'\]` must be .* \(6, 4\)"):
-        moe({"gate": {"weight": torch.zeros(D_MODEL, 3)}, "experts": params["experts"]},
-            torch.zeros(2, D_MODEL))
+        moe(
+            {"gate": {"weight": torch.zeros(D_MODEL, 3)}, "experts": params["experts"]},
+            torch.zeros(2, D_MODEL),
+        )
     with pytest.raises(ValueError, match="leaf `w_in` has shape"):
-        moe({"gate": params["gate"], "experts": {"w_in": torch.zeros(3, 2)}},
-            torch.zeros(2, D_MODEL, dtype=F64))
+        moe(
+            {"gate": params["gate"], "experts": {"w_in": torch.zeros(3, 2)}},
+            torch.zeros(2, D_MODEL, dtype=F64),
+        )
     with pytest.raises(ValueError, match="`params` must be"):
         moe({"experts": params["experts"]}, torch.zeros(2, D_MODEL))
 

@@ -73,7 +73,12 @@ class _AllToAllUneven(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        return _AllToAllUneven.apply(grad, ctx.comm, ctx.recv_sizes, ctx.send_sizes), None, None, None
+        return (
+            _AllToAllUneven.apply(grad, ctx.comm, ctx.recv_sizes, ctx.send_sizes),
+            None,
+            None,
+            None,
+        )
 
 
 def _sizes(sizes: Any, name: str, comm: Comm) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ class MoEGPTConfig:
             ``capacity_factor`` ...).
     """
 
-    gpt: GPTConfig = GPTConfig()
+    gpt: GPTConfig = field(default_factory=GPTConfig)
     num_experts: int = 4
     moe: dict[str, Any] = field(default_factory=dict)
 
@@ -109,8 +109,11 @@ class MoEGPT(nn.Module):
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
             raise ValueError(
                 "MoEGPT: `tokens` must be an int64 tensor of shape [batch, time], got "
-                + (f"shape {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else
-                   type(tokens).__name__)
+                + (
+                    f"shape {tuple(tokens.shape)}"
+                    if isinstance(tokens, torch.Tensor)
+                    else type(tokens).__name__
+                )
             )
         x = self.embed(tokens)
         aux_loss = x.new_zeros((), dtype=torch.float32)

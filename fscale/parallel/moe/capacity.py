@@ -61,9 +61,7 @@ def assign(experts: Tensor, num_experts: int, capacity: int | None) -> Assignmen
         positions.append(torch.gather(running, 1, experts[:, choice : choice + 1]))
         offset = offset + one_hot.sum(dim=0)
     position = torch.cat(positions, dim=1) if k else experts.new_zeros((tokens, 0))
-    kept = (
-        torch.ones_like(position, dtype=torch.bool) if capacity is None else position < capacity
-    )
+    kept = torch.ones_like(position, dtype=torch.bool) if capacity is None else position < capacity
     return Assignment(position, kept)
 
 

@@ -100,9 +100,9 @@ class MoEDispatch:
         if self.capacity == "fixed":
             cap = capacity_lib.capacity_for(tokens, self.num_experts, self.k, factor)
         assignment = capacity_lib.assign(routing.experts, self.num_experts, cap)
-        counts = torch.bincount(
-            routing.experts[assignment.kept], minlength=self.num_experts
-        ).to(torch.int64)
+        counts = torch.bincount(routing.experts[assignment.kept], minlength=self.num_experts).to(
+            torch.int64
+        )
         not_finite = not bool(torch.isfinite(logits.detach()).all())
         sizes = exchange_sizes(tokens, counts, not_finite, self.axis, self.mesh)
         if sizes.not_finite:
@@ -198,7 +198,11 @@ class MoEDispatch:
         if not leaves:
             raise ValueError("moe_dispatch: `params['experts']` holds no tensors")
         for path, leaf in zip(paths, leaves):
-            if not isinstance(leaf, Tensor) or leaf.dim() == 0 or leaf.shape[0] != self.local_experts:
+            if (
+                not isinstance(leaf, Tensor)
+                or leaf.dim() == 0
+                or leaf.shape[0] != self.local_experts
+            ):
                 where = "this rank's slice of" if self.ranks > 1 else "all"
                 raise ValueError(
                     f"moe_dispatch: every leaf of `params['experts']` needs a leading dimension "
@@ -288,7 +292,9 @@ def moe_dispatch(
         (torch.Size([16, 8]), torch.Size([4]))
     """
     if not callable(expert_fn):
-        raise TypeError(f"moe_dispatch: `expert_fn` must be callable, got {type(expert_fn).__name__}")
+        raise TypeError(
+            f"moe_dispatch: `expert_fn` must be callable, got {type(expert_fn).__name__}"
+        )
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"moe_dispatch: `num_experts` must be a positive int, got {num_experts!r}")
     if k not in (1, 2) or isinstance(k, bool):
@@ -305,7 +311,9 @@ def moe_dispatch(
         raise TypeError(f"moe_dispatch: `noisy` must be a bool, got {noisy!r}")
     if mesh is not None:
         if not isinstance(mesh, Mesh):
-            raise TypeError(f"moe_dispatch: `mesh` must be a Mesh or None, got {type(mesh).__name__}")
+            raise TypeError(
+                f"moe_dispatch: `mesh` must be a Mesh or None, got {type(mesh).__name__}"
+            )
         if axis not in mesh.axis_names:
             raise ValueError(
                 f"moe_dispatch: `axis`={axis!r} is not an axis of {mesh!r} (axes "

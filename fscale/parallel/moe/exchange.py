@@ -34,7 +34,13 @@ from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.uneven import all_to_all_uneven
 
-__all__ = ["Sizes", "exchange_sizes", "run_experts", "through_experts_dropless", "through_experts_fixed"]
+__all__ = [
+    "Sizes",
+    "exchange_sizes",
+    "run_experts",
+    "through_experts_dropless",
+    "through_experts_fixed",
+]
 
 Tensor = torch.Tensor
 ExpertFn = Callable[[Any, Tensor], Tensor]
@@ -129,9 +135,9 @@ def through_experts_dropless(
     mine = slice(me * local, (me + 1) * local)
     # (source rank, local expert) -> rows this rank receives.
     received_counts = sizes.counts[:, mine]
+    send = sizes.counts[me].view(ranks, local).sum(1).tolist()
+    recv = received_counts.sum(1).tolist()
     if ranks > 1:
-        send = sizes.counts[me].view(ranks, local).sum(1).tolist()
-        recv = received_counts.sum(1).tolist()
         rows = all_to_all_uneven(rows, axis, send, recv, mesh=mesh)
     order = _regroup(received_counts).to(rows.device)
     grouped = rows.index_select(0, order)

@@ -84,7 +84,7 @@ class MoE(nn.Module):
         """``(y, aux_loss)`` for ``x`` of shape ``(..., d_model)``."""
         params = {
             "gate": {"weight": self.gate["weight"]},
-            "experts": {name: leaf for name, leaf in self.experts.items()},
+            "experts": dict(self.experts.items()),
         }
         tokens = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
         y, aux = self.dispatch(params, tokens, training=self.training)

@@ -48,7 +48,7 @@ from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.functional.units import ParamUnit, UnitCall, UnitParams
 from fscale.parallel import layers
-from fscale.plan import Plan, TrainState
+from fscale.plan import Plan
 from fscale.train import Step
 
 __all__ = ["ExpertParallelPlan", "expert_parallel", "is_expert_name"]
@@ -78,20 +78,14 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-@dataclasses.dataclass(frozen=True)
 class _MappedUnit:
     """A `ParamUnit` whose parameters pass through `leaf_map` wherever they are used."""
 
-    unit: ParamUnit
-    leaf_map: LeafMap
-
-    @property
-    def name(self) -> str:
-        return self.unit.name
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.unit.names
+    def __init__(self, unit: ParamUnit, leaf_map: LeafMap) -> None:
+        self.unit = unit
+        self.leaf_map = leaf_map
+        self.name: str = unit.name
+        self.names: tuple[str, ...] = unit.names
 
     def _mapped(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {name: self.leaf_map(name, leaf) for name, leaf in params.items()}
