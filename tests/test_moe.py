@@ -145,12 +145,12 @@ def _local_experts(params, rank, world):
     }
 
 
-def _loss(moe, params, x, weight):
-    y, aux = moe(params, x)
+def _loss(moe, params, x, weight, key=None):
+    y, aux = moe(params, x, key)
     return (y * weight).sum() + aux["aux_loss"], y, aux
 
 
-def _ep_case(num_experts, k, capacity, factor, counts, skew, seed):
+def _ep_case(num_experts, k, capacity, factor, counts, skew, seed, noisy=False):
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = fd.Mesh(ep=world)
     full = make_params(num_experts, seed)
@@ -161,11 +161,18 @@ def _ep_case(num_experts, k, capacity, factor, counts, skew, seed):
         "experts": {n: leaf.clone().requires_grad_() for n, leaf in params["experts"].items()},
     }
     moe = fs.moe_dispatch(
-        expert_fn, mesh, num_experts=num_experts, k=k, capacity=capacity, capacity_factor=factor
+        expert_fn,
+        mesh,
+        num_experts=num_experts,
+        k=k,
+        capacity=capacity,
+        capacity_factor=factor,
+        noisy=noisy,
     )
     x = make_tokens(counts[rank], seed + 100 + rank, skew).requires_grad_()
     with fd.comm_ledger() as ledger:
-        loss, y, aux = _loss(moe, params, x, output_weight(counts[rank], seed + 200 + rank))
+        weight = output_weight(counts[rank], seed + 200 + rank)
+        loss, y, aux = _loss(moe, params, x, weight, fs.random.key(seed + rank))
         x_grad, *grads = torch.autograd.grad(
             loss, [x, params["gate"]["weight"], *params["experts"].values()]
         )
@@ -177,18 +184,24 @@ def _ep_case(num_experts, k, capacity, factor, counts, skew, seed):
     return y, x_grad, aux["tokens_per_expert"], gate_grad, expert_grads, a2a
 
 
-def _dense_reference(num_experts, k, capacity, factor, counts, skew, seed):
+def _dense_reference(num_experts, k, capacity, factor, counts, skew, seed, noisy=False):
     params = make_params(num_experts, seed)
     leaves = [params["gate"]["weight"], *params["experts"].values()]
     for leaf in leaves:
         leaf.requires_grad_()
     moe = fs.moe_dispatch(
-        expert_fn, num_experts=num_experts, k=k, capacity=capacity, capacity_factor=factor
+        expert_fn,
+        num_experts=num_experts,
+        k=k,
+        capacity=capacity,
+        capacity_factor=factor,
+        noisy=noisy,
     )
     outputs, inputs, tokens_per_expert, total = [], [], [], 0.0
     for rank, count in enumerate(counts):
         x = make_tokens(count, seed + 100 + rank, skew).requires_grad_()
-        loss, y, aux = _loss(moe, params, x, output_weight(count, seed + 200 + rank))
+        weight = output_weight(count, seed + 200 + rank)
+        loss, y, aux = _loss(moe, params, x, weight, fs.random.key(seed + rank))
         total = total + loss
         outputs.append(y.detach())
         inputs.append(x)
@@ -210,7 +223,8 @@ def ep_cases(draw, world):
     if sum(counts) == 0:
         counts[0] = 3
     skew = draw(st.booleans())
-    return num_experts, k, capacity, factor, tuple(counts), skew, draw(st.integers(0, 999))
+    seed = draw(st.integers(0, 999))
+    return num_experts, k, capacity, factor, tuple(counts), skew, seed, draw(st.booleans())
 
 
 def _check_against_dense(case, world):
@@ -243,7 +257,7 @@ def test_expert_parallel_equals_dense_on_4_ranks(case):
 def test_expert_with_no_token_and_rank_with_no_token():
     # Rank 1 has no token; the skew leaves some experts idle; both modes, top-2.
     for capacity in ("fixed", "dropless"):
-        case = (4, 2, capacity, 1.0, (9, 0), True, 7)
+        case = (4, 2, capacity, 1.0, (9, 0), True, 7, False)
         _, _, tokens_per_expert, _ = _dense_reference(*case)
         assert (tokens_per_expert[0] == 0).any()
         _check_against_dense(case, 2)
@@ -375,3 +389,20 @@ def test_nan_gate_fails_on_every_rank():
     moe = fs.moe_dispatch(expert_fn, num_experts=2)
     with pytest.raises(ValueError, match="not finite"):
         moe(make_params(2, seed=0), torch.full((2, D_MODEL), float("inf"), dtype=F64))
+
+
+@pytest.mark.parametrize("capacity", ["fixed", "dropless"])
+def test_dense_layer_under_torch_func_grad_equals_autograd(capacity):
+    params = make_params(4, seed=8)
+    x = make_tokens(12, seed=9, skew=True)
+    moe = fs.moe_dispatch(expert_fn, num_experts=4, k=2, capacity=capacity)
+
+    def loss(p):
+        y, aux = moe(p, x)
+        return (y**2).sum() + aux["aux_loss"]
+
+    by_func = fs.tree.leaves(torch.func.grad(loss)(params))
+    live = fs.tree.map(lambda leaf: leaf.clone().requires_grad_(), params)
+    by_autograd = torch.autograd.grad(loss(live), fs.tree.leaves(live))
+    for a, b in zip(by_func, by_autograd):
+        torch.testing.assert_close(a, b)
