@@ -51,7 +51,7 @@ class Sizes(NamedTuple):
 
     Attributes:
         tokens: each rank's token count, in axis order.
-        counts: ``(N, E)`` int64 kept assignments per expert, row r from rank r.
+        counts: ``(N, E)`` int64 kept assignments per expert, row r from rank r (on the host).
         not_finite: the indices of the ranks whose router logits were not all finite.
     """
 
@@ -65,11 +65,12 @@ def exchange_sizes(
 ) -> Sizes:
     """Every rank's token count, per-expert counts and finiteness flag (no collective without a
     mesh or over an axis of size 1)."""
-    row = torch.cat([torch.tensor([tokens, int(not_finite)], dtype=torch.int64), counts.cpu()])
+    # On the data's device (NCCL exchanges device tensors only); read on the host once.
+    head = torch.tensor([tokens, int(not_finite)], dtype=torch.int64, device=counts.device)
+    row = torch.cat([head, counts.to(torch.int64)])
     if mesh is not None and mesh.size(axis) > 1:
-        rows = collectives.all_gather(row, axis, mesh=mesh).view(mesh.size(axis), -1)
-    else:
-        rows = row.view(1, -1)
+        row = collectives.all_gather(row, axis, mesh=mesh)
+    rows = row.cpu().view(-1, counts.numel() + 2)
     flags = rows[:, 1].tolist()
     return Sizes(
         tuple(rows[:, 0].tolist()), rows[:, 2:], tuple(i for i, f in enumerate(flags) if f)
@@ -135,17 +136,17 @@ def through_experts_dropless(
     mine = slice(me * local, (me + 1) * local)
     # (source rank, local expert) -> rows this rank receives.
     received_counts = sizes.counts[:, mine]
+    per_expert = received_counts.sum(0).tolist()
+    if ranks == 1:  # already grouped by expert: no exchange, no regrouping
+        return torch.cat(run_experts(expert_fn, experts, list(torch.split(rows, per_expert))))
     send = sizes.counts[me].view(ranks, local).sum(1).tolist()
     recv = received_counts.sum(1).tolist()
-    if ranks > 1:
-        rows = all_to_all_uneven(rows, axis, send, recv, mesh=mesh)
+    received = all_to_all_uneven(rows, axis, send, recv, mesh=mesh)
     order = _regroup(received_counts).to(rows.device)
-    grouped = rows.index_select(0, order)
-    per_expert = received_counts.sum(0).tolist()
+    grouped = received.index_select(0, order)
     outputs = torch.cat(
         run_experts(expert_fn, experts, list(torch.split(grouped, per_expert))), dim=0
     )
     outputs = outputs.index_select(0, torch.argsort(order))
-    if ranks > 1:
-        outputs = all_to_all_uneven(outputs, axis, recv, send, mesh=mesh)
+    outputs = all_to_all_uneven(outputs, axis, recv, send, mesh=mesh)
     return outputs
