@@ -160,14 +160,14 @@ class ExpertParallelPlan(Plan):
 
     def consolidate(self, step, state):
         state = self.inner.consolidate(self._step(step), state)
-        names, locals_ = self._expert_shapes(state.params, 1)
+        names, locals_ = self._expert_shapes(state.params)
         return state._replace(
             params=self._map_experts(state.params, names, locals_, self._gather),
             opt_state=self._map_experts(state.opt_state, names, locals_, self._gather),
         )
 
     def shard_state(self, step, full_state):
-        names, fulls = self._expert_shapes(full_state.params, 1)
+        names, fulls = self._expert_shapes(full_state.params)
         state = full_state._replace(
             params=self._map_experts(full_state.params, names, fulls, self._slice),
             opt_state=self._map_experts(full_state.opt_state, names, fulls, self._slice),
@@ -185,8 +185,9 @@ class ExpertParallelPlan(Plan):
         with torch.no_grad():
             return collectives.all_gather(leaf.contiguous(), self.axis, dim=0, mesh=self.mesh)
 
-    def _expert_shapes(self, params: Any, _: int) -> tuple[list[str], list[tuple[int, ...]]]:
-        paths, leaves, _spec = tree.flatten_with_paths(params)
+    def _expert_shapes(self, params: Any) -> tuple[list[str], list[tuple[int, ...]]]:
+        """The paths and shapes of the expert leaves of `params`."""
+        paths, leaves, _ = tree.flatten_with_paths(params)
         pairs = [(p, tuple(leaf.shape)) for p, leaf in zip(paths, leaves) if self.experts(p)]
         return [p for p, _s in pairs], [s for _p, s in pairs]
 
@@ -211,7 +212,7 @@ class ExpertParallelPlan(Plan):
         return tree.map_with_path(visit, values)
 
     def _slice_params(self, params: Any) -> Any:
-        names, shapes = self._expert_shapes(params, 1)
+        names, shapes = self._expert_shapes(params)
         ranks = self.mesh.size(self.axis)
         if not names:
             raise ValueError(
