@@ -25,7 +25,9 @@ from fscale.parallel import ShardedOptState as ShardedOptState
 from fscale.parallel import accumulate as accumulate
 from fscale.parallel import consolidate as consolidate
 from fscale.parallel import data_parallel as data_parallel
+from fscale.parallel import expert_parallel as expert_parallel
 from fscale.parallel import fully_shard as fully_shard
+from fscale.parallel import moe_dispatch as moe_dispatch
 from fscale.parallel import shard_optimizer as shard_optimizer
 from fscale.parallel import shard_state as shard_state
 from fscale.plan import Context as Context

@@ -33,6 +33,7 @@ from fscale.distributed.spawn import init as init
 from fscale.distributed.spawn import launch as launch
 from fscale.distributed.spawn import rank as rank
 from fscale.distributed.spawn import world_size as world_size
+from fscale.distributed.uneven import all_to_all_uneven as all_to_all_uneven
 
 __all__ = [
     "CollectiveMismatchError",
@@ -47,6 +48,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_start",
     "all_to_all",
+    "all_to_all_uneven",
     "broadcast",
     "comm_ledger",
     "current_mesh",

@@ -26,6 +26,8 @@ from fscale.models.gpt import GPTConfig as GPTConfig
 from fscale.models.losses import classification_loss as classification_loss
 from fscale.models.losses import lm_loss as lm_loss
 from fscale.models.mlp import mlp as mlp
+from fscale.models.moe_gpt import MoEGPT as MoEGPT
+from fscale.models.moe_gpt import MoEGPTConfig as MoEGPTConfig
 from fscale.models.resnet import ResidualBlock as ResidualBlock
 from fscale.models.resnet import ResNet as ResNet
 from fscale.models.resnet import ResNetConfig as ResNetConfig
@@ -34,6 +36,8 @@ from fscale.models.resnet import resnet as resnet
 __all__ = [
     "GPT",
     "GPTConfig",
+    "MoEGPT",
+    "MoEGPTConfig",
     "ResNet",
     "ResNetConfig",
     "classification_loss",

@@ -14,6 +14,10 @@ from fscale.parallel.ddp import HookState as HookState
 from fscale.parallel.ddp import data_parallel as data_parallel
 from fscale.parallel.fsdp import FullyShardPlan as FullyShardPlan
 from fscale.parallel.fsdp import fully_shard as fully_shard
+from fscale.parallel.moe import ExpertParallelPlan as ExpertParallelPlan
+from fscale.parallel.moe import MoEDispatch as MoEDispatch
+from fscale.parallel.moe import expert_parallel as expert_parallel
+from fscale.parallel.moe import moe_dispatch as moe_dispatch
 from fscale.parallel.reduce import BucketInfo as BucketInfo
 from fscale.parallel.state import consolidate as consolidate
 from fscale.parallel.state import shard_state as shard_state
@@ -25,14 +29,18 @@ __all__ = [
     "AccumulatePlan",
     "BucketInfo",
     "DataParallelPlan",
+    "ExpertParallelPlan",
     "FullyShardPlan",
     "HookState",
+    "MoEDispatch",
     "ShardedOptState",
     "ShardedOptimizerPlan",
     "accumulate",
     "consolidate",
     "data_parallel",
+    "expert_parallel",
     "fully_shard",
+    "moe_dispatch",
     "shard_optimizer",
     "shard_state",
 ]
