@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from fscale import nonfinite, purity, spmd, tree
 from fscale import optim as optim_lib
 from fscale import random as fsrandom
-from fscale import spmd, tree
 from fscale.grad import GRAD_MODES, value_and_grad
 from fscale.optim.hyper import check_bool
 from fscale.plan import Context, GradAux, LocalPlan, Plan, TrainState
@@ -42,6 +42,7 @@ PyTree = Any
 Batch = Any
 LossFn = Callable[[PyTree, PyTree, Batch, torch.Tensor], Any]
 Metrics = dict[str, Any]
+UNUSED_PARAMS = ("auto", "skip", "zero")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,17 @@ class Step:
             buffers in place (as JAX's buffer donation): faster, but the caller must not use the
             old state again. That includes the params given to `init`, which the first step
             updates in place (after `fscale.functionalize` they share memory with the module).
-            Default False: the input state is never mutated.
+            Default False: the input state is never mutated. A state given to a donated step
+            is refused afterwards, and one whose donated update raised part way is marked
+            invalid (see `fscale.purity`).
+        on_nonfinite: ``"propagate"``, ``"skip"`` or ``"raise"``: what the step does when its
+            reduced gradients hold NaN or infinity on any rank (see `fscale.nonfinite`).
+        unused_params: ``"auto"``, ``"skip"`` or ``"zero"``: whether a parameter the loss did
+            not use is left as it was (``"skip"``, as torch.optim skips a param whose grad is
+            None) or updated with a zero gradient (``"zero"``: weight decay and momentum still
+            move it). ``"auto"`` skips on one process and gives zeros under plans with data
+            axes of size > 1, where skipping needs one small all-reduce per step (torch DDP's
+            ``find_unused_parameters=True``); see `fscale.unused`.
     """
 
     loss_fn: LossFn
@@ -70,6 +81,8 @@ class Step:
     plan: Plan = dataclasses.field(default_factory=LocalPlan)
     grad_mode: str = "autograd"
     donate: bool = False
+    on_nonfinite: str = "propagate"
+    unused_params: str = "auto"
 
     def init(
         self,
@@ -94,6 +107,9 @@ class Step:
                 spmd.check_same_on_all_ranks(
                     mesh, axis, lines, "the parameter and buffer trees", self.plan.name
                 )
+                spmd.check_same_on_all_ranks(
+                    mesh, axis, self._configuration(), "the step's configuration", self.plan.name
+                )
             for axis in axes:
                 params, buffers, start_key = spmd.broadcast_tree(
                     (params, buffers, start_key), mesh, axis
@@ -104,6 +120,7 @@ class Step:
         """The gradient phase: ``(grads, aux)``, grads in the plan's layout (full, reduced or
         sharded) and what `apply_gradients` needs besides them."""
         _check_state(state)
+        purity.check_usable(state, "Step.gradients")
         mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
         key = spmd.rank_key(state.key, int(state.step), mesh, axes)
         return self.plan.gradients(self, state, batch, Context(key=key))
@@ -114,19 +131,59 @@ class Step:
         """The update phase: the new state, and metrics (``loss`` and the loss function's scalar
         extras are means over the data axes, equal on every rank)."""
         _check_state(state)
+        purity.check_usable(state, "Step.apply_gradients")
         if not isinstance(aux, GradAux):
             raise TypeError(
                 "Step.apply_gradients: `aux` must be the GradAux that step.gradients returned, "
                 f"got {type(aux).__name__}"
             )
-        new_state, metrics = self.plan.apply_gradients(self, state, grads, aux, Context())
         mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
+        aux, skip = self._agree(state, grads, aux, mesh, axes)
+        ctx = Context(skip_update=skip)
+        if self.donate:
+            try:
+                new_state, metrics = self.plan.apply_gradients(self, state, grads, aux, ctx)
+            except BaseException as error:
+                purity.mark_invalid(state, error)
+                raise
+            if new_state.step is not state.step:
+                purity.mark_consumed(state)
+        else:
+            new_state, metrics = self.plan.apply_gradients(self, state, grads, aux, ctx)
         if mesh is not None and axes:
             axis = spmd.axis_arg(axes)
             buffers = spmd.average_updated_buffers(state.buffers, new_state.buffers, mesh, axis)
             new_state = new_state._replace(buffers=buffers)
             metrics = spmd.reduce_metrics(metrics, mesh, axis)
+        if self.on_nonfinite == "skip":  # equal on every rank: added after the reduction
+            metrics = {**metrics, "skipped": torch.tensor(float(skip))}
         return new_state, metrics
+
+    def _agree(
+        self, state: TrainState, grads: PyTree, aux: GradAux, mesh: Any, axes: tuple[str, ...]
+    ) -> tuple[GradAux, bool]:
+        """The usage mask and the non-finite verdict every rank agrees on (one all-reduce at
+        most, none on one process or when neither is asked for)."""
+        single = mesh is None or not axes or mesh.size(spmd.axis_arg(axes)) == 1
+        mode = self.unused_params
+        skip_unused = mode == "skip" or (mode == "auto" and single)
+        used = aux.used if skip_unused else None
+        checking = self.on_nonfinite != "propagate"
+        if not checking and (used is None or single):
+            return aux._replace(used=used), False
+        found = nonfinite.has_nonfinite(grads) if checking else False
+        agreement = nonfinite.agree(found, used, mesh, axes)
+        if agreement.nonfinite and self.on_nonfinite == "raise":
+            nonfinite.raise_nonfinite(agreement, int(state.step))
+        return aux._replace(used=agreement.used), agreement.nonfinite
+
+    def _configuration(self) -> list[str]:
+        """What every rank's step must agree on besides the model (checked at init)."""
+        return [
+            f"optimizer: {self.optimizer!r}",
+            f"grad_mode={self.grad_mode!r}, donate={self.donate}, "
+            f"on_nonfinite={self.on_nonfinite!r}, unused_params={self.unused_params!r}",
+        ]
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         grads, aux = self.gradients(state, batch)
@@ -140,7 +197,8 @@ class Step:
         name = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
         return (
             f"Step(loss_fn={name}, optimizer={self.optimizer!r}, plan={self.plan!r}, "
-            f"grad_mode={self.grad_mode!r}, donate={self.donate})"
+            f"grad_mode={self.grad_mode!r}, donate={self.donate}, "
+            f"on_nonfinite={self.on_nonfinite!r}, unused_params={self.unused_params!r})"
         )
 
 
@@ -199,6 +257,8 @@ def train_step(
     *,
     grad_mode: str = "autograd",
     donate: bool = False,
+    on_nonfinite: str = "propagate",
+    unused_params: str = "auto",
 ) -> Step:
     """The single-process training step for `loss_fn` and `optimizer`.
 
@@ -208,6 +268,10 @@ def train_step(
         optimizer: an `fscale.optim.Optimizer`.
         grad_mode: ``"autograd"`` (default) or ``"func"`` for a torch.func-transformable step.
         donate: let the step update the incoming state's buffers in place (see `Step`).
+        on_nonfinite: ``"propagate"`` (default: no check, as a torch.optim loop), ``"skip"``
+            (every rank skips a step whose gradients hold NaN or infinity; metric ``skipped``)
+            or ``"raise"`` (a `fscale.nonfinite.NonFiniteGradientError` on every rank).
+        unused_params: ``"auto"`` (default), ``"skip"`` or ``"zero"`` (see `Step`).
 
     Returns:
         A `Step`; ``state = step.init(params, buffers)`` then ``state, metrics = step(state, b)``.
@@ -234,4 +298,16 @@ def train_step(
     if grad_mode not in GRAD_MODES:
         raise ValueError(f"train_step: `grad_mode` must be one of {GRAD_MODES}, got {grad_mode!r}")
     donate = check_bool("train_step", "donate", donate)
-    return Step(loss_fn=loss_fn, optimizer=optimizer, grad_mode=grad_mode, donate=donate)
+    on_nonfinite = nonfinite.check_on_nonfinite("train_step", on_nonfinite)
+    if not isinstance(unused_params, str) or unused_params not in UNUSED_PARAMS:
+        raise ValueError(
+            f"train_step: `unused_params` must be one of {UNUSED_PARAMS}, got {unused_params!r}"
+        )
+    return Step(
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        grad_mode=grad_mode,
+        donate=donate,
+        on_nonfinite=on_nonfinite,
+        unused_params=unused_params,
+    )
