@@ -107,9 +107,7 @@ class Step:
                 spmd.check_same_on_all_ranks(
                     mesh, axis, lines, "the parameter and buffer trees", self.plan.name
                 )
-                spmd.check_same_on_all_ranks(
-                    mesh, axis, self._configuration(), "the step's configuration", self.plan.name
-                )
+                self._check_configuration_agrees(mesh, axis)
             for axis in axes:
                 params, buffers, start_key = spmd.broadcast_tree(
                     (params, buffers, start_key), mesh, axis
@@ -177,13 +175,24 @@ class Step:
             nonfinite.raise_nonfinite(agreement, int(state.step))
         return aux._replace(used=agreement.used), agreement.nonfinite
 
-    def _configuration(self) -> list[str]:
-        """What every rank's step must agree on besides the model (checked at init)."""
-        return [
-            f"optimizer: {self.optimizer!r}",
-            f"grad_mode={self.grad_mode!r}, donate={self.donate}, "
+    def _check_configuration_agrees(self, mesh: Any, axis: str) -> None:
+        """Every rank of `axis` runs the same optimizer (kind and hyper-parameters, as its
+        description records them) and step options; else an error on every rank naming them."""
+        mine = {
+            "optimizer": repr(self.optimizer),
+            "step options": f"grad_mode={self.grad_mode!r}, donate={self.donate}, "
             f"on_nonfinite={self.on_nonfinite!r}, unused_params={self.unused_params!r}",
-        ]
+        }
+        everyone = spmd.all_gather_objects(mine, mesh, axis)
+        for what in mine:
+            values = [config[what] for config in everyone]
+            if len(set(values)) > 1:
+                ranks = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                raise ValueError(
+                    f"Step.init: the ranks along axis {axis!r} disagree on the {what} ({ranks}); "
+                    "a rank-dependent value would silently train different replicas. Build the "
+                    "step from the same values on every rank."
+                )
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         grads, aux = self.gradients(state, batch)

@@ -189,3 +189,25 @@ def test_step_repr_shows_the_plan():
 
     step = fs.train_step(my_loss, fs.optim.sgd(0.1))
     assert "my_loss" in repr(step) and "plan=local" in repr(step)
+
+
+def _init_with_rank_dependent_lr(world):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    step = fs.data_parallel(
+        fs.train_step(lambda p, b, x, k: p["w"].sum(), fs.optim.adamw(1e-3 * (1 + rank))),
+        fs.Mesh(dp=world),
+    )
+    try:
+        step.init({"w": torch.ones(3)})
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_a_rank_dependent_learning_rate_is_refused_at_init():
+    messages = fs.testing.run_spmd(_init_with_rank_dependent_lr, 2, 2)
+    for message in messages:
+        assert message is not None and "disagree on the optimizer" in message
+        assert "rank 0: adamw(lr=0.001)" in message and "rank 1: adamw(lr=0.002)" in message
