@@ -255,7 +255,7 @@ def _value_and_grad_func(
         return _weighted(out.loss, weight), (out.loss, out.buffers, out.metrics)
 
     argnums = tuple(range(len(leaves)))
-    grads, (loss, buffers, metrics) = torch.func.grad(
-        objective, argnums=argnums, has_aux=True
-    )(*leaves)
+    grads, (loss, buffers, metrics) = torch.func.grad(objective, argnums=argnums, has_aux=True)(
+        *leaves
+    )
     return LossOutput(loss.detach(), buffers, metrics), tree.unflatten(treedef, list(grads))

@@ -1,4 +1,4 @@
-"""Purity and donation enforced: states given up or left half-updated, and loss functions that write.
+"""Purity and donation enforced: states given up or half-updated, loss functions that write.
 
 A Step is pure from the caller's view, and donation (``donate=True``) is the one exception the
 caller opts into. Three ways to break that silently are detected here, each at O(1) or one
