@@ -50,7 +50,7 @@ def check_same_values(values: Any, mesh: Mesh, axis: str, what: str, caller: str
     if len(set(spmd.all_gather_objects(digest, mesh, axis))) == 1:
         return
     everyone = spmd.all_gather_objects(lines, mesh, axis)
-    for index, line in enumerate(everyone[0]):
+    for index in range(max(len(rank_lines) for rank_lines in everyone)):
         found = [
             rank_lines[index] if index < len(rank_lines) else "(none)" for rank_lines in everyone
         ]
@@ -58,7 +58,7 @@ def check_same_values(values: Any, mesh: Mesh, axis: str, what: str, caller: str
             ranks = "; ".join(f"rank {r}: {v}" for r, v in enumerate(found))
             raise ValueError(
                 f"{caller}: the ranks along axis {axis!r} were given different {what}; the "
-                f"first leaf that differs ({ranks}). Every rank must pass the same values "
+                f"first leaf that differs is {ranks}. Every rank must pass the same values "
                 "(load the same checkpoint, or consolidate on every rank first)."
             )
     sizes = ", ".join(

@@ -217,7 +217,7 @@ def _shard_a_rank_dependent_full_state(world, strategy):
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    apply, params, buffers = fs.functionalize(models.mlp([4, 3], seed=0))
+    _, params, buffers = fs.functionalize(models.mlp([4, 3], seed=0))
     local = fs.train_step(lambda p, b, x, k: sum(v.sum() for v in p.values()), fs.optim.sgd(0.1))
     full = local.init({k: v + (rank if "bias" in k else 0) for k, v in params.items()}, buffers)
     mesh = fs.Mesh(dp=world)
