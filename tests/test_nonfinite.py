@@ -148,3 +148,12 @@ def test_has_nonfinite_is_exact():
     assert nonfinite.has_nonfinite(views)
     assert nonfinite.has_nonfinite([torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)])
     assert nonfinite.has_nonfinite([torch.ones(3).expand(2, 3) * float("nan")])
+
+
+def test_skipped_is_a_reserved_metric_and_the_error_is_exported():
+    step = fs.train_step(
+        lambda p, b, x, k: (p["w"].sum(), b, {"skipped": torch.ones(())}), fs.optim.sgd(0.1)
+    )
+    with pytest.raises(ValueError, match="metric named 'skipped'"):
+        step(step.init({"w": torch.ones(2)}), None)
+    assert fs.NonFiniteGradientError is nonfinite.NonFiniteGradientError
