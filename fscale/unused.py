@@ -10,6 +10,10 @@ state: `hold` copies them before the optimizer runs (donated buffers are overwri
 and `restore` writes them back into the new state. When every leaf is used (the common case)
 neither does any work.
 
+Where usage is not known per state leaf every parameter counts as used (a zero gradient):
+under ``grad_mode="func"`` (torch.func returns zeros, not None) and under `fully_shard`, whose
+loss sees gathered units rather than the state's shards (as torch FSDP's flat parameters).
+
 The optimizer state's per-parameter parts are found by structure: every subtree of the state
 with the params' structure holds one leaf per parameter (each buffer field of the built-in
 optimizers' states, each state of a `chain`, an offloaded optimizer's master copy). State kept in
