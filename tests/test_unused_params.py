@@ -142,3 +142,16 @@ def test_value_and_grad_reports_usage():
         lambda p, b, batch, key: (p["used"] * 2).sum(), params, {}, None, fs.random.key(0)
     )
     assert out.used == (False, True)  # leaf order: "unused", "used"
+
+
+def test_accumulate_counts_a_parameter_used_by_any_micro_batch():
+    apply, params, buffers = fs.functionalize(Net())
+    initial = {k: v.detach().clone() for k, v in params.items()}
+    step = fs.accumulate(fs.train_step(_loss_fn(apply), fs.optim.adamw(1e-2)), 2)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g))
+    # the flag splits into 4 x True and 4 x False: `sometimes` is used by the first slice only
+    flag = torch.tensor([True] * 4 + [False] * 4)
+    state, _ = step(step.init(params, buffers), (*batch, flag))
+    assert not torch.equal(state.params["sometimes.weight"], initial["sometimes.weight"])
+    assert torch.equal(state.params["unused.weight"], initial["unused.weight"])
