@@ -168,7 +168,7 @@ class Step:
         used = aux.used if skip_unused else None
         checking = self.on_nonfinite != "propagate"
         if not checking and (used is None or single):
-            return aux._replace(used=used), False
+            return (aux if used is aux.used else aux._replace(used=used)), False
         found = nonfinite.has_nonfinite(grads) if checking else False
         agreement = nonfinite.agree(found, used, mesh, axes)
         if agreement.nonfinite and self.on_nonfinite == "raise":
