@@ -15,7 +15,14 @@ higher-order gradients of the step (it builds a second-order graph: about 2x the
 the default path).
 
 Metrics: ``loss`` (the mean loss), the loss_fn's extra metrics, and ``grad_bytes``: the bytes of
-gradient storage this rank held for the update (exact, see `fscale.memory.tree_bytes`).
+gradient storage this rank held for the update (exact, see `fscale.memory.tree_bytes`); with
+``on_nonfinite="skip"``, ``skipped`` (1.0 when the ranks agreed to skip this step's update).
+
+Checks at the boundary: ranks that build different models or optimizers (kind and
+hyper-parameters) fail at `Step.init`; a state given to a donated step, or whose donated update
+failed part way, and a loss function that writes into its params or buffers, fail with the fix
+(`fscale.purity`); non-finite gradients are handled as ``on_nonfinite`` says
+(`fscale.nonfinite`); parameters the loss did not use are left as they were (`fscale.unused`).
 
 Randomness comes from the state's key folded with the step count (and, under data
 parallelism, the rank's mesh coordinate), so a run is reproducible from its state alone.
