@@ -98,7 +98,9 @@ def test_a_skipped_step_leaves_the_optimizer_count_where_it_was():
     fs.testing.assert_trees_close(skipped_run, state.params, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy", ["data_parallel", "shard_optimizer"])
+@pytest.mark.parametrize(
+    "strategy", ["data_parallel", "shard_optimizer", "fully_shard", "accumulate"]
+)
 def test_raise_raises_on_every_rank(strategy):
     results = run_spmd(_train, 2, strategy, "raise", 1)
     for outcome, message, count in results:
