@@ -19,6 +19,7 @@ from fscale.distributed import init as init
 from fscale.distributed import launch as launch
 from fscale.functional import FunctionalModule as FunctionalModule
 from fscale.functional import functionalize as functionalize
+from fscale.nonfinite import NonFiniteGradientError as NonFiniteGradientError
 from fscale.offload import offload_optimizer as offload_optimizer
 from fscale.offload import offload_params as offload_params
 from fscale.parallel import ShardedOptState as ShardedOptState

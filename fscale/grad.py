@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from fscale import tree
+from fscale import purity, tree
 
 if TYPE_CHECKING:
     from fscale.plan import Context
@@ -38,15 +38,21 @@ GRAD_MODES = ("autograd", "func")
 
 
 class LossOutput(NamedTuple):
-    """What a loss function returned, normalised: the loss, the new buffers, extra metrics."""
+    """What a loss function returned, normalised: the loss, the new buffers, extra metrics.
+
+    `used` is filled in by `value_and_grad`: per leaf of the params, whether the loss used it
+    (autograd returned a gradient for it), or None where that is not known (torch.func
+    gradients, or params mapped before the loss sees them).
+    """
 
     loss: torch.Tensor
     buffers: PyTree
     metrics: Metrics
+    used: tuple[bool, ...] | None = None
 
 
 # Metric names the step itself reports; a loss function's own metric must not replace them.
-RESERVED_METRICS = ("loss", "grad_bytes", "grad_peak_bytes")
+RESERVED_METRICS = ("loss", "grad_bytes", "grad_peak_bytes", "skipped")
 
 
 def normalize_loss_output(out: Any, buffers: PyTree) -> LossOutput:
@@ -118,15 +124,23 @@ def value_and_grad(
             the empty context.
 
     Returns:
-        ``(LossOutput(loss, new_buffers, metrics), grads)`` with `grads` shaped like `params`
-        (zeros for leaves the loss does not use) or, when the context's reducer scatters
-        them, in the reducer's layout. The loss is detached and unweighted; the metrics
-        include what the reducer reports (e.g. ``grad_peak_bytes``).
+        ``(LossOutput(loss, new_buffers, metrics, used), grads)`` with `grads` shaped like
+        `params` (zeros for leaves the loss does not use; ``used`` says which those are) or,
+        when the context's reducer scatters them, in the reducer's layout. The loss is detached
+        and unweighted; the metrics include what the reducer reports (``grad_peak_bytes``).
+
+    Raises:
+        ValueError: the loss wrote into a leaf of `params` or `buffers` in place (it would
+            change the caller's state), or does not depend on `params`.
     """
     if grad_mode not in GRAD_MODES:
         raise ValueError(f"`grad_mode` must be one of {GRAD_MODES}, got {grad_mode!r}")
     leaves, treedef = tree.flatten(params)
+    buffer_leaves = tree.leaves(buffers)
+    before = purity.versions(leaves), purity.versions(buffer_leaves)
     maps = list(ctx.param_maps) if ctx is not None else []
+    # Usage is known per state leaf only when the loss sees those leaves themselves.
+    track_usage = not maps and prepare is None
     if prepare is not None:
         maps.append(prepare)
     weight = ctx.loss_weight if ctx is not None else 1.0
@@ -160,6 +174,10 @@ def value_and_grad(
         finish = getattr(fn, "after_backward", None)
         if finish is not None:
             finish()
+    purity.check_not_written("params", params, leaves, before[0])
+    purity.check_not_written("buffers", buffers, buffer_leaves, before[1])
+    if not track_usage:
+        out = out._replace(used=None)
     if session is not None:
         grads = session.finish(grads)
         out = out._replace(metrics={**out.metrics, **session.metrics()})
@@ -221,7 +239,8 @@ def _value_and_grad_autograd(
             "`apply(params, buffers, ...)` from fscale.functionalize with the params it receives"
         )
     grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(found, live)]
-    return out._replace(loss=out.loss.detach()), tree.unflatten(treedef, grads)
+    used = tuple(g is not None for g in found)
+    return out._replace(loss=out.loss.detach(), used=used), tree.unflatten(treedef, grads)
 
 
 def _value_and_grad_func(
@@ -230,10 +249,13 @@ def _value_and_grad_func(
     treedef: Any,
     weight: float,
 ) -> tuple[LossOutput, PyTree]:
-    def objective(*flat_params: torch.Tensor) -> tuple[torch.Tensor, LossOutput]:
+    def objective(*flat_params: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
         out = call_loss(tree.unflatten(treedef, list(flat_params)))
-        return _weighted(out.loss, weight), out
+        # torch.func's aux holds tensors only: the usage mask (None here) stays out of it.
+        return _weighted(out.loss, weight), (out.loss, out.buffers, out.metrics)
 
     argnums = tuple(range(len(leaves)))
-    grads, out = torch.func.grad(objective, argnums=argnums, has_aux=True)(*leaves)
-    return out._replace(loss=out.loss.detach()), tree.unflatten(treedef, list(grads))
+    grads, (loss, buffers, metrics) = torch.func.grad(objective, argnums=argnums, has_aux=True)(
+        *leaves
+    )
+    return LossOutput(loss.detach(), buffers, metrics), tree.unflatten(treedef, list(grads))

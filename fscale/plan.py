@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import torch
 
 from fscale import optim as optim_lib
+from fscale import unused
 from fscale.grad import value_and_grad
 from fscale.memory import tree_bytes
+from fscale.nonfinite import skipped_state
 
 if TYPE_CHECKING:
     from fscale.distributed.mesh import Mesh
@@ -76,12 +78,16 @@ class GradAux(NamedTuple):
         metrics: the loss function's extra metrics and the plan's (``grad_bytes`` ...).
         carry: per-layer values a layer's update needs from its gradient phase, keyed by the
             layer's name (e.g. a stateful reduction hook's new state).
+        used: per leaf of ``state.params``, whether the loss used it (a leaf it did not use is
+            left as it was by the update, see `fscale.unused`); None: every leaf counts as
+            used. `Step.apply_gradients` replaces this rank's mask by the one the ranks agree on.
     """
 
     loss: torch.Tensor
     buffers: PyTree
     metrics: Metrics
     carry: dict[str, Any] = {}  # noqa: RUF012 - NamedTuple defaults are shared, never mutated
+    used: tuple[bool, ...] | None = None
 
 
 class OptimizerRole(Protocol):
@@ -142,6 +148,9 @@ class Context:
             to add to this backward's (None: none).
         loss_weight: the factor the loss is multiplied by before differentiation.
         final: whether this backward completes the step's gradient: reductions run only then.
+        skip_update: the ranks agreed to skip this step's update (its gradients are not
+            finite, see `fscale.nonfinite`): the innermost layer returns the state unchanged
+            but for its step counter and buffers.
     """
 
     key: torch.Tensor | None = None
@@ -151,6 +160,7 @@ class Context:
     accumulated: PyTree | None = None
     loss_weight: float = 1.0
     final: bool = True
+    skip_update: bool = False
 
     def replace(self, **changes: Any) -> Context:
         return dataclasses.replace(self, **changes)
@@ -280,12 +290,16 @@ class LocalPlan(Plan):
             ctx=ctx,
         )
         metrics = {**out.metrics, "grad_bytes": tree_bytes(grads)}
-        return grads, GradAux(out.loss, out.buffers, metrics)
+        return grads, GradAux(out.loss, out.buffers, metrics, used=out.used)
 
     def apply_gradients(self, step, state, grads, aux, ctx):
+        if ctx.skip_update:
+            return skipped_state(state, aux.buffers), {"loss": aux.loss, **aux.metrics}
+        held = unused.hold(aux.used, state.params, state.opt_state)
         params, opt_state = ctx.optimizer.apply(
             step.optimizer, grads, state.opt_state, state.params, donate=step.donate
         )
+        unused.restore(held, params, opt_state)
         new_state = TrainState(params, aux.buffers, opt_state, state.step + 1, state.key)
         return new_state, {"loss": aux.loss, **aux.metrics}
 

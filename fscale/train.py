@@ -15,7 +15,14 @@ higher-order gradients of the step (it builds a second-order graph: about 2x the
 the default path).
 
 Metrics: ``loss`` (the mean loss), the loss_fn's extra metrics, and ``grad_bytes``: the bytes of
-gradient storage this rank held for the update (exact, see `fscale.memory.tree_bytes`).
+gradient storage this rank held for the update (exact, see `fscale.memory.tree_bytes`); with
+``on_nonfinite="skip"``, ``skipped`` (1.0 when the ranks agreed to skip this step's update).
+
+Checks at the boundary: ranks that build different models or optimizers (kind and
+hyper-parameters) fail at `Step.init`; a state given to a donated step, or whose donated update
+failed part way, and a loss function that writes into its params or buffers, fail with the fix
+(`fscale.purity`); non-finite gradients are handled as ``on_nonfinite`` says
+(`fscale.nonfinite`); parameters the loss did not use are left as they were (`fscale.unused`).
 
 Randomness comes from the state's key folded with the step count (and, under data
 parallelism, the rank's mesh coordinate), so a run is reproducible from its state alone.
@@ -29,9 +36,9 @@ from typing import Any
 
 import torch
 
+from fscale import nonfinite, purity, spmd, tree
 from fscale import optim as optim_lib
 from fscale import random as fsrandom
-from fscale import spmd, tree
 from fscale.grad import GRAD_MODES, value_and_grad
 from fscale.optim.hyper import check_bool
 from fscale.plan import Context, GradAux, LocalPlan, Plan, TrainState
@@ -42,6 +49,7 @@ PyTree = Any
 Batch = Any
 LossFn = Callable[[PyTree, PyTree, Batch, torch.Tensor], Any]
 Metrics = dict[str, Any]
+UNUSED_PARAMS = ("auto", "skip", "zero")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +70,17 @@ class Step:
             buffers in place (as JAX's buffer donation): faster, but the caller must not use the
             old state again. That includes the params given to `init`, which the first step
             updates in place (after `fscale.functionalize` they share memory with the module).
-            Default False: the input state is never mutated.
+            Default False: the input state is never mutated. A state given to a donated step
+            is refused afterwards, and one whose donated update raised part way is marked
+            invalid (see `fscale.purity`).
+        on_nonfinite: ``"propagate"``, ``"skip"`` or ``"raise"``: what the step does when its
+            reduced gradients hold NaN or infinity on any rank (see `fscale.nonfinite`).
+        unused_params: ``"auto"``, ``"skip"`` or ``"zero"``: whether a parameter the loss did
+            not use is left as it was (``"skip"``, as torch.optim skips a param whose grad is
+            None) or updated with a zero gradient (``"zero"``: weight decay and momentum still
+            move it). ``"auto"`` skips on one process and gives zeros under plans with data
+            axes of size > 1, where skipping needs one small all-reduce per step (torch DDP's
+            ``find_unused_parameters=True``); see `fscale.unused`.
     """
 
     loss_fn: LossFn
@@ -70,6 +88,8 @@ class Step:
     plan: Plan = dataclasses.field(default_factory=LocalPlan)
     grad_mode: str = "autograd"
     donate: bool = False
+    on_nonfinite: str = "propagate"
+    unused_params: str = "auto"
 
     def init(
         self,
@@ -94,6 +114,7 @@ class Step:
                 spmd.check_same_on_all_ranks(
                     mesh, axis, lines, "the parameter and buffer trees", self.plan.name
                 )
+                self._check_configuration_agrees(mesh, axis)
             for axis in axes:
                 params, buffers, start_key = spmd.broadcast_tree(
                     (params, buffers, start_key), mesh, axis
@@ -104,6 +125,7 @@ class Step:
         """The gradient phase: ``(grads, aux)``, grads in the plan's layout (full, reduced or
         sharded) and what `apply_gradients` needs besides them."""
         _check_state(state)
+        purity.check_usable(state, "Step.gradients")
         mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
         key = spmd.rank_key(state.key, int(state.step), mesh, axes)
         return self.plan.gradients(self, state, batch, Context(key=key))
@@ -114,19 +136,70 @@ class Step:
         """The update phase: the new state, and metrics (``loss`` and the loss function's scalar
         extras are means over the data axes, equal on every rank)."""
         _check_state(state)
+        purity.check_usable(state, "Step.apply_gradients")
         if not isinstance(aux, GradAux):
             raise TypeError(
                 "Step.apply_gradients: `aux` must be the GradAux that step.gradients returned, "
                 f"got {type(aux).__name__}"
             )
-        new_state, metrics = self.plan.apply_gradients(self, state, grads, aux, Context())
         mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
+        aux, skip = self._agree(state, grads, aux, mesh, axes)
+        ctx = Context(skip_update=skip)
+        if self.donate:
+            try:
+                new_state, metrics = self.plan.apply_gradients(self, state, grads, aux, ctx)
+            except BaseException as error:
+                purity.mark_invalid(state, error)
+                raise
+            if new_state.step is not state.step:
+                purity.mark_consumed(state)
+        else:
+            new_state, metrics = self.plan.apply_gradients(self, state, grads, aux, ctx)
         if mesh is not None and axes:
             axis = spmd.axis_arg(axes)
             buffers = spmd.average_updated_buffers(state.buffers, new_state.buffers, mesh, axis)
             new_state = new_state._replace(buffers=buffers)
             metrics = spmd.reduce_metrics(metrics, mesh, axis)
+        if self.on_nonfinite == "skip":  # equal on every rank: added after the reduction
+            metrics = {**metrics, "skipped": torch.tensor(float(skip))}
         return new_state, metrics
+
+    def _agree(
+        self, state: TrainState, grads: PyTree, aux: GradAux, mesh: Any, axes: tuple[str, ...]
+    ) -> tuple[GradAux, bool]:
+        """The usage mask and the non-finite verdict every rank agrees on (one all-reduce at
+        most, none on one process or when neither is asked for)."""
+        single = mesh is None or not axes or mesh.size(spmd.axis_arg(axes)) == 1
+        mode = self.unused_params
+        skip_unused = mode == "skip" or (mode == "auto" and single)
+        used = aux.used if skip_unused else None
+        checking = self.on_nonfinite != "propagate"
+        if not checking and (used is None or single):
+            return (aux if used is aux.used else aux._replace(used=used)), False
+        found = nonfinite.has_nonfinite(grads) if checking else False
+        agreement = nonfinite.agree(found, used, mesh, axes)
+        if agreement.nonfinite and self.on_nonfinite == "raise":
+            nonfinite.raise_nonfinite(agreement, int(state.step))
+        return aux._replace(used=agreement.used), agreement.nonfinite
+
+    def _check_configuration_agrees(self, mesh: Any, axis: str) -> None:
+        """Every rank of `axis` runs the same optimizer (kind and hyper-parameters, as its
+        description records them) and step options; else an error on every rank naming them."""
+        mine = {
+            "optimizer": repr(self.optimizer),
+            "step options": f"grad_mode={self.grad_mode!r}, donate={self.donate}, "
+            f"on_nonfinite={self.on_nonfinite!r}, unused_params={self.unused_params!r}",
+        }
+        everyone = spmd.all_gather_objects(mine, mesh, axis)
+        for what in mine:
+            values = [config[what] for config in everyone]
+            if len(set(values)) > 1:
+                ranks = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                raise ValueError(
+                    f"Step.init: the ranks along axis {axis!r} disagree on the {what} ({ranks}); "
+                    "a rank-dependent value would silently train different replicas. Build the "
+                    "step from the same values on every rank."
+                )
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         grads, aux = self.gradients(state, batch)
@@ -140,7 +213,8 @@ class Step:
         name = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
         return (
             f"Step(loss_fn={name}, optimizer={self.optimizer!r}, plan={self.plan!r}, "
-            f"grad_mode={self.grad_mode!r}, donate={self.donate})"
+            f"grad_mode={self.grad_mode!r}, donate={self.donate}, "
+            f"on_nonfinite={self.on_nonfinite!r}, unused_params={self.unused_params!r})"
         )
 
 
@@ -199,6 +273,8 @@ def train_step(
     *,
     grad_mode: str = "autograd",
     donate: bool = False,
+    on_nonfinite: str = "propagate",
+    unused_params: str = "auto",
 ) -> Step:
     """The single-process training step for `loss_fn` and `optimizer`.
 
@@ -208,6 +284,10 @@ def train_step(
         optimizer: an `fscale.optim.Optimizer`.
         grad_mode: ``"autograd"`` (default) or ``"func"`` for a torch.func-transformable step.
         donate: let the step update the incoming state's buffers in place (see `Step`).
+        on_nonfinite: ``"propagate"`` (default: no check, as a torch.optim loop), ``"skip"``
+            (every rank skips a step whose gradients hold NaN or infinity; metric ``skipped``)
+            or ``"raise"`` (a `fscale.nonfinite.NonFiniteGradientError` on every rank).
+        unused_params: ``"auto"`` (default), ``"skip"`` or ``"zero"`` (see `Step`).
 
     Returns:
         A `Step`; ``state = step.init(params, buffers)`` then ``state, metrics = step(state, b)``.
@@ -234,4 +314,16 @@ def train_step(
     if grad_mode not in GRAD_MODES:
         raise ValueError(f"train_step: `grad_mode` must be one of {GRAD_MODES}, got {grad_mode!r}")
     donate = check_bool("train_step", "donate", donate)
-    return Step(loss_fn=loss_fn, optimizer=optimizer, grad_mode=grad_mode, donate=donate)
+    on_nonfinite = nonfinite.check_on_nonfinite("train_step", on_nonfinite)
+    if not isinstance(unused_params, str) or unused_params not in UNUSED_PARAMS:
+        raise ValueError(
+            f"train_step: `unused_params` must be one of {UNUSED_PARAMS}, got {unused_params!r}"
+        )
+    return Step(
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        grad_mode=grad_mode,
+        donate=donate,
+        on_nonfinite=on_nonfinite,
+        unused_params=unused_params,
+    )

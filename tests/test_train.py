@@ -189,3 +189,48 @@ def test_step_repr_shows_the_plan():
 
     step = fs.train_step(my_loss, fs.optim.sgd(0.1))
     assert "my_loss" in repr(step) and "plan=local" in repr(step)
+
+
+def _init_with_rank_dependent_lr(world):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    step = fs.data_parallel(
+        fs.train_step(lambda p, b, x, k: p["w"].sum(), fs.optim.adamw(1e-3 * (1 + rank))),
+        fs.Mesh(dp=world),
+    )
+    try:
+        step.init({"w": torch.ones(3)})
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_a_rank_dependent_learning_rate_is_refused_at_init():
+    messages = fs.testing.run_spmd(_init_with_rank_dependent_lr, 2, 2)
+    for message in messages:
+        assert message is not None and "disagree on the optimizer" in message
+        assert "rank 0: adamw(lr=0.001)" in message and "rank 1: adamw(lr=0.002)" in message
+
+
+def _shard_a_rank_dependent_full_state(world, strategy):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    _, params, buffers = fs.functionalize(models.mlp([4, 3], seed=0))
+    local = fs.train_step(lambda p, b, x, k: sum(v.sum() for v in p.values()), fs.optim.sgd(0.1))
+    full = local.init({k: v + (rank if "bias" in k else 0) for k, v in params.items()}, buffers)
+    mesh = fs.Mesh(dp=world)
+    step = fs.shard_optimizer(local, mesh) if strategy == "zero" else fs.fully_shard(local, mesh)
+    try:
+        fs.shard_state(step, full)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("strategy", ["zero", "fsdp"])
+def test_shard_state_refuses_ranks_given_different_full_states(strategy):
+    for message in fs.testing.run_spmd(_shard_a_rank_dependent_full_state, 2, 2, strategy):
+        assert message is not None and "were given different full states" in message
+        assert "bias" in message and "rank 0:" in message and "rank 1:" in message

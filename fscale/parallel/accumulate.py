@@ -61,6 +61,7 @@ class AccumulatePlan(Plan):
         losses: list[torch.Tensor] = []
         scalars: dict[str, list[torch.Tensor]] = {}
         aux: GradAux | None = None
+        used: tuple[bool, ...] | None = None
         for index in range(count):
             micro = split_batch(batch, index, count, self.dim)
             key = fsrandom.fold_in(ctx.key, index) if count > 1 else ctx.key
@@ -74,6 +75,7 @@ class AccumulatePlan(Plan):
                 step, state._replace(buffers=buffers), micro, micro_ctx
             )
             buffers = aux.buffers
+            used = _either(used, aux.used) if index else aux.used
             losses.append(aux.loss)
             for name, value in aux.metrics.items():
                 if _is_scalar(value):
@@ -83,7 +85,16 @@ class AccumulatePlan(Plan):
         for name, values in scalars.items():
             if len(values) == count:  # reported by every slice: the mean over the batch
                 metrics[name] = _mean(values, weight)
-        return total, aux._replace(loss=_mean(losses, weight), buffers=buffers, metrics=metrics)
+        return total, aux._replace(
+            loss=_mean(losses, weight), buffers=buffers, metrics=metrics, used=used
+        )
+
+
+def _either(a: tuple[bool, ...] | None, b: tuple[bool, ...] | None) -> tuple[bool, ...] | None:
+    """A leaf is used by the step when some micro-batch used it (None: usage not tracked)."""
+    if a is None or b is None:
+        return None
+    return tuple(x or y for x, y in zip(a, b))
 
 
 def _is_scalar(value: Any) -> bool:

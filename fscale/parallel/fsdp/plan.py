@@ -25,6 +25,7 @@ from fscale.functional import UnitParams
 from fscale.parallel.fsdp.gather import Gatherer, ShardedUnit
 from fscale.parallel.fsdp.units import ROOT, ShardLayout, UnitSpec, assign_units
 from fscale.plan import Plan
+from fscale.state_agreement import check_same_values
 
 __all__ = ["FsdpOptimizer", "FullyShardPlan"]
 
@@ -209,6 +210,7 @@ class FullyShardPlan(Plan):
     def shard_state(self, step, full_state):
         from fscale.parallel.fsdp.state import shard_fully_sharded
 
+        check_same_values(full_state, self.mesh, self.axis, "full states", "shard_state")
         return shard_fully_sharded(self, step, self.inner.shard_state(step, full_state))
 
     def checked_shards(self, params: Any) -> Shards:

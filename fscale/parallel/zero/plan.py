@@ -25,6 +25,7 @@ from fscale.parallel.bucket_layout import BucketLayout, layout_of
 from fscale.parallel.opt_state import StateMap, StateSpec, check_state, plan_state_init, state_spec
 from fscale.parallel.reduce import MAX_IN_FLIGHT, add_scatter_axis
 from fscale.plan import Context, Plan, TrainState
+from fscale.state_agreement import check_same_values
 
 __all__ = ["ShardedOptState", "ShardedOptimizerPlan", "ZeroOptimizer"]
 
@@ -287,6 +288,7 @@ class ShardedOptimizerPlan(Plan):
                 "shard_state: `full_state.opt_state` is already sharded; consolidate it first "
                 "with fscale.consolidate(old_step, state), using the step that made it"
             )
+        check_same_values(full_state, self.mesh, self.axis, "full states", "shard_state")
         full_state = self.inner.shard_state(step, full_state)
         layout, treedef = self._layout(full_state.params)
         state_map = self._state_map(step, layout, treedef)
