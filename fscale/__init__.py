@@ -36,6 +36,7 @@ from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step
 from fscale.train import value_and_grad as value_and_grad
+from fscale.distributed import shutdown as shutdown
 
 __version__ = "0.1.0"
 

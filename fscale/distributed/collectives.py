@@ -66,6 +66,7 @@ module                               holds
 `fscale.distributed.point_to_point`  ``ppermute``, ``send`` <-> ``recv``
 `fscale.distributed.pending`         `Pending`: the asynchronous start / wait forms
 `fscale.distributed.debug`           the cross-rank mismatch check (`set_debug`), the ledger record
+`fscale.distributed.watchdog`        counts, one agreement per signature, bounded waits
 `fscale.distributed.comm`            axis resolution and the argument checks
 ===================================  ==============================================================
 
@@ -75,12 +76,18 @@ collective is an identity (``ppermute`` without a self-pair gives zeros) and not
 recorded.
 """
 
-from fscale.distributed.debug import CollectiveMismatchError, debug_enabled, set_debug
+from fscale.distributed.debug import debug_enabled, set_debug
 from fscale.distributed.dispatch import all_to_all
 from fscale.distributed.pending import Pending
 from fscale.distributed.point_to_point import ppermute, recv, send
 from fscale.distributed.replication import all_reduce, all_reduce_start, replicate
 from fscale.distributed.rooted import broadcast
+from fscale.distributed.watchdog import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    collective_timeout,
+    set_collective_timeout,
+)
 from fscale.distributed.sharding import (
     all_gather,
     all_gather_start,
@@ -90,6 +97,7 @@ from fscale.distributed.sharding import (
 
 __all__ = [
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "Pending",
     "all_gather",
     "all_gather_start",
@@ -97,6 +105,7 @@ __all__ = [
     "all_reduce_start",
     "all_to_all",
     "broadcast",
+    "collective_timeout",
     "debug_enabled",
     "ppermute",
     "recv",
@@ -104,5 +113,6 @@ __all__ = [
     "reduce_scatter_start",
     "replicate",
     "send",
+    "set_collective_timeout",
     "set_debug",
 ]

@@ -9,6 +9,7 @@ one call per process; the pool keeps its ranks and runs many.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -21,6 +22,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import optree
 import torch
 import torch.distributed as dist
+
+from fscale.distributed.watchdog import mark_finished
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -159,6 +163,7 @@ def join_group(setup: RankSetup) -> None:
     # Ctrl-C reaches every process in the terminal's process group; the caller handles it and
     # stops the ranks, so the ranks themselves ignore it instead of each printing a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
     os.environ.update(setup.env)
     os.environ.update(
         RANK=str(setup.rank),
@@ -191,9 +196,13 @@ def run_task(task: Task) -> tuple[bool, bytes]:
     try:
         fn, args, kwargs = task.load()
         result = to_host(fn(*args, **kwargs))
-        return True, pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
+        reply = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException:
         return False, error_reply(skip_frames=1)
+    # Peers still waiting in a collective can then say that this rank returned.
+    with contextlib.suppress(Exception):
+        mark_finished()
+    return True, reply
 
 
 def error_reply(skip_frames: int = 0) -> bytes:
@@ -279,7 +288,7 @@ class Replies:
     def results_or_raise(self, timeout: float) -> list[Any]:
         """The results in rank order, or the `RankError` that explains why there are none."""
         if self.failures:
-            raise _failure_error(self.world_size, self.failures, self.unfinished)
+            raise _failure_error(self.world_size, self.failures, self.unfinished, self.results)
         if self.unfinished:
             finished = sorted(self.results)
             raise RankTimeoutError(
@@ -326,6 +335,7 @@ def gather_replies(
 
 def terminate(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
     """Stop every process still alive: SIGTERM, then SIGKILL for any that linger."""
+    processes = [process for process in processes if process.pid is not None]  # started only
     for process in processes:
         if process.is_alive():
             process.terminate()
@@ -350,7 +360,9 @@ def _receive(
         process.join(1.0)
         replies.failures[rank_id] = (
             f"the process ended (exit code {process.exitcode}) without returning a result; "
-            "its own output on stderr may say why"
+            "its own output on stderr may say why (a rank that ends before running `fn` "
+            "often re-ran the program's launch call while importing the main module: put it "
+            'under `if __name__ == "__main__":`)'
         )
         return
     except Exception:
@@ -364,7 +376,12 @@ def _receive(
         replies.failures[rank_id] = value
 
 
-def _failure_error(world: int, failures: Mapping[int, str], unfinished: Sequence[int]) -> RankError:
+def _failure_error(
+    world: int,
+    failures: Mapping[int, str],
+    unfinished: Sequence[int],
+    results: Mapping[int, Any] | None = None,
+) -> RankError:
     # `failures` is in arrival order. The first failure is usually the cause: a rank that
     # raises leaves its peers' collectives, so their errors ("connection closed") follow it.
     first, *later = failures
@@ -373,6 +390,13 @@ def _failure_error(world: int, failures: Mapping[int, str], unfinished: Sequence
         summary += f"; then rank(s) {sorted(later)} failed too"
     if unfinished:
         summary += f"; rank(s) {list(unfinished)} were still running and were terminated"
+    if results:
+        # `results` is in arrival order too: the first to return is named first.
+        summary += (
+            f". Rank(s) {list(results)} had returned (in that order) while the others still "
+            "ran: a rank that returns early (e.g. one step fewer) leaves its peers waiting in a "
+            "collective, so the failure may be theirs, not the failing rank's"
+        )
     sections = [f"{summary}."]
     sections.extend(f"--- rank {rank_id} ---\n{failures[rank_id].rstrip()}" for rank_id in failures)
     return RankError("\n\n".join(sections), failures, unfinished)
@@ -412,6 +436,29 @@ def _ensure_importable(module_name: str, module_file: str | None) -> None:
     except BaseException:
         del sys.modules[module_name]
         raise
+
+
+def exit_with_parent() -> None:
+    """Make this process exit when the process that started it dies (even by SIGKILL).
+
+    A daemon thread waits on the parent's sentinel (for a fork-server child, the liveness of
+    the process that asked for it); on Linux the kernel also delivers SIGKILL when the direct
+    parent dies (``PR_SET_PDEATHSIG``), which works even while this process holds the GIL.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PDEATHSIG
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fscale-parent-watch", daemon=True).start()
 
 
 def cuda_device_count() -> int:
