@@ -17,6 +17,7 @@ from fscale import tree as tree
 from fscale.distributed import Mesh as Mesh
 from fscale.distributed import init as init
 from fscale.distributed import launch as launch
+from fscale.distributed import shutdown as shutdown
 from fscale.functional import FunctionalModule as FunctionalModule
 from fscale.functional import functionalize as functionalize
 from fscale.offload import offload_optimizer as offload_optimizer
@@ -36,7 +37,6 @@ from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step
 from fscale.train import value_and_grad as value_and_grad
-from fscale.distributed import shutdown as shutdown
 
 __version__ = "0.1.0"
 

@@ -82,17 +82,17 @@ from fscale.distributed.pending import Pending
 from fscale.distributed.point_to_point import ppermute, recv, send
 from fscale.distributed.replication import all_reduce, all_reduce_start, replicate
 from fscale.distributed.rooted import broadcast
-from fscale.distributed.watchdog import (
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    collective_timeout,
-    set_collective_timeout,
-)
 from fscale.distributed.sharding import (
     all_gather,
     all_gather_start,
     reduce_scatter,
     reduce_scatter_start,
+)
+from fscale.distributed.watchdog import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    collective_timeout,
+    set_collective_timeout,
 )
 
 __all__ = [

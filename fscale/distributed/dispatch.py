@@ -36,7 +36,9 @@ class _AllToAll(torch.autograd.Function):
     def forward(stacked: Tensor, comm: Comm) -> Tensor:
         ticket = issue(comm, "all_to_all", stacked, stacked.numel())
         received = torch.empty_like(stacked, memory_format=torch.contiguous_format)
-        work = dist.all_to_all_single(received, stacked.contiguous(), group=comm.group, async_op=True)
+        work = dist.all_to_all_single(
+            received, stacked.contiguous(), group=comm.group, async_op=True
+        )
         wait(work, ticket)
         return received
 

@@ -51,8 +51,9 @@ class _Exchange(torch.autograd.Function):
             peer = send_to if kind == "send" else recv_from
             if peer is None:  # `send` and `recv` always name their peer
                 raise ValueError(f"{kind}: the peer index is None")
-            me, other = comm.mesh.global_rank(comm.axis, comm.index), comm.mesh.global_rank(
-                comm.axis, peer
+            me, other = (
+                comm.mesh.global_rank(comm.axis, comm.index),
+                comm.mesh.global_rank(comm.axis, peer),
             )
             src, dst = (me, other) if kind == "send" else (other, me)
             ticket = admit_pair(src, dst, comm.axis, kind, x, not debug_enabled())

@@ -46,7 +46,8 @@ class _AllGatherStart(torch.autograd.Function):
 
     @staticmethod
     def forward(shard: Tensor, comm: Comm, op: str, work: Work) -> Tensor:
-        work.ticket = issue(comm, "all_gather", shard, shard.numel() * comm.size, REDUCTIONS.index(op))
+        numel = shard.numel() * comm.size
+        work.ticket = issue(comm, "all_gather", shard, numel, REDUCTIONS.index(op))
         gathered = shard.new_empty((comm.size, *shard.shape))
         work.work = all_gather_flat(
             gathered.view(-1), shard.reshape(-1), group=comm.group, async_op=True

@@ -45,7 +45,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fscale.distributed.watchdog import mark_finished
 from fscale.distributed.ranks import (
     RankError,
     RankSetup,
@@ -56,7 +55,6 @@ from fscale.distributed.ranks import (
     check_world_size,
     cuda_device_count,
     error_reply,
-    gather_replies,
     join_group,
     make_task,
     new_store,
@@ -64,6 +62,8 @@ from fscale.distributed.ranks import (
     run_task,
     terminate,
 )
+from fscale.distributed.replies import gather_replies
+from fscale.distributed.watchdog import mark_finished
 
 __all__ = [
     "DEFAULT_PG_TIMEOUT",
@@ -304,8 +304,10 @@ def _launched_rank_main(
 def _check_launch_context() -> None:
     """Refuse a `launch` that cannot work, or would silently run N separate jobs."""
     main = sys.modules.get("__main__")
-    if multiprocessing.parent_process() is not None and main is not None and (
-        getattr(main, "__name__", "") == "__mp_main__"
+    if (
+        multiprocessing.parent_process() is not None
+        and main is not None
+        and (getattr(main, "__name__", "") == "__mp_main__")
     ):
         raise RuntimeError(
             "launch: called while a spawned rank was importing the main module. Spawned ranks "
@@ -313,8 +315,10 @@ def _check_launch_context() -> None:
             'rank; put it under `if __name__ == "__main__":`.'
         )
     if _group_is_initialized() or _env_int("WORLD_SIZE", 1) > 1:
-        where = f"rank {rank()} of {world_size()}" if _group_is_initialized() else (
-            f"RANK={os.environ.get('RANK')} of WORLD_SIZE={os.environ.get('WORLD_SIZE')}"
+        where = (
+            f"rank {rank()} of {world_size()}"
+            if _group_is_initialized()
+            else (f"RANK={os.environ.get('RANK')} of WORLD_SIZE={os.environ.get('WORLD_SIZE')}")
         )
         raise RuntimeError(
             f"launch: this process is already one of several ranks ({where}; torchrun or "

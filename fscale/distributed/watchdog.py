@@ -1,4 +1,4 @@
-"""Ranks that disagree on a collective fail on every rank within a bounded time, saying who is where.
+"""Ranks that disagree on a collective fail on every rank in bounded time, saying who is where.
 
 Without it, a rank that takes one step more, or a collective whose shapes differ across the
 ranks, hangs until the process-group timeout and ends in the backend's "Timed out waiting ...
@@ -22,8 +22,8 @@ off) every collective goes through three cheap steps:
 3. **Bounded waits.** Every wait on a collective is bounded by `collective_timeout()` seconds
    (``FSCALE_COLLECTIVE_TIMEOUT``, default 30). When it expires, or the backend fails (a peer
    left), the rank publishes where it is to the store and waits up to that long again for its
-   peers' records. If every peer waits in the same collective the program is slow, not stuck,
-   and the wait resumes; otherwise `CollectiveTimeoutError` names each rank and the collective
+   peers' records. If the collective completes meanwhile (a late peer), or every peer waits
+   in the same collective (slow, not stuck), the wait goes on; otherwise `CollectiveTimeoutError` names each rank and the collective
    it waits in (number, operation, axis, shape, dtype, step), or that it returned from its
    function (`mark_finished`) or is in no collective of the group.
 
@@ -44,6 +44,7 @@ import datetime
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -235,8 +236,9 @@ def wait(work: Any, ticket: Ticket | None) -> None:
         return
     except RuntimeError as error:
         failure = None if "timed out" in str(error).lower() else error
-    _diagnose(ticket, "waiting", failure)
-    work.wait()  # every peer is in this collective: slow, not stuck
+    # A late peer that arrives while the records are compared completes the collective.
+    _diagnose(ticket, "waiting", failure, None if failure else work.is_completed)
+    work.wait()  # done, or every peer is in this collective: slow, not stuck
 
 
 def mark_finished() -> None:
@@ -290,7 +292,7 @@ def _agree(ticket: Ticket) -> None:
     store.set(keys[me], mine)
     peers = [rank for rank in channel.ranks if rank != me]
     if not _poll(store, [keys[rank] for rank in peers], _STATE.patience):
-        _diagnose(ticket, "agreeing", None)
+        _diagnose(ticket, "agreeing", None, lambda: bool(store.check([keys[r] for r in peers])))
     theirs = dict(zip(peers, (v.decode() for v in store.multi_get([keys[r] for r in peers]))))
     theirs[me] = mine
     if len(set(theirs.values())) == 1:
@@ -316,12 +318,17 @@ def _poll(store: Any, keys: list[str], seconds: float) -> bool:
         return False
 
 
-def _present(store: Any, keys: dict[int, str], seconds: float) -> dict[int, str]:
-    """The values of those `keys` that appear within `seconds` (polled; partial on expiry)."""
+def _present(
+    store: Any, keys: dict[int, str], seconds: float, escape: Callable[[], bool] | None
+) -> dict[int, str] | None:
+    """The values of those `keys` that appear within `seconds` (polled; partial on expiry), or
+    None as soon as `escape()` is true."""
     found: dict[int, str] = {}
     deadline = time.monotonic() + seconds
     pause = 0.005
     while True:
+        if escape is not None and escape():
+            return None
         for rank, key in keys.items():
             if rank not in found and store.check([key]):
                 found[rank] = store.get(key).decode()
@@ -331,8 +338,17 @@ def _present(store: Any, keys: dict[int, str], seconds: float) -> dict[int, str]
         pause = min(pause * 2, 0.1)
 
 
-def _diagnose(ticket: Ticket, state: str, failure: BaseException | None) -> None:
-    """Compare where the ranks are; return only when every peer waits in this collective."""
+def _diagnose(
+    ticket: Ticket,
+    state: str,
+    failure: BaseException | None,
+    escape: Callable[[], bool] | None = None,
+) -> None:
+    """Compare where the ranks are; return only when the wait may go on.
+
+    That is when `escape()` turns true while the peers' records are awaited (the collective
+    completed, the peers' signatures arrived), or when every peer waits in this collective.
+    """
     me, channel = dist.get_rank(), ticket.channel
     here = {
         "state": state,
@@ -346,7 +362,11 @@ def _diagnose(ticket: Ticket, state: str, failure: BaseException | None) -> None
     if store is not None:
         store.set(_key("where", me), json.dumps(here))
         peers = {rank: _key("where", rank) for rank in channel.ranks if rank != me}
-        records = {r: json.loads(v) for r, v in _present(store, peers, _STATE.patience).items()}
+        found = _present(store, peers, _STATE.patience, escape)
+        if found is None:
+            store.delete_key(_key("where", me))
+            return
+        records = {rank: json.loads(value) for rank, value in found.items()}
     records[me] = here
     same = all(
         r.get("state") == "waiting" and r.get("group") == channel.key and r.get("seq") == ticket.seq
@@ -368,9 +388,7 @@ def _diagnose(ticket: Ticket, state: str, failure: BaseException | None) -> None
 
 def _status(record: dict[str, Any] | None, channel: _Channel) -> str:
     if record is None:
-        return (
-            "in no collective of this group (still computing, blocked elsewhere, or gone)"
-        )
+        return "in no collective of this group (still computing, blocked elsewhere, or gone)"
     state = record.get("state")
     if state == "finished":
         count = record.get("counts", {}).get(channel.key, 0)

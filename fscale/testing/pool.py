@@ -88,13 +88,13 @@ from fscale.distributed.ranks import (
     check_seconds,
     check_world_size,
     error_reply,
-    gather_replies,
     join_group,
     make_task,
     new_store,
     run_task,
     terminate,
 )
+from fscale.distributed.replies import gather_replies
 from fscale.distributed.spawn import DEFAULT_PG_TIMEOUT
 
 if TYPE_CHECKING:
