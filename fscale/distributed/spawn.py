@@ -304,11 +304,10 @@ def _launched_rank_main(
 def _check_launch_context() -> None:
     """Refuse a `launch` that cannot work, or would silently run N separate jobs."""
     main = sys.modules.get("__main__")
-    if (
-        multiprocessing.parent_process() is not None
-        and main is not None
-        and (getattr(main, "__name__", "") == "__mp_main__")
-    ):
+    # A spawned child first runs the parent's main module as "__mp_main__"; only once that is
+    # done does the name refer to its __main__.
+    importing = sys.modules.get("__mp_main__")
+    if importing is not None and importing is not main:
         raise RuntimeError(
             "launch: called while a spawned rank was importing the main module. Spawned ranks "
             "import the main module again, so a launch call at module level runs in every "
