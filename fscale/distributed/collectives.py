@@ -70,10 +70,12 @@ module                               holds
 `fscale.distributed.comm`            axis resolution and the argument checks
 ===================================  ==============================================================
 
-Arguments are validated on every rank before anything is sent. Every collective records a
-`fscale.distributed.ledger.CommRecord` where it is issued. Over an axis of size 1 every
-collective is an identity (``ppermute`` without a self-pair gives zeros) and nothing is sent or
-recorded.
+Arguments are validated on every rank before anything is sent. Ranks that disagree on a
+collective (another shape, dtype or operation, or one collective more) fail on every rank
+within a bounded time, naming each rank's position (`fscale.distributed.watchdog`). Every
+collective records a `fscale.distributed.ledger.CommRecord` where it is issued. Over an axis
+of size 1 every collective is an identity (``ppermute`` without a self-pair gives zeros) and
+nothing is sent or recorded.
 """
 
 from fscale.distributed.debug import debug_enabled, set_debug

@@ -27,7 +27,8 @@ with the failing ranks' tracebacks, and the other ranks are terminated at once i
 sitting in a collective until the process-group timeout. A rank that does not finish within
 `timeout` is killed and reported by number. The process-group timeout itself is short
 (`DEFAULT_PG_TIMEOUT`, 60 s) because a collective that waits longer than that is almost
-always a desynchronised program, not a slow one.
+always a desynchronised program, not a slow one; fscale's own collectives compare the ranks'
+positions well before it (`fscale.distributed.watchdog`), so the error says which rank is where.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from fscale.distributed.ranks import (
     terminate,
 )
 from fscale.distributed.replies import gather_replies
-from fscale.distributed.watchdog import mark_finished
+from fscale.distributed.watchdog import admit, mark_finished, wait
 
 __all__ = [
     "DEFAULT_PG_TIMEOUT",
@@ -196,7 +197,13 @@ def shutdown(barrier: bool = True) -> None:
     try:
         if barrier:
             mark_finished()
-            dist.barrier()
+            # Counted and bounded like any collective: a peer that never comes is named.
+            size = dist.get_world_size()
+            ticket = admit(
+                dist.group.WORLD, lambda: tuple(range(size)), "world", "barrier",
+                torch.zeros(0), 0, False,
+            )  # fmt: skip
+            wait(dist.barrier(async_op=True), ticket)
     finally:
         _JOINED = False
         dist.destroy_process_group()

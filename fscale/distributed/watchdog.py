@@ -23,9 +23,10 @@ off) every collective goes through three cheap steps:
    (``FSCALE_COLLECTIVE_TIMEOUT``, default 30). When it expires, or the backend fails (a peer
    left), the rank publishes where it is to the store and waits up to that long again for its
    peers' records. If the collective completes meanwhile (a late peer), or every peer waits
-   in the same collective (slow, not stuck), the wait goes on; otherwise `CollectiveTimeoutError` names each rank and the collective
-   it waits in (number, operation, axis, shape, dtype, step), or that it returned from its
-   function (`mark_finished`) or is in no collective of the group.
+   in the same collective (slow, not stuck), the wait goes on; otherwise
+   `CollectiveTimeoutError` names each rank and the collective it waits in (number,
+   operation, axis, shape, dtype, step), or that it returned from its function
+   (`mark_finished`) or is in no collective of the group.
 
 Every message points to ``FSCALE_DEBUG=1``, the full metadata check before every collective
 (`fscale.distributed.debug`), which names the first collective that differs. The store is the
