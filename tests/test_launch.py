@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fscale.distributed import collective_timeout
 from fscale.distributed.spawn import (
     RankError,
     RankInfo,
@@ -36,6 +37,7 @@ def _report(offset, big):
         "view": view,
         "threads": torch.get_num_threads(),
         "env": os.environ.get("FSCALE_TEST_VALUE"),
+        "patience": collective_timeout(),
         "backend": dist.get_backend(),
     }
 
@@ -76,7 +78,8 @@ def _nested_owner():
 
 def test_launch_returns_each_rank_result_in_rank_order():
     big = torch.arange(1000.0)
-    results = launch(_report, 2, 10.0, big, env={"FSCALE_TEST_VALUE": "seen"})
+    env = {"FSCALE_TEST_VALUE": "seen", "FSCALE_COLLECTIVE_TIMEOUT": "7"}
+    results = launch(_report, 2, 10.0, big, env=env)
 
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["world_size"] == 2 for r in results)
@@ -85,6 +88,7 @@ def test_launch_returns_each_rank_result_in_rank_order():
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert all(r["threads"] == max(1, cpus // 2) for r in results)
     assert all(r["env"] == "seen" for r in results)
+    assert all(r["patience"] == 7.0 for r in results)  # settings read again after `env`
     for rank_id, result in enumerate(results):
         assert torch.equal(result["view"], big[rank_id::100])
         # The view was copied out of its storage before pickling, not shipped with all of it.

@@ -33,6 +33,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fscale import tracking
 from fscale.distributed.watchdog import mark_finished
 
 if TYPE_CHECKING:
@@ -162,6 +163,9 @@ def join_group(setup: RankSetup) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent()
     os.environ.update(setup.env)
+    # fscale read its settings (FSCALE_DEBUG, FSCALE_COLLECTIVE_TIMEOUT) when this process
+    # imported it, before `env` was set: read them again.
+    tracking.reset()
     os.environ.update(
         RANK=str(setup.rank),
         LOCAL_RANK=str(setup.rank),
@@ -185,21 +189,28 @@ def join_group(setup: RankSetup) -> None:
     )
 
 
-def run_task(task: Task) -> tuple[bool, bytes]:
-    """Run `task` here; return whether it succeeded and the pickled reply for the caller.
+def run_task(task: Task, connection: Any) -> bool:
+    """Run `task` here, send the pickled reply on `connection`; return whether it succeeded.
 
-    The reply is ``("ok", result)`` or ``("error", formatted traceback)``.
+    The reply is ``("ok", result)`` or ``("error", formatted traceback)``. After a success
+    this rank is marked finished for peers still waiting in a collective; the reply goes
+    first, so the caller learns that this rank returned before its peers' errors arrive.
     """
+    succeeded, reply = _run(task)
+    connection.send_bytes(reply)
+    if succeeded:
+        with contextlib.suppress(Exception):
+            mark_finished()
+    return succeeded
+
+
+def _run(task: Task) -> tuple[bool, bytes]:
     try:
         fn, args, kwargs = task.load()
         result = to_host(fn(*args, **kwargs))
-        reply = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
+        return True, pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException:
         return False, error_reply(skip_frames=1)
-    # Peers still waiting in a collective can then say that this rank returned.
-    with contextlib.suppress(Exception):
-        mark_finished()
-    return True, reply
 
 
 def error_reply(skip_frames: int = 0) -> bytes:

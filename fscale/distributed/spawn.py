@@ -301,8 +301,7 @@ def _launched_rank_main(
     except BaseException:
         sender.send_bytes(error_reply())
         return
-    succeeded, reply = run_task(task)
-    sender.send_bytes(reply)
+    succeeded = run_task(task, sender)
     if succeeded and _group_is_initialized():
         # After a failure the group may be wedged; the caller terminates this process instead.
         dist.destroy_process_group()

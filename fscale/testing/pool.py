@@ -378,8 +378,7 @@ def _pool_rank_main(setup: RankSetup, connection: multiprocessing.connection.Con
             return  # the pool's process is gone: nobody is left to serve
         task: Task = pickle.loads(message)
         _reset_rank_state()
-        _, reply = run_task(task)
-        connection.send_bytes(reply)
+        run_task(task, connection)
 
 
 def _reset_rank_state() -> None:
