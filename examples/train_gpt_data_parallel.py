@@ -1,5 +1,7 @@
 """The README example: a GPT-style model trained data-parallel on 2 local processes."""
 
+import os
+
 import fscale as fs
 from fscale import models
 
@@ -30,4 +32,8 @@ def main():
 
 
 if __name__ == "__main__":  # ranks re-import this module
-    print(fs.launch(main, world_size=2))  # or torchrun + fs.init()
+    if "RANK" in os.environ:  # under torchrun: join its group, leave it cleanly at the end
+        with fs.init():
+            print(main())
+    else:
+        print(fs.launch(main, world_size=2))

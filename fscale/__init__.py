@@ -17,6 +17,7 @@ from fscale import tree as tree
 from fscale.distributed import Mesh as Mesh
 from fscale.distributed import init as init
 from fscale.distributed import launch as launch
+from fscale.distributed import shutdown as shutdown
 from fscale.functional import FunctionalModule as FunctionalModule
 from fscale.functional import functionalize as functionalize
 from fscale.nonfinite import NonFiniteGradientError as NonFiniteGradientError

@@ -58,6 +58,16 @@ def _human(num_bytes: float) -> str:
     return f"{num_bytes:.1f} GiB"
 
 
+def peak_grad_bytes(metrics: dict[str, Any]) -> int:
+    """The gradient bytes a rank held at once in a step: what a strategy must fit in memory.
+
+    ``grad_bytes`` counts the gradients the update received (under ZeRO the reduced shards);
+    ``grad_peak_bytes``, where a plan reports it, counts the most held during backward (under
+    ZeRO-1 the full, unreduced gradient). The larger of the two is the peak.
+    """
+    return max(int(metrics.get("grad_bytes", 0)), int(metrics.get("grad_peak_bytes", 0)))
+
+
 def _demo_rank(cfg: DemoConfig) -> dict[str, Any]:
     """What every rank runs: build, train for the time budget, account."""
     import torch
@@ -111,7 +121,7 @@ def _demo_rank(cfg: DemoConfig) -> dict[str, Any]:
             state, metrics = step(state, batch)
         step_index += 1
         losses.append(float(metrics["loss"]))
-        grad_bytes = max(grad_bytes, int(metrics.get("grad_bytes", 0)))
+        grad_bytes = max(grad_bytes, peak_grad_bytes(metrics))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
@@ -164,7 +174,7 @@ def run_demo(cfg: DemoConfig) -> list[dict[str, Any]]:
         f"parameters; loss {first['first_loss']:.3f} -> {first['last_loss']:.3f} "
         "(mean of the last 10 steps)"
     )
-    print("\nper-rank model state (exact bytes of storage held):")
+    print("\nper-rank model state (exact bytes of storage held; grads at their peak):")
     header = f"{'rank':>4}  {'params':>12}  {'grads':>12}  {'optimizer':>12}"
     print(header)
     print("-" * len(header))

@@ -25,6 +25,7 @@ from fscale import random as fsrandom
 from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
+from fscale.distributed.watchdog import note_step
 
 __all__ = [
     "all_gather_objects",
@@ -34,6 +35,7 @@ __all__ = [
     "check_axis",
     "check_same_on_all_ranks",
     "describe_tree",
+    "first_difference",
     "mean_floating_leaves",
     "rank_key",
     "reduce_metrics",
@@ -44,7 +46,13 @@ def rank_key(
     key: torch.Tensor, step: int, mesh: Mesh | None, axes: tuple[str, ...]
 ) -> torch.Tensor:
     """The key of step `step` on this rank: `key` folded with the step, then with this rank's
-    row-major index over the data `axes` (not folded when there are none)."""
+    row-major index over the data `axes` (not folded when there are none).
+
+    A Step asks for it once at the start of each gradient phase, so it also tells the
+    collective watchdog which step this rank is in (`fscale.distributed.watchdog.note_step`):
+    a collective that times out names it.
+    """
+    note_step(step)
     step_key = fsrandom.fold_in(key, step)
     if mesh is None or not axes:
         return step_key
@@ -101,7 +109,7 @@ def check_same_on_all_ranks(
     for index, other in enumerate(all_lines):
         if other == reference:
             continue
-        detail = _first_difference(reference, other)
+        detail = first_difference(reference, other, index)
         raise ValueError(
             f"{caller}: the ranks along axis {axis!r} disagree on {what}: rank 0 and rank "
             f"{index} of the axis differ — {detail}. Every rank must build the same model "
@@ -122,11 +130,38 @@ def all_gather_objects(value: Any, mesh: Mesh, axis: str) -> list[Any]:
     return gathered
 
 
-def _first_difference(a: list[str], b: list[str]) -> str:
+def first_difference(a: list[str], b: list[str], index: int = 1) -> str:
+    """The first difference between two `describe_tree` listings (rank 0's and rank `index`'s).
+
+    When the listings name different leaves (a model with another layer count), pairing lines
+    by position would compare unrelated leaves: then the leaf counts and the first names
+    missing on and extra on rank `index` are given instead.
+    """
+    names_a, names_b = [_leaf_name(x) for x in a], [_leaf_name(y) for y in b]
+    if names_a != names_b:
+        missing = [n for n in names_a if n not in set(names_b)]
+        extra = [n for n in names_b if n not in set(names_a)]
+        detail = f"rank 0 has {len(a)} entries, rank {index} has {len(b)}"
+        if missing:
+            detail += f"; missing on rank {index}: {_first_names(missing)}"
+        if extra:
+            detail += f"; extra on rank {index}: {_first_names(extra)}"
+        if not missing and not extra:
+            detail += "; the same names in another order"
+        return detail
     for x, y in zip(a, b):
         if x != y:
             return f"{x!r} vs {y!r}"
-    return f"{len(a)} leaves vs {len(b)} leaves"
+    return f"{len(a)} entries vs {len(b)} entries"
+
+
+def _leaf_name(line: str) -> str:
+    return line.rpartition(": ")[0] or line
+
+
+def _first_names(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def broadcast_tree(values: Any, mesh: Mesh, axis: str) -> Any:

@@ -1,8 +1,10 @@
 """The `fscale demo` command trains, and reports loss, per-rank bytes and the comm ledger."""
 
 import pytest
+import torch
 
 from fscale import cli
+from fscale.distributed.ledger import CommLedger, CommRecord
 
 
 def test_demo_trains_data_parallel_and_reports(capsys):
@@ -48,3 +50,30 @@ def test_the_library_imports_without_test_dependencies():
         "import fscale, fscale.cli, fscale.testing; fscale.testing.run_spmd"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_zero1_reports_the_full_gradient_it_holds_at_its_peak(capsys):
+    args = ["demo", "--strategy", "zero1", "--steps", "3", "--no-progress", "--d-model", "32"]
+    assert cli.main([*args, "--seq-len", "16", "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert len(rows) == 2
+    for _rank, params, params_unit, grads, grads_unit, *_ in rows:
+        # ZeRO-1 keeps every full gradient until backward ends: as large as the parameters.
+        assert (grads, grads_unit) == (params, params_unit)
+
+
+def test_peak_grad_bytes_is_the_larger_of_the_two_metrics():
+    assert cli.peak_grad_bytes({"grad_bytes": torch.tensor(10.0)}) == 10
+    assert cli.peak_grad_bytes({"grad_bytes": 10, "grad_peak_bytes": torch.tensor(40.0)}) == 40
+    assert cli.peak_grad_bytes({}) == 0
+
+
+def test_ledger_summary_prints_whole_element_counts():
+    ledger = CommLedger()
+    # 3 elements over 2 ranks: a ring all-gather sends 1.5 of them per rank on average.
+    ledger.records.append(CommRecord("all_gather", "dp", torch.float32, 655489 * 2 + 1, 0, 2))
+    ledger.records[0] = ledger.records[0]._replace(bytes=655489.5 * 4)
+    summary = ledger.summary()
+    assert "655,490" in summary and "655,489.50" not in summary
+    assert "." not in summary.splitlines()[2].split()[3]

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fscale.distributed import collective_timeout
 from fscale.distributed.spawn import (
     RankError,
     RankInfo,
@@ -36,6 +37,7 @@ def _report(offset, big):
         "view": view,
         "threads": torch.get_num_threads(),
         "env": os.environ.get("FSCALE_TEST_VALUE"),
+        "patience": collective_timeout(),
         "backend": dist.get_backend(),
     }
 
@@ -76,7 +78,8 @@ def _nested_owner():
 
 def test_launch_returns_each_rank_result_in_rank_order():
     big = torch.arange(1000.0)
-    results = launch(_report, 2, 10.0, big, env={"FSCALE_TEST_VALUE": "seen"})
+    env = {"FSCALE_TEST_VALUE": "seen", "FSCALE_COLLECTIVE_TIMEOUT": "7"}
+    results = launch(_report, 2, 10.0, big, env=env)
 
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["world_size"] == 2 for r in results)
@@ -85,6 +88,7 @@ def test_launch_returns_each_rank_result_in_rank_order():
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert all(r["threads"] == max(1, cpus // 2) for r in results)
     assert all(r["env"] == "seen" for r in results)
+    assert all(r["patience"] == 7.0 for r in results)  # settings read again after `env`
     for rank_id, result in enumerate(results):
         assert torch.equal(result["view"], big[rank_id::100])
         # The view was copied out of its storage before pickling, not shipped with all of it.
@@ -195,3 +199,177 @@ def test_bad_arguments_are_refused_before_spawning():
 def test_nccl_without_enough_gpus_is_refused():
     with pytest.raises(ValueError, match=r"backend='nccl' needs one GPU per rank"):
         launch(_report, 64, backend="nccl")
+
+
+# Launcher faults and teardown
+
+
+def _run_python(args, *, cwd, stdin=None, timeout=120):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+_TORCHRUN_PROGRAM = """
+import torch
+import fscale as fs
+from fscale.distributed import all_reduce
+
+with fs.init() as info:
+    total = all_reduce(torch.ones(1), "dp", mesh=fs.Mesh(dp=info.world_size))
+    assert total.item() == info.world_size
+    print("rank", info.rank, "done")
+assert not torch.distributed.is_initialized()
+fs.shutdown()  # nothing left to leave: a no-op
+"""
+
+
+def test_init_as_a_context_manager_leaves_the_torchrun_group_cleanly(tmp_path):
+    script = tmp_path / "program.py"
+    script.write_text(_TORCHRUN_PROGRAM)
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    done = _run_python(args, cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "terminate called" not in done.stderr
+    assert "rank 0 done" in done.stdout and "rank 1 done" in done.stdout
+
+
+def _shutdown_leaves_a_group_init_did_not_make():
+    info = init()
+    with info:
+        pass
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the pool's group is still there
+    return total.item()
+
+
+def test_shutdown_leaves_groups_that_init_did_not_create():
+    from fscale.testing import run_spmd
+
+    assert run_spmd(_shutdown_leaves_a_group_init_did_not_make, 2) == [2.0, 2.0]
+    with pytest.raises(TypeError, match=r"shutdown: `barrier` must be a bool"):
+        fs_shutdown(barrier="no")
+
+
+def fs_shutdown(**kwargs):
+    from fscale.distributed import shutdown
+
+    return shutdown(**kwargs)
+
+
+def _launch_from_a_rank():
+    try:
+        launch(_report, 2, 0.0, torch.zeros(200))
+    except RuntimeError as error:
+        return str(error)
+    return "launched"
+
+
+def test_launch_inside_a_job_whose_ranks_exist_is_refused(monkeypatch):
+    from fscale.testing import run_spmd
+
+    for message in run_spmd(_launch_from_a_rank, 2):
+        assert "already one of several ranks (rank" in message and "fs.init()" in message
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(RuntimeError, match=r"RANK=1 of WORLD_SIZE=2; torchrun"):
+        launch(_report, 2, 0.0, torch.zeros(200))
+
+
+_STDIN_PROGRAM = """
+import operator
+import fscale as fs
+print(fs.launch(operator.add, 1, 1, 2))
+"""
+
+
+def test_launch_from_a_main_module_without_a_file_says_what_to_do(tmp_path):
+    done = _run_python(["-"], cwd=tmp_path, stdin=_STDIN_PROGRAM)
+    assert done.returncode == 1
+    assert "the main module has no file (<stdin>" in done.stderr
+    assert "python train.py" in done.stderr
+    assert "without returning a result" not in done.stderr
+
+
+_UNGUARDED_PROGRAM = """
+import operator
+import fscale as fs
+print(fs.launch(operator.add, 1, 1, 2))
+"""
+
+
+def test_launch_without_the_main_guard_surfaces_the_real_cause(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED_PROGRAM)
+    done = _run_python([str(script)], cwd=tmp_path)
+    assert done.returncode == 1
+    assert "can only join a started process" not in done.stderr
+    assert "while a spawned rank was importing the main module" in done.stderr
+    assert 'under `if __name__ == "__main__":`' in done.stderr
+
+
+_ORPHANED_PROGRAM = """
+import os, sys, time
+import fscale as fs
+
+def work(folder):
+    open(os.path.join(folder, f"{os.getpid()}.pid"), "w").close()
+    time.sleep(600)
+
+if __name__ == "__main__":
+    fs.launch(work, 2, sys.argv[1], timeout=900)
+"""
+
+
+def test_ranks_exit_when_the_launching_process_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "orphans.py"
+    script.write_text(_ORPHANED_PROGRAM)
+    env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+    launcher = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)], env=env, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int(path.stem) for path in tmp_path.glob("*.pid")]
+        assert len(pids) == 2
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        launcher.kill()
+        for path in tmp_path.glob("*.pid"):
+            if _alive(int(path.stem)):
+                os.kill(int(path.stem), signal.SIGKILL)
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited, even if unreaped
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True

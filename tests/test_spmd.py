@@ -83,3 +83,30 @@ def test_describe_tree_and_check_axis():
         spmd.check_axis(fs.Mesh(dp=1), "pp", "my_plan")
     with pytest.raises(TypeError, match=r"my_plan: `mesh` must be an fscale\.Mesh"):
         spmd.check_axis("dp", "dp", "my_plan")
+
+
+def _layer_counts_differ():
+    rank = dist.get_rank()
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(2 + 2 * rank)])
+    lines = spmd.describe_tree(dict(model.named_parameters()))
+    spmd.check_same_on_all_ranks(fs.Mesh(dp=2), "dp", lines, "the parameter tree", "my_plan")
+
+
+def test_a_model_with_another_layer_count_is_reported_by_leaf_count_and_names():
+    with pytest.raises(RankError) as caught:
+        run_spmd(_layer_counts_differ, 2)
+    message = str(caught.value)
+    assert "rank 0 has 4 entries, rank 1 has 8" in message
+    assert "extra on rank 1: '2.bias', '2.weight', '3.bias' and 1 more" in message
+    assert "missing on rank 1" not in message
+
+
+def test_first_difference_pairs_leaves_by_name():
+    a = ["w: (2,) float32", "b: (2,) float32"]
+    assert spmd.first_difference(a, ["w: (3,) float32", "b: (2,) float32"]) == (
+        "'w: (2,) float32' vs 'w: (3,) float32'"
+    )
+    assert spmd.first_difference(a, ["w: (2,) float32"], 2) == (
+        "rank 0 has 2 entries, rank 2 has 1; missing on rank 2: 'b'"
+    )
+    assert spmd.first_difference(a, a[::-1]).endswith("the same names in another order")

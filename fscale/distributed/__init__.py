@@ -3,10 +3,13 @@
 - `Mesh` arranges the ranks on named axes (``Mesh(dp=2, pp=2)``); collectives name an axis.
 - `fscale.distributed.collectives`: each collective beside its dual (the gradient), sync and async.
 - `comm_ledger` records what every collective sends, for tests and tuning.
-- `launch` / `init` start or join the process group.
+- `launch` / `init` start or join the process group; `shutdown` leaves it.
+- Ranks that disagree on a collective fail on every rank within `collective_timeout()` seconds
+  (`fscale.distributed.watchdog`); `set_debug` checks every collective.
 """
 
 from fscale.distributed.collectives import CollectiveMismatchError as CollectiveMismatchError
+from fscale.distributed.collectives import CollectiveTimeoutError as CollectiveTimeoutError
 from fscale.distributed.collectives import Pending as Pending
 from fscale.distributed.collectives import all_gather as all_gather
 from fscale.distributed.collectives import all_gather_start as all_gather_start
@@ -14,6 +17,7 @@ from fscale.distributed.collectives import all_reduce as all_reduce
 from fscale.distributed.collectives import all_reduce_start as all_reduce_start
 from fscale.distributed.collectives import all_to_all as all_to_all
 from fscale.distributed.collectives import broadcast as broadcast
+from fscale.distributed.collectives import collective_timeout as collective_timeout
 from fscale.distributed.collectives import debug_enabled as debug_enabled
 from fscale.distributed.collectives import ppermute as ppermute
 from fscale.distributed.collectives import recv as recv
@@ -21,6 +25,7 @@ from fscale.distributed.collectives import reduce_scatter as reduce_scatter
 from fscale.distributed.collectives import reduce_scatter_start as reduce_scatter_start
 from fscale.distributed.collectives import replicate as replicate
 from fscale.distributed.collectives import send as send
+from fscale.distributed.collectives import set_collective_timeout as set_collective_timeout
 from fscale.distributed.collectives import set_debug as set_debug
 from fscale.distributed.ledger import CommLedger as CommLedger
 from fscale.distributed.ledger import CommRecord as CommRecord
@@ -32,11 +37,13 @@ from fscale.distributed.spawn import RankTimeoutError as RankTimeoutError
 from fscale.distributed.spawn import init as init
 from fscale.distributed.spawn import launch as launch
 from fscale.distributed.spawn import rank as rank
+from fscale.distributed.spawn import shutdown as shutdown
 from fscale.distributed.spawn import world_size as world_size
 from fscale.distributed.uneven import all_to_all_uneven as all_to_all_uneven
 
 __all__ = [
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "CommLedger",
     "CommRecord",
     "Mesh",
@@ -50,6 +57,7 @@ __all__ = [
     "all_to_all",
     "all_to_all_uneven",
     "broadcast",
+    "collective_timeout",
     "comm_ledger",
     "current_mesh",
     "debug_enabled",
@@ -62,6 +70,8 @@ __all__ = [
     "reduce_scatter_start",
     "replicate",
     "send",
+    "set_collective_timeout",
     "set_debug",
+    "shutdown",
     "world_size",
 ]

@@ -66,16 +66,19 @@ module                               holds
 `fscale.distributed.point_to_point`  ``ppermute``, ``send`` <-> ``recv``
 `fscale.distributed.pending`         `Pending`: the asynchronous start / wait forms
 `fscale.distributed.debug`           the cross-rank mismatch check (`set_debug`), the ledger record
+`fscale.distributed.watchdog`        counts, one agreement per signature, bounded waits
 `fscale.distributed.comm`            axis resolution and the argument checks
 ===================================  ==============================================================
 
-Arguments are validated on every rank before anything is sent. Every collective records a
-`fscale.distributed.ledger.CommRecord` where it is issued. Over an axis of size 1 every
-collective is an identity (``ppermute`` without a self-pair gives zeros) and nothing is sent or
-recorded.
+Arguments are validated on every rank before anything is sent. Ranks that disagree on a
+collective (another shape, dtype or operation, or one collective more) fail on every rank
+within a bounded time, naming each rank's position (`fscale.distributed.watchdog`). Every
+collective records a `fscale.distributed.ledger.CommRecord` where it is issued. Over an axis
+of size 1 every collective is an identity (``ppermute`` without a self-pair gives zeros) and
+nothing is sent or recorded.
 """
 
-from fscale.distributed.debug import CollectiveMismatchError, debug_enabled, set_debug
+from fscale.distributed.debug import debug_enabled, set_debug
 from fscale.distributed.dispatch import all_to_all
 from fscale.distributed.pending import Pending
 from fscale.distributed.point_to_point import ppermute, recv, send
@@ -87,9 +90,16 @@ from fscale.distributed.sharding import (
     reduce_scatter,
     reduce_scatter_start,
 )
+from fscale.distributed.watchdog import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    collective_timeout,
+    set_collective_timeout,
+)
 
 __all__ = [
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "Pending",
     "all_gather",
     "all_gather_start",
@@ -97,6 +107,7 @@ __all__ = [
     "all_reduce_start",
     "all_to_all",
     "broadcast",
+    "collective_timeout",
     "debug_enabled",
     "ppermute",
     "recv",
@@ -104,5 +115,6 @@ __all__ = [
     "reduce_scatter_start",
     "replicate",
     "send",
+    "set_collective_timeout",
     "set_debug",
 ]

@@ -8,6 +8,10 @@ instead of hanging or silently computing garbage. The check is itself a collecti
 all-gather of a fixed-size metadata row per collective (a send/recv pair swaps one row), so
 every rank must use the same setting.
 
+Without the check, `fscale.distributed.watchdog` counts every collective, agrees on each
+signature once and bounds every wait (`issue` and `check_group` / `check_pair` pass it the
+collective's `Ticket`, so the check's own exchange is bounded too).
+
 Then the collective is recorded in every open `fscale.distributed.ledger` (`issue`; send and
 recv run `check_pair` and record themselves).
 
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from fscale import tracking
 from fscale.distributed.comm import Comm, all_gather_flat
 from fscale.distributed.ledger import record
+from fscale.distributed.watchdog import CollectiveMismatchError, Ticket, admit, wait
 
 __all__ = [
     "CollectiveMismatchError",
@@ -66,10 +71,6 @@ def debug_enabled() -> bool:
 tracking.register(__name__, lambda: set_debug(debug_from_env()))
 
 
-class CollectiveMismatchError(ValueError):
-    """The ranks of an axis called a collective with different operations, shapes or dtypes."""
-
-
 # New operations go at the end: the codes are only compared between ranks of one program, but
 # keeping them stable keeps messages from older runs readable.
 _OP_CODES = {
@@ -106,14 +107,17 @@ def _metadata(op: str, x: Tensor, extra: int) -> Tensor:
     return torch.tensor(row, dtype=torch.int64, device=x.device)
 
 
-def check_group(comm: Comm, op: str, x: Tensor, extra: int = 0) -> None:
+def check_group(
+    comm: Comm, op: str, x: Tensor, extra: int = 0, ticket: Ticket | None = None
+) -> None:
     """Raise on every rank of the axis unless all ranks issue the same collective.
 
-    `extra` is the operation's argument as an int, compared like the shape.
+    `extra` is the operation's argument as an int, compared like the shape. `ticket` is the
+    collective's count (`fscale.distributed.watchdog`), which bounds the check's own wait.
     """
     mine = _metadata(op, x, extra)
     rows = mine.new_empty((comm.size, mine.numel()))
-    all_gather_flat(rows.view(-1), mine, group=comm.group)
+    wait(all_gather_flat(rows.view(-1), mine, group=comm.group, async_op=True), ticket)
     table = rows.tolist()
     if all(row == table[0] for row in table):
         return
@@ -135,8 +139,11 @@ def _only_extra_differs(row: list[int], reference: list[int]) -> bool:
     return row[4] != reference[4] and row[:4] + row[5:] == reference[:4] + reference[5:]
 
 
-def check_pair(comm: Comm, op: str, x: Tensor, peer: int) -> None:
-    """Raise on both ends of a send/recv unless the sent and expected tensors agree."""
+def check_pair(comm: Comm, op: str, x: Tensor, peer: int, ticket: Ticket | None = None) -> None:
+    """Raise on both ends of a send/recv unless the sent and expected tensors agree.
+
+    `ticket` bounds the exchange's wait, as in `check_group`.
+    """
     mine = _metadata(op, x, 0)
     theirs = torch.empty_like(mine)
     works = [
@@ -145,7 +152,7 @@ def check_pair(comm: Comm, op: str, x: Tensor, peer: int) -> None:
     ]
     for work in works:
         if work is not None:  # None: this rank is outside the group, so nothing was issued
-            work.wait()
+            wait(work, ticket)
     mine_row, their_row = mine.tolist(), theirs.tolist()
     if {mine_row[0], their_row[0]} == {_OP_CODES["send"], _OP_CODES["recv"]} and (
         mine_row[1:] == their_row[1:]
@@ -161,11 +168,19 @@ def check_pair(comm: Comm, op: str, x: Tensor, peer: int) -> None:
     )
 
 
-def issue(comm: Comm, op: str, x: Tensor, numel: int, extra: int = 0) -> None:
-    """Before a group collective on `x`: the debug check when on, then the ledger record.
+def issue(comm: Comm, op: str, x: Tensor, numel: int, extra: int = 0) -> Ticket:
+    """Before a group collective on `x`: its count, the debug check when on, the ledger record.
 
-    `numel` is the element count the ledger records (see `fscale.distributed.ledger`).
+    Without the debug check, a signature new on the group is agreed once through the store
+    (`fscale.distributed.watchdog.admit`). `numel` is the element count the ledger records
+    (see `fscale.distributed.ledger`). Returns the ticket that bounds the collective's wait.
     """
+    ticket = admit(comm.group, _peers(comm), comm.axis, op, x, extra, not _DEBUG)
     if _DEBUG:
-        check_group(comm, op, x, extra)
+        check_group(comm, op, x, extra, ticket)
     record(op, comm.axis, x.dtype, numel, comm.size)
+    return ticket
+
+
+def _peers(comm: Comm) -> Any:
+    return lambda: comm.mesh.peers(comm.axis)

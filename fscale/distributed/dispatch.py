@@ -22,6 +22,7 @@ from fscale.distributed.comm import (
 )
 from fscale.distributed.debug import issue
 from fscale.distributed.mesh import Mesh
+from fscale.distributed.watchdog import wait
 
 __all__ = ["all_to_all"]
 
@@ -33,9 +34,12 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(stacked: Tensor, comm: Comm) -> Tensor:
-        issue(comm, "all_to_all", stacked, stacked.numel())
+        ticket = issue(comm, "all_to_all", stacked, stacked.numel())
         received = torch.empty_like(stacked, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(received, stacked.contiguous(), group=comm.group)
+        work = dist.all_to_all_single(
+            received, stacked.contiguous(), group=comm.group, async_op=True
+        )
+        wait(work, ticket)
         return received
 
     @staticmethod

@@ -213,7 +213,9 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def _number(value: float) -> str:
-    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}"
+    # Ring-model counts are averages over the ranks, fractional when a size does not divide by
+    # N; a table of elements and bytes shows them to the nearest whole one.
+    return f"{round(value):,}"
 
 
 def _human_bytes(value: float) -> str:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from fscale.distributed.watchdog import Ticket, wait
+
 __all__ = ["Pending", "Work"]
 
 Tensor = torch.Tensor
@@ -26,18 +28,20 @@ Tensor = torch.Tensor
 class Work:
     """Opaque holder of an in-flight c10d Work, passed to Functions as a non-tensor argument.
 
-    A start Function's forward sets `work`; `wait` blocks on it once.
+    A start Function's forward sets `work` and the collective's `ticket`
+    (`fscale.distributed.watchdog`); `wait` blocks on it once, bounded by the ticket.
     """
 
-    __slots__ = ("work",)
+    __slots__ = ("ticket", "work")
 
     def __init__(self) -> None:
         self.work: Any = None
+        self.ticket: Ticket | None = None
 
     def wait(self) -> None:
         """Block until the collective is done (at once if it already was)."""
         if self.work is not None:
-            self.work.wait()
+            wait(self.work, self.ticket)
             self.work = None
 
 

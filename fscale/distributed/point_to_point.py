@@ -24,6 +24,7 @@ from fscale.distributed.comm import Comm, check_index, check_tensor, resolve_com
 from fscale.distributed.debug import check_pair, debug_enabled, issue
 from fscale.distributed.ledger import record
 from fscale.distributed.mesh import Mesh
+from fscale.distributed.watchdog import admit_pair, wait
 
 __all__ = ["ppermute", "recv", "send"]
 
@@ -45,13 +46,19 @@ class _Exchange(torch.autograd.Function):
     ) -> Tensor:
         if kind == "ppermute":
             sends = send_to is not None and send_to != comm.index
-            issue(comm, kind, x, x.numel() if sends else 0, extra)
+            ticket = issue(comm, kind, x, x.numel() if sends else 0, extra)
         else:
+            peer = send_to if kind == "send" else recv_from
+            if peer is None:  # `send` and `recv` always name their peer
+                raise ValueError(f"{kind}: the peer index is None")
+            me, other = (
+                comm.mesh.global_rank(comm.axis, comm.index),
+                comm.mesh.global_rank(comm.axis, peer),
+            )
+            src, dst = (me, other) if kind == "send" else (other, me)
+            ticket = admit_pair(src, dst, comm.axis, kind, x, not debug_enabled())
             if debug_enabled():
-                peer = send_to if kind == "send" else recv_from
-                if peer is None:  # `send` and `recv` always name their peer
-                    raise ValueError(f"{kind}: the peer index is None")
-                check_pair(comm, kind, x, peer)
+                check_pair(comm, kind, x, peer, ticket)
             record(kind, comm.axis, x.dtype, x.numel(), comm.size)
         if send_to is not None and send_to == comm.index:
             return x.clone()  # a self-pair moves nothing
@@ -63,7 +70,7 @@ class _Exchange(torch.autograd.Function):
             received = torch.empty_like(x, memory_format=torch.contiguous_format)
             works.append(dist.irecv(received, group=comm.group, group_src=recv_from))
         for work in works:
-            work.wait()
+            wait(work, ticket)
         if received is not None:
             return received
         return torch.zeros_like(x) if kind == "ppermute" else x.new_zeros(())

@@ -2,13 +2,15 @@
 
 The caller side pickles a function call once (`make_task`), serves the rendezvous store
 (`new_store`), waits for one reply per rank while watching the processes die
-(`gather_replies`) and stops what is left (`terminate`). The rank side joins the group
-(`join_group`), runs the call and pickles its result or traceback (`run_task`). `launch` runs
+(`fscale.distributed.replies`) and stops what is left (`terminate`). The rank side joins the
+group (`join_group`), exits with its parent (`exit_with_parent`), runs the call and pickles
+its result or traceback (`run_task`). `launch` runs
 one call per process; the pool keeps its ranks and runs many.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -21,6 +23,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +32,9 @@ from typing import TYPE_CHECKING, Any
 import optree
 import torch
 import torch.distributed as dist
+
+from fscale import tracking
+from fscale.distributed.watchdog import mark_finished
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -41,10 +47,6 @@ if TYPE_CHECKING:
 
 _BACKENDS = ("gloo", "nccl")
 _LOCALHOST = "127.0.0.1"
-
-# After the first rank fails, give the others this long to report their own failures (ranks
-# often fail together, e.g. on the same bad input) before terminating them.
-_FAILURE_GRACE_S = 0.5
 
 
 class RankError(RuntimeError):
@@ -159,7 +161,11 @@ def join_group(setup: RankSetup) -> None:
     # Ctrl-C reaches every process in the terminal's process group; the caller handles it and
     # stops the ranks, so the ranks themselves ignore it instead of each printing a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
     os.environ.update(setup.env)
+    # fscale read its settings (FSCALE_DEBUG, FSCALE_COLLECTIVE_TIMEOUT) when this process
+    # imported it, before `env` was set: read them again.
+    tracking.reset()
     os.environ.update(
         RANK=str(setup.rank),
         LOCAL_RANK=str(setup.rank),
@@ -183,11 +189,22 @@ def join_group(setup: RankSetup) -> None:
     )
 
 
-def run_task(task: Task) -> tuple[bool, bytes]:
-    """Run `task` here; return whether it succeeded and the pickled reply for the caller.
+def run_task(task: Task, connection: Any) -> bool:
+    """Run `task` here, send the pickled reply on `connection`; return whether it succeeded.
 
-    The reply is ``("ok", result)`` or ``("error", formatted traceback)``.
+    The reply is ``("ok", result)`` or ``("error", formatted traceback)``. After a success
+    this rank is marked finished for peers still waiting in a collective; the reply goes
+    first, so the caller learns that this rank returned before its peers' errors arrive.
     """
+    succeeded, reply = _run(task)
+    connection.send_bytes(reply)
+    if succeeded:
+        with contextlib.suppress(Exception):
+            mark_finished()
+    return succeeded
+
+
+def _run(task: Task) -> tuple[bool, bytes]:
     try:
         fn, args, kwargs = task.load()
         result = to_host(fn(*args, **kwargs))
@@ -262,70 +279,9 @@ def resolve_backend(backend: str | None, world_size: int) -> str:
     return backend
 
 
-@dataclasses.dataclass
-class Replies:
-    """What came back from a set of ranks for one call."""
-
-    world_size: int
-    results: dict[int, Any] = dataclasses.field(default_factory=dict)
-    failures: dict[int, str] = dataclasses.field(default_factory=dict)
-    unfinished: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def complete(self) -> bool:
-        """Whether every rank returned a result."""
-        return len(self.results) == self.world_size
-
-    def results_or_raise(self, timeout: float) -> list[Any]:
-        """The results in rank order, or the `RankError` that explains why there are none."""
-        if self.failures:
-            raise _failure_error(self.world_size, self.failures, self.unfinished)
-        if self.unfinished:
-            finished = sorted(self.results)
-            raise RankTimeoutError(
-                f"rank(s) {self.unfinished} of {self.world_size} did not finish within "
-                f"{timeout:g} s and were killed (finished: {finished}). A rank that waits "
-                "in a collective its peers never call hangs like this.",
-                unfinished=self.unfinished,
-            )
-        return [self.results[r] for r in range(self.world_size)]
-
-
-def gather_replies(
-    connections: Sequence[PipeEnd],
-    processes: Sequence[multiprocessing.process.BaseProcess],
-    deadline: float,
-) -> Replies:
-    """Wait for one reply per rank, stopping early after a failure or at `deadline`.
-
-    Rank ``r`` replies on ``connections[r]`` and runs as ``processes[r]``. A rank whose
-    process ends without replying counts as failed. Once any rank has failed, the others get
-    `_FAILURE_GRACE_S` to report before they are given up on: they may be blocked in a
-    collective with the failed rank and would otherwise wait out the process-group timeout.
-    """
-    replies = Replies(len(connections))
-    pending = set(range(len(connections)))
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        by_handle: dict[Any, int] = {}
-        for rank_id in pending:
-            by_handle[connections[rank_id]] = rank_id
-            by_handle[processes[rank_id].sentinel] = rank_id
-        for handle in multiprocessing.connection.wait(list(by_handle), timeout=remaining):
-            rank_id = by_handle[handle]
-            if rank_id in pending:
-                pending.discard(rank_id)
-                _receive(rank_id, connections[rank_id], processes[rank_id], replies)
-        if replies.failures:
-            deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
-    replies.unfinished = sorted(pending)
-    return replies
-
-
 def terminate(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
     """Stop every process still alive: SIGTERM, then SIGKILL for any that linger."""
+    processes = [process for process in processes if process.pid is not None]  # started only
     for process in processes:
         if process.is_alive():
             process.terminate()
@@ -335,47 +291,6 @@ def terminate(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
         if process.is_alive():
             process.kill()
             process.join()
-
-
-def _receive(
-    rank_id: int,
-    connection: PipeEnd,
-    process: multiprocessing.process.BaseProcess,
-    replies: Replies,
-) -> None:
-    """Read rank `rank_id`'s reply into `replies`, or record how its process ended."""
-    try:
-        status, value = pickle.loads(connection.recv_bytes())
-    except (EOFError, OSError):
-        process.join(1.0)
-        replies.failures[rank_id] = (
-            f"the process ended (exit code {process.exitcode}) without returning a result; "
-            "its own output on stderr may say why"
-        )
-        return
-    except Exception:
-        replies.failures[rank_id] = (
-            "its result could not be unpickled in the calling process:\n" + traceback.format_exc()
-        )
-        return
-    if status == "ok":
-        replies.results[rank_id] = value
-    else:
-        replies.failures[rank_id] = value
-
-
-def _failure_error(world: int, failures: Mapping[int, str], unfinished: Sequence[int]) -> RankError:
-    # `failures` is in arrival order. The first failure is usually the cause: a rank that
-    # raises leaves its peers' collectives, so their errors ("connection closed") follow it.
-    first, *later = failures
-    summary = f"rank {first} of {world} failed"
-    if later:
-        summary += f"; then rank(s) {sorted(later)} failed too"
-    if unfinished:
-        summary += f"; rank(s) {list(unfinished)} were still running and were terminated"
-    sections = [f"{summary}."]
-    sections.extend(f"--- rank {rank_id} ---\n{failures[rank_id].rstrip()}" for rank_id in failures)
-    return RankError("\n\n".join(sections), failures, unfinished)
 
 
 # --------------------------------------------------------------------------------------------
@@ -412,6 +327,29 @@ def _ensure_importable(module_name: str, module_file: str | None) -> None:
     except BaseException:
         del sys.modules[module_name]
         raise
+
+
+def exit_with_parent() -> None:
+    """Make this process exit when the process that started it dies (even by SIGKILL).
+
+    A daemon thread waits on the parent's sentinel (for a fork-server child, the liveness of
+    the process that asked for it); on Linux the kernel also delivers SIGKILL when the direct
+    parent dies (``PR_SET_PDEATHSIG``), which works even while this process holds the GIL.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PDEATHSIG
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fscale-parent-watch", daemon=True).start()
 
 
 def cuda_device_count() -> int:

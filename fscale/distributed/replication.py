@@ -48,7 +48,7 @@ class _AllReduceStart(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, comm: Comm, op: str, work: Work) -> Tensor:
-        issue(comm, "all_reduce", x, x.numel(), extra=REDUCTIONS.index(op))
+        work.ticket = issue(comm, "all_reduce", x, x.numel(), extra=REDUCTIONS.index(op))
         if op == "mean":
             buffer = torch.div(x, comm.size).contiguous()
         else:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from fscale.distributed.comm import Comm, check_index, check_tensor, resolve_comm
 from fscale.distributed.debug import issue
 from fscale.distributed.mesh import Mesh
+from fscale.distributed.watchdog import wait
 
 __all__ = ["broadcast"]
 
@@ -36,9 +37,9 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, comm: Comm, src: int) -> Tensor:
-        issue(comm, "broadcast", x, x.numel(), extra=src)
+        ticket = issue(comm, "broadcast", x, x.numel(), extra=src)
         buffer = x.clone(memory_format=torch.contiguous_format)
-        dist.broadcast(buffer, group=comm.group, group_src=src)
+        wait(dist.broadcast(buffer, group=comm.group, group_src=src, async_op=True), ticket)
         return buffer
 
     @staticmethod
@@ -55,9 +56,12 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, comm: Comm, dst: int) -> Tensor:
-        issue(comm, "reduce", x, x.numel(), extra=dst)
+        ticket = issue(comm, "reduce", x, x.numel(), extra=dst)
         buffer = x.clone(memory_format=torch.contiguous_format)
-        dist.reduce(buffer, group=comm.group, group_dst=dst, op=dist.ReduceOp.SUM)
+        work = dist.reduce(
+            buffer, group=comm.group, group_dst=dst, op=dist.ReduceOp.SUM, async_op=True
+        )
+        wait(work, ticket)
         # Off `dst`, c10d leaves partial sums in the buffer; the reduce's value there is zero.
         return buffer if comm.index == dst else torch.zeros_like(buffer)
 

@@ -46,7 +46,8 @@ class _AllGatherStart(torch.autograd.Function):
 
     @staticmethod
     def forward(shard: Tensor, comm: Comm, op: str, work: Work) -> Tensor:
-        issue(comm, "all_gather", shard, shard.numel() * comm.size, REDUCTIONS.index(op))
+        numel = shard.numel() * comm.size
+        work.ticket = issue(comm, "all_gather", shard, numel, REDUCTIONS.index(op))
         gathered = shard.new_empty((comm.size, *shard.shape))
         work.work = all_gather_flat(
             gathered.view(-1), shard.reshape(-1), group=comm.group, async_op=True
@@ -68,7 +69,7 @@ class _ReduceScatterStart(torch.autograd.Function):
     @staticmethod
     def forward(stacked: Tensor, comm: Comm, op: str, work: Work) -> Tensor:
         # `op` is only checked here: a mean is divided out after the wait, on the shard.
-        issue(comm, "reduce_scatter", stacked, stacked.numel(), REDUCTIONS.index(op))
+        work.ticket = issue(comm, "reduce_scatter", stacked, stacked.numel(), REDUCTIONS.index(op))
         shard = stacked.new_empty(stacked.shape[1:])
         work.work = reduce_scatter_flat(
             shard.view(-1), stacked.reshape(-1), group=comm.group, async_op=True

@@ -9,15 +9,26 @@ Two ways in:
 - `init()` joins the process group that `torchrun` (or any launcher that sets ``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``) prepared. In a single
   process it does nothing, so the same program runs unchanged with and without a launcher.
+  `shutdown()` (or leaving ``with fs.init():``) leaves that group cleanly: every rank marks
+  itself finished, waits at a barrier for the others, then destroys the group, which avoids
+  the gloo teardown race that makes a rank abort at exit ("terminate called without an active
+  exception") when ranks exit at different moments.
 
 `rank()` and `world_size()` answer with or without a process group (0 and 1 without one).
+
+`launch` refuses what would silently go wrong: a call inside a job whose ranks already exist
+(under torchrun it would start N separate jobs per rank), a call from a main module without a
+file (``python -``; spawned ranks cannot re-import it) and a call made while a spawned rank
+imports the main module (no ``if __name__ == "__main__":`` guard). Its ranks exit when the
+launching process dies, even by SIGKILL.
 
 Failures are loud and fast. An exception on any rank is raised in the caller as `RankError`
 with the failing ranks' tracebacks, and the other ranks are terminated at once instead of
 sitting in a collective until the process-group timeout. A rank that does not finish within
 `timeout` is killed and reported by number. The process-group timeout itself is short
 (`DEFAULT_PG_TIMEOUT`, 60 s) because a collective that waits longer than that is almost
-always a desynchronised program, not a slow one.
+always a desynchronised program, not a slow one; fscale's own collectives compare the ranks'
+positions well before it (`fscale.distributed.watchdog`), so the error says which rank is where.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -44,7 +56,6 @@ from fscale.distributed.ranks import (
     check_world_size,
     cuda_device_count,
     error_reply,
-    gather_replies,
     join_group,
     make_task,
     new_store,
@@ -52,6 +63,8 @@ from fscale.distributed.ranks import (
     run_task,
     terminate,
 )
+from fscale.distributed.replies import gather_replies
+from fscale.distributed.watchdog import admit, mark_finished, wait
 
 __all__ = [
     "DEFAULT_PG_TIMEOUT",
@@ -61,6 +74,7 @@ __all__ = [
     "init",
     "launch",
     "rank",
+    "shutdown",
     "world_size",
 ]
 
@@ -73,11 +87,25 @@ _EXIT_GRACE_S = 5.0
 
 
 class RankInfo(NamedTuple):
-    """Where this process sits: its global rank, the number of ranks, its rank on this host."""
+    """Where this process sits: its global rank, the number of ranks, its rank on this host.
+
+    Returned by `init`; as a context manager (``with fs.init() as info:``) it calls `shutdown`
+    when the block ends.
+    """
 
     rank: int
     world_size: int
     local_rank: int
+
+    def __enter__(self) -> RankInfo:
+        return self
+
+    def __exit__(self, error_type: object, error: object, trace: object) -> None:
+        shutdown(barrier=error_type is None)
+
+
+# Whether `init` created the default group (so `shutdown` may destroy it).
+_JOINED = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +171,42 @@ def init(backend: str | None = None, timeout: float = DEFAULT_PG_TIMEOUT) -> Ran
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout),
     )
+    global _JOINED
+    _JOINED = True
     return RankInfo(global_rank, size, local_rank)
+
+
+def shutdown(barrier: bool = True) -> None:
+    """Leave the process group `init` joined: mark this rank finished, barrier, destroy.
+
+    Call it on every rank at the end of a program started by `torchrun` (or leave a
+    ``with fs.init():`` block). The barrier makes the ranks leave together, so none tears
+    the group down while a peer still talks to it. A group that `init` did not create (one
+    `launch` or a test pool made, or your own) is left as it is; without a group this does
+    nothing.
+
+    Args:
+        barrier: wait for every rank first. Pass False after an error, when the peers may
+            never arrive.
+    """
+    global _JOINED
+    if isinstance(barrier, bool) is False:
+        raise TypeError(f"shutdown: `barrier` must be a bool, got {barrier!r}")
+    if not (_JOINED and _group_is_initialized()):
+        return
+    try:
+        if barrier:
+            mark_finished()
+            # Counted and bounded like any collective: a peer that never comes is named.
+            size = dist.get_world_size()
+            ticket = admit(
+                dist.group.WORLD, lambda: tuple(range(size)), "world", "barrier",
+                torch.zeros(0), 0, False,
+            )  # fmt: skip
+            wait(dist.barrier(async_op=True), ticket)
+    finally:
+        _JOINED = False
+        dist.destroy_process_group()
 
 
 def launch(
@@ -188,6 +251,7 @@ def launch(
             the other ranks are terminated at once).
         RankTimeoutError: ranks were still running after `timeout` seconds (they are named).
     """
+    _check_launch_context()
     task = make_task(fn, args, {}, caller="launch")
     check_world_size(world_size, "launch")
     check_seconds("timeout", timeout, "launch")
@@ -209,9 +273,9 @@ def launch(
                 # Not a daemon, so that `fn` may start processes of its own (DataLoader workers).
                 daemon=False,
             )
-            processes.append(process)
             connections.append(receiver)
             process.start()
+            processes.append(process)
             sender.close()  # the parent keeps only the reading end, so EOF means the rank died
         replies = gather_replies(connections, processes, deadline)
         if replies.complete:
@@ -237,11 +301,46 @@ def _launched_rank_main(
     except BaseException:
         sender.send_bytes(error_reply())
         return
-    succeeded, reply = run_task(task)
-    sender.send_bytes(reply)
-    if succeeded:
+    succeeded = run_task(task, sender)
+    if succeeded and _group_is_initialized():
         # After a failure the group may be wedged; the caller terminates this process instead.
         dist.destroy_process_group()
+
+
+def _check_launch_context() -> None:
+    """Refuse a `launch` that cannot work, or would silently run N separate jobs."""
+    main = sys.modules.get("__main__")
+    # A spawned child first runs the parent's main module as "__mp_main__"; only once that is
+    # done does the name refer to its __main__.
+    importing = sys.modules.get("__mp_main__")
+    if importing is not None and importing is not main:
+        raise RuntimeError(
+            "launch: called while a spawned rank was importing the main module. Spawned ranks "
+            "import the main module again, so a launch call at module level runs in every "
+            'rank; put it under `if __name__ == "__main__":`.'
+        )
+    if _group_is_initialized() or _env_int("WORLD_SIZE", 1) > 1:
+        where = (
+            f"rank {rank()} of {world_size()}"
+            if _group_is_initialized()
+            else (f"RANK={os.environ.get('RANK')} of WORLD_SIZE={os.environ.get('WORLD_SIZE')}")
+        )
+        raise RuntimeError(
+            f"launch: this process is already one of several ranks ({where}; torchrun or "
+            "another launcher started it), so launch would start a separate job on every "
+            "rank. Under torchrun call your function directly inside `with fs.init():`; "
+            "use fs.launch only from a plain `python script.py`."
+        )
+    main_file = getattr(main, "__file__", None)
+    main_spec = getattr(main, "__spec__", None)
+    # An interactive session has no __file__ and spawns fine; `python -` has "<stdin>".
+    if main_spec is None and main_file is not None and not os.path.isfile(main_file):
+        raise RuntimeError(
+            f"launch: the main module has no file ({main_file}, e.g. "
+            "`python -` or code piped to python), and spawned ranks start by importing it. "
+            "Save the program as a file and run `python train.py`, or run it under torchrun "
+            "with fs.init()."
+        )
 
 
 def _join(processes: Sequence[multiprocessing.process.BaseProcess], timeout: float) -> None:

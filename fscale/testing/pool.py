@@ -88,13 +88,13 @@ from fscale.distributed.ranks import (
     check_seconds,
     check_world_size,
     error_reply,
-    gather_replies,
     join_group,
     make_task,
     new_store,
     run_task,
     terminate,
 )
+from fscale.distributed.replies import gather_replies
 from fscale.distributed.spawn import DEFAULT_PG_TIMEOUT
 
 if TYPE_CHECKING:
@@ -378,8 +378,7 @@ def _pool_rank_main(setup: RankSetup, connection: multiprocessing.connection.Con
             return  # the pool's process is gone: nobody is left to serve
         task: Task = pickle.loads(message)
         _reset_rank_state()
-        _, reply = run_task(task)
-        connection.send_bytes(reply)
+        run_task(task, connection)
 
 
 def _reset_rank_state() -> None:
