@@ -5,6 +5,8 @@ styles; `gpt_plan` and `llama_plan` are the shipped plans; `vocab_parallel_cross
 the loss over vocab-split logits.
 """
 
+from fscale.parallel.tensor.apply import SPLITS_ATTR as SPLITS_ATTR
+from fscale.parallel.tensor.apply import shard_like as shard_like
 from fscale.parallel.tensor.apply import shard_tensor as shard_tensor
 from fscale.parallel.tensor.apply import tensor_parallel as tensor_parallel
 from fscale.parallel.tensor.dropout import TensorParallelDropout as TensorParallelDropout

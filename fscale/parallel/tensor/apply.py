@@ -35,7 +35,14 @@ from fscale.distributed.mesh import Mesh
 from fscale.parallel.tensor.layers import TensorAxis
 from fscale.parallel.tensor.styles import Input, Split, Style, style_of
 
-__all__ = ["shard_tensor", "tensor_parallel"]
+__all__ = ["AXIS_ATTR", "SPLITS_ATTR", "shard_like", "shard_tensor", "tensor_parallel"]
+
+SPLITS_ATTR = "tensor_parallel_splits"
+"""The attribute of a `tensor_parallel` result mapping each parameter name to its `Split` (None:
+whole), under every name a tied parameter has."""
+
+AXIS_ATTR = "tensor_parallel_axis"
+"""The attribute of a `tensor_parallel` result holding its `TensorAxis`."""
 
 Plan = Mapping[str, Any]
 
@@ -97,7 +104,7 @@ def tensor_parallel(
     result = copy.deepcopy(module)
     shards: dict[tuple[int, Split], nn.Parameter] = {}
 
-    def shard(param: nn.Parameter, split: Split) -> nn.Parameter:
+    def shard(param: torch.Tensor, split: Split) -> nn.Parameter:
         cache_key = (id(param), split)
         if cache_key not in shards:
             data = shard_tensor(param.detach(), split, tp.size, tp.index)
@@ -112,7 +119,33 @@ def tensor_parallel(
             target = style.apply(target, tp, shard, inside_region=inside)
         if target is not result.get_submodule(name):
             _replace(result, name, target)
+    setattr(result, SPLITS_ATTR, _param_splits(module, module_styles))
+    setattr(result, AXIS_ATTR, tp)
     return result
+
+
+def shard_like(values: Mapping[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's part of each dense tensor in `values`, split as `module` holds its parameter.
+
+    For a dense state (parameters, gradients, optimizer moments keyed by parameter name) and a
+    `tensor_parallel` result: the tensors this rank's model holds or computes.
+
+    Args:
+        values: parameter name -> dense tensor (names that are not parameters are kept whole).
+        module: a module returned by `tensor_parallel`.
+
+    Raises:
+        TypeError: `module` was not made by `tensor_parallel`.
+    """
+    splits = getattr(module, SPLITS_ATTR, None)
+    tp = getattr(module, AXIS_ATTR, None)
+    if not isinstance(splits, dict) or not isinstance(tp, TensorAxis):
+        raise TypeError("shard_like: `module` must be a module returned by tensor_parallel")
+    out = {}
+    for name, value in values.items():
+        split = splits.get(name)
+        out[name] = value if split is None else shard_tensor(value, split, tp.size, tp.index)
+    return out
 
 
 def shard_tensor(dense: torch.Tensor, split: Split, size: int, index: int) -> torch.Tensor:
@@ -120,7 +153,9 @@ def shard_tensor(dense: torch.Tensor, split: Split, size: int, index: int) -> to
     blocks (concatenated), as a new contiguous tensor."""
     blocks = dense.unflatten(split.dim, (split.parts, -1))
     chunk = blocks.shape[split.dim + 1] // size
-    return blocks.narrow(split.dim + 1, index * chunk, chunk).flatten(split.dim, split.dim + 1).clone()
+    return (
+        blocks.narrow(split.dim + 1, index * chunk, chunk).flatten(split.dim, split.dim + 1).clone()
+    )
 
 
 def _enters(style: Style) -> bool:
@@ -156,7 +191,10 @@ def _match(module: nn.Module, plan: dict[str, tuple[Style, ...]]) -> dict[str, t
     return matched
 
 
-def _check_tied_splits(module: nn.Module, module_styles: dict[str, tuple[Style, ...]]) -> None:
+def _uses(
+    module: nn.Module, module_styles: dict[str, tuple[Style, ...]]
+) -> dict[int, list[tuple[str, Split | None]]]:
+    """Each parameter (by id) -> every name it has, with the split the plan gives it there."""
     uses: dict[int, list[tuple[str, Split | None]]] = {}
     for module_name, submodule in module.named_modules(remove_duplicate=False):
         splits: dict[str, Split | None] = {}
@@ -165,7 +203,17 @@ def _check_tied_splits(module: nn.Module, module_styles: dict[str, tuple[Style, 
         for param_name, param in submodule.named_parameters(recurse=False):
             full_name = f"{module_name}.{param_name}" if module_name else param_name
             uses.setdefault(id(param), []).append((full_name, splits.get(param_name)))
-    for named in uses.values():
+    return uses
+
+
+def _param_splits(
+    module: nn.Module, module_styles: dict[str, tuple[Style, ...]]
+) -> dict[str, Split | None]:
+    return {name: split for named in _uses(module, module_styles).values() for name, split in named}
+
+
+def _check_tied_splits(module: nn.Module, module_styles: dict[str, tuple[Style, ...]]) -> None:
+    for named in _uses(module, module_styles).values():
         if len({split for _, split in named}) > 1:
             described = "; ".join(
                 f"`{name}` {'whole' if split is None else f'split along dim {split.dim}'}"

@@ -4,11 +4,11 @@ Each layer holds this rank's contiguous shard of the dense layer's parameters un
 names (``weight``, ``bias``), so a model keeps its parameter names after `tensor_parallel`, and
 places the collectives of the region around its computation (``N`` ranks on the axis)::
 
-    layer                  parameters (this rank r)          forward                backward
-    ---------------------  --------------------------------  ---------------------  -------------------
-    ColumnParallelLinear   weight rows r, bias entries r     f(x) @ W_r^T + b_r     f: all-reduce dx
-    RowParallelLinear      weight columns r, the whole bias  g(x_r @ W_r^T) + b     g: identity
-    VocabParallelEmbedding rows r (token ids r*V/N ...)      g(lookup, 0 outside)   g: identity
+    layer                  parameters (this rank r)          forward               backward
+    ---------------------  --------------------------------  --------------------  ------------
+    ColumnParallelLinear   weight rows r, bias entries r     f(x) @ W_r^T + b_r    f: all-reduce
+    RowParallelLinear      weight columns r, the whole bias  g(x_r @ W_r^T) + b    g: identity
+    VocabParallelEmbedding rows r (token ids r*V/N ...)      g(lookup, 0 outside)  g: identity
 
 ``f`` is `fscale.distributed.replicate` and ``g`` `fscale.distributed.all_reduce` (op "sum"),
 so the activations entering and leaving the region are replicated and every rank's loss is the

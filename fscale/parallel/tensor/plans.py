@@ -28,7 +28,9 @@ from fscale.parallel.tensor.styles import Colwise, Heads, Input, Output, Rowwise
 __all__ = ["gpt_plan", "llama_plan"]
 
 
-def gpt_plan(*, sequence_parallel: bool = False, vocab_parallel_loss: bool = False) -> dict[str, Any]:
+def gpt_plan(
+    *, sequence_parallel: bool = False, vocab_parallel_loss: bool = False
+) -> dict[str, Any]:
     """The plan of `fscale.models.GPT` (its fused q/k/v projection split head by head).
 
     Args:

@@ -75,7 +75,7 @@ class Split(NamedTuple):
     parts: int = 1
 
 
-Shard = Callable[[nn.Parameter, Split], nn.Parameter]
+Shard = Callable[[torch.Tensor, Split], nn.Parameter]
 """``shard(dense_param, split) -> this rank's Parameter`` (the same object for tied weights)."""
 
 
@@ -409,14 +409,17 @@ def _replicated_class(cls: type) -> type:
     if cls.__name__.startswith("SequenceParallel"):
         return cls
     if cls not in _REPLICATED_CLASSES:
+        dense_getattr = cls.__getattr__
 
-        def __getattr__(self: nn.Module, name: str) -> Any:
-            value = super(subclass, self).__getattr__(name)
+        def replicated_getattr(self: nn.Module, name: str) -> Any:
+            value = dense_getattr(self, name)
             if isinstance(value, torch.Tensor) and name in self._parameters:
                 tp: TensorAxis = self.__dict__["_tensor_axis"]
                 return replicate(value, tp.axis, "sum", mesh=tp.mesh)
             return value
 
-        subclass = type(f"SequenceParallel{cls.__name__}", (cls,), {"__getattr__": __getattr__})
+        subclass = type(
+            f"SequenceParallel{cls.__name__}", (cls,), {"__getattr__": replicated_getattr}
+        )
         _REPLICATED_CLASSES[cls] = subclass
     return _REPLICATED_CLASSES[cls]
