@@ -250,8 +250,7 @@ class Sequence(Style):
         if isinstance(module, nn.Dropout):
             return TensorParallelDropout(module.p, tp)
         if any(True for _ in module.parameters(recurse=False)):
-            module.__dict__["_tensor_axis"] = tp
-            module.__class__ = _replicated_class(type(module))
+            _use_params_replicated(module, tp)
         return module
 
 
@@ -401,25 +400,24 @@ def style_of(value: Any, pattern: str) -> tuple[Style, ...]:
     return tuple(styles)
 
 
-_REPLICATED_CLASSES: dict[type, type] = {}
+def _use_params_replicated(module: nn.Module, tp: TensorAxis) -> None:
+    """For the duration of each call, `module`'s own parameters are read through ``replicate``.
 
+    The parameters are swapped in the module's parameter table (where ``functional_call`` puts
+    the call's tensors too) and put back after the call, also when it raises.
+    """
+    originals: list[dict[str, Any]] = []
 
-def _replicated_class(cls: type) -> type:
-    """`cls` with each of its own parameters read through ``replicate`` over the module's axis."""
-    if cls.__name__.startswith("SequenceParallel"):
-        return cls
-    if cls not in _REPLICATED_CLASSES:
-        dense_getattr = cls.__getattr__
+    def wrap(mod: nn.Module, args: tuple[Any, ...]) -> None:
+        table = mod._parameters
+        originals.append(dict(table))
+        for name, value in table.items():
+            if value is not None:
+                table[name] = replicate(value, tp.axis, "sum", mesh=tp.mesh)  # pyright: ignore[reportArgumentType]
 
-        def replicated_getattr(self: nn.Module, name: str) -> Any:
-            value = dense_getattr(self, name)
-            if isinstance(value, torch.Tensor) and name in self._parameters:
-                tp: TensorAxis = self.__dict__["_tensor_axis"]
-                return replicate(value, tp.axis, "sum", mesh=tp.mesh)
-            return value
+    def restore(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if originals:
+            mod._parameters.update(originals.pop())
 
-        subclass = type(
-            f"SequenceParallel{cls.__name__}", (cls,), {"__getattr__": replicated_getattr}
-        )
-        _REPLICATED_CLASSES[cls] = subclass
-    return _REPLICATED_CLASSES[cls]
+    module.register_forward_pre_hook(wrap)
+    module.register_forward_hook(restore, always_call=True)
