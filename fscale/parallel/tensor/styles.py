@@ -22,9 +22,9 @@ Three more styles prepare a module that is not itself split: `Heads` divides a h
 attribute (an attention whose column-parallel projection holds 1/N of the heads), `Input`
 transforms a module's input as it enters a region (``f`` once for all the column-parallel
 layers that read it, or the all-gather of sequence shards) and `Output` its output (the split
-of a replicated activation into sequence shards). A column-parallel layer whose ``input`` is
-left None reads its input as it is when an ancestor's `Input` has entered the region, and
-through ``f`` otherwise.
+of a replicated activation into sequence shards, or their gather for a replicated consumer).
+A column-parallel layer whose ``input`` is left None reads its input as it is when an
+ancestor's `Input` has entered the region, and through ``f`` otherwise.
 
 Each style states how it splits each of its module's parameters (`Split`), so that a weight tied
 between two modules is checked to be split the same way by both.
@@ -50,6 +50,7 @@ from fscale.parallel.tensor.layers import (
     VocabParallelEmbedding,
     enter_region,
 )
+from fscale.parallel.tensor.regions import gather_replicated
 
 __all__ = [
     "STYLE_NAMES",
@@ -353,12 +354,13 @@ class Input(Style):
 @dataclasses.dataclass(frozen=True)
 class Output(Style):
     """Transform the module's (tensor) output: "split" a replicated activation into this rank's
-    sequence shard, or gather sequence shards back ("sequence")."""
+    sequence shard, or "gather" sequence shards into the full activation for a replicated
+    consumer (`gather_replicated`: the backward keeps this rank's slice)."""
 
     how: str = "split"
 
     def __post_init__(self) -> None:
-        _choice(self.how, ("split", "sequence"), "how", "Output")
+        _choice(self.how, ("split", "gather"), "how", "Output")
 
     def apply(
         self, module: nn.Module, tp: TensorAxis, shard: Shard, *, inside_region: bool
@@ -366,7 +368,9 @@ class Output(Style):
         how = self.how
 
         def finish(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-            return enter_region(output, how, tp)
+            if how == "gather":
+                return gather_replicated(output, tp.axis, tp.sequence_dim, mesh=tp.mesh)
+            return enter_region(output, "split", tp)
 
         module.register_forward_hook(finish)
         return module
