@@ -321,3 +321,25 @@ def test_a_one_rank_axis_keeps_the_dense_model():
     assert_trees_close(model(tokens), dense(tokens), rtol=1e-6, atol=1e-6)
     assert model.lm_head.weight is model.embed.token.weight
     assert dense.blocks[0].attn.n_heads == 4  # the dense model is left as it was
+
+
+def _sequence_round_trip():
+    mesh = _mesh()
+    torch.manual_seed(5)
+    dense = nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 2)).double()
+    with torch.no_grad():
+        dense[0].weight.uniform_(0.5, 1.5)
+    plan = {"0": (tpl.Input("split"), "sequence", tpl.Output("gather"))}
+    model = tpl.tensor_parallel(dense, mesh, "tp", plan)
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    (dense(x) ** 2).sum().backward()
+    out = model(x)
+    (out**2).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return out.detach(), dense(x).detach(), grads, {n: p.grad for n, p in dense.named_parameters()}
+
+
+def test_a_sequence_sharded_norm_between_split_and_gather_equals_the_dense_norm():
+    for out, dense_out, grads, expected in run_spmd(_sequence_round_trip, 2):
+        assert_trees_close(out, dense_out, **F64)
+        assert_trees_close(grads, expected, **F64)
