@@ -76,7 +76,7 @@ def tensor_parallel(
 
     Example::
 
-        tp_model = tensor_parallel(model, mesh, "tp", gpt_plan(model.cfg))
+        tp_model = tensor_parallel(model, mesh, "tp", gpt_plan())
         apply, params, buffers = fscale.functionalize(tp_model)
     """
     if not isinstance(module, nn.Module):
