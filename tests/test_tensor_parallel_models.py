@@ -153,6 +153,27 @@ def test_sequence_parallel_dropout_differs_per_rank_and_follows_the_key():
     assert not torch.equal(a_first.nan_to_num(), b_first.nan_to_num())
 
 
+def _grad_modes(sequence_parallel, vocab_parallel):
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=1, dropout=0.1)
+    mesh = fs.Mesh(tp=dist.get_world_size())
+    plan = tpl.gpt_plan(sequence_parallel=sequence_parallel, vocab_parallel_loss=vocab_parallel)
+    apply, params, buffers = fs.functionalize(
+        tpl.tensor_parallel(GPT(cfg, seed=3), mesh, "tp", plan)
+    )
+    grads = []
+    for mode in ("autograd", "func"):
+        loss_fn = _loss_fn(apply, mesh, vocab_parallel)
+        step = fs.train_step(loss_fn, _sgd(), grad_mode=mode)
+        grads.append(step.gradients(step.init(params, buffers), _batches(32, 8, steps=1)[0])[0])
+    return grads
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_torch_func_gradients_equal_autograd_gradients(sequence_parallel):
+    for autograd_grads, func_grads in run_spmd(_grad_modes, 2, sequence_parallel, True):
+        assert_trees_close(func_grads, autograd_grads, rtol=1e-6, atol=1e-7)
+
+
 # ----------------------------------------------------------------------------- HF Llama
 
 
