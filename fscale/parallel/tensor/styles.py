@@ -408,16 +408,27 @@ def _use_params_replicated(module: nn.Module, tp: TensorAxis) -> None:
     """For the duration of each call, `module`'s own parameters are read through ``replicate``.
 
     The parameters are swapped in the module's parameter table (where ``functional_call`` puts
-    the call's tensors too) and put back after the call, also when it raises.
+    the call's tensors too) and put back after the call, also when it raises. Those of one
+    dtype go through one ``replicate`` of their concatenation, so their gradients are summed
+    by one all-reduce (a norm's weight and bias together).
     """
     originals: list[dict[str, Any]] = []
 
     def wrap(mod: nn.Module, args: tuple[Any, ...]) -> None:
         table = mod._parameters
         originals.append(dict(table))
+        by_dtype: dict[torch.dtype, list[str]] = {}
         for name, value in table.items():
             if value is not None:
-                table[name] = replicate(value, tp.axis, "sum", mesh=tp.mesh)  # pyright: ignore[reportArgumentType]
+                by_dtype.setdefault(value.dtype, []).append(name)
+        for names in by_dtype.values():
+            values = [table[name] for name in names]
+            flat = torch.cat([value.reshape(-1) for value in values])  # pyright: ignore[reportOptionalMemberAccess]
+            pieces = replicate(flat, tp.axis, "sum", mesh=tp.mesh).split(
+                [value.numel() for value in values]  # pyright: ignore[reportOptionalMemberAccess]
+            )
+            for name, value, piece in zip(names, values, pieces):
+                table[name] = piece.view_as(value)  # pyright: ignore[reportArgumentType]
 
     def restore(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if originals:
