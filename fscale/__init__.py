@@ -32,6 +32,8 @@ from fscale.parallel import fully_shard as fully_shard
 from fscale.parallel import moe_dispatch as moe_dispatch
 from fscale.parallel import shard_optimizer as shard_optimizer
 from fscale.parallel import shard_state as shard_state
+from fscale.parallel import tensor_parallel as tensor_parallel
+from fscale.parallel import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from fscale.plan import Context as Context
 from fscale.plan import GradAux as GradAux
 from fscale.plan import Plan as Plan

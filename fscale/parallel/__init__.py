@@ -1,12 +1,15 @@
 """Parallel strategies as Step transformations: data parallel (DDP), ZeRO-1/2, fully sharded,
 gradient accumulation. Each wraps the step's plan in a layer, so they compose in any order
-that makes sense (see `fscale.plan` and `fscale.parallel.layers`).
+that makes sense (see `fscale.plan` and `fscale.parallel.layers`). Megatron tensor parallelism
+(`tensor_parallel`, `fscale.parallel.tensor`) transforms the module instead, and any of the
+Step transformations trains its result over another axis.
 
 `consolidate(step, state)` turns a sharded TrainState into the full one a single-process step
 takes, and `shard_state(step, full_state)` shards a full state for any world size; both work for
 every plan.
 """
 
+from fscale.parallel import tensor as tensor
 from fscale.parallel.accumulate import AccumulatePlan as AccumulatePlan
 from fscale.parallel.accumulate import accumulate as accumulate
 from fscale.parallel.ddp import DataParallelPlan as DataParallelPlan
@@ -21,6 +24,10 @@ from fscale.parallel.moe import moe_dispatch as moe_dispatch
 from fscale.parallel.reduce import BucketInfo as BucketInfo
 from fscale.parallel.state import consolidate as consolidate
 from fscale.parallel.state import shard_state as shard_state
+from fscale.parallel.tensor import gpt_plan as gpt_plan
+from fscale.parallel.tensor import llama_plan as llama_plan
+from fscale.parallel.tensor import tensor_parallel as tensor_parallel
+from fscale.parallel.tensor import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from fscale.parallel.zero import ShardedOptimizerPlan as ShardedOptimizerPlan
 from fscale.parallel.zero import ShardedOptState as ShardedOptState
 from fscale.parallel.zero import shard_optimizer as shard_optimizer
@@ -40,7 +47,12 @@ __all__ = [
     "data_parallel",
     "expert_parallel",
     "fully_shard",
+    "gpt_plan",
+    "llama_plan",
     "moe_dispatch",
     "shard_optimizer",
     "shard_state",
+    "tensor",
+    "tensor_parallel",
+    "vocab_parallel_cross_entropy",
 ]
