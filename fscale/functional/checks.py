@@ -27,7 +27,14 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-__all__ = ["ParamCheck", "refuse_torch_checkpointing"]
+__all__ = ["APPLY_SHAPE_ATTR", "ParamCheck", "refuse_torch_checkpointing"]
+
+APPLY_SHAPE_ATTR = "fscale_apply_shape"
+"""A parameter attribute: the shape `apply` is given for it when that is not the module's own.
+
+A layer whose parameter is handed to the forward as this rank's slice (an expert-parallel MoE
+layer holds all E experts at construction, so every rank builds the same model, but its forward
+runs on the E/ep of this rank) sets it, and the check expects that shape instead."""
 
 
 class ParamCheck:
@@ -40,7 +47,7 @@ class ParamCheck:
     def __init__(self, expected: Iterable[tuple[str, torch.Tensor]]) -> None:
         expected = list(expected)
         self.names = tuple(name for name, _ in expected)
-        self.shapes = [t.shape for _, t in expected]
+        self.shapes = [torch.Size(getattr(t, APPLY_SHAPE_ATTR, t.shape)) for _, t in expected]
         self.dtypes = [t.dtype for _, t in expected]
 
     def check(self, params: Mapping[str, torch.Tensor]) -> None:

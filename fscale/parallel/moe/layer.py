@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fscale.distributed.mesh import Mesh
+from fscale.functional.checks import APPLY_SHAPE_ATTR
 from fscale.parallel.moe.dispatch import MoEDispatch, moe_dispatch
 
 __all__ = ["MoE", "expert_mlp"]
@@ -76,6 +77,10 @@ class MoE(nn.Module):
                 "b_out": nn.Parameter(torch.zeros(num_experts, d_model)),
             }
         )
+        ranks = 1 if mesh is None else mesh.size(axis)
+        if ranks > 1:  # the forward gets this rank's E/ep experts (see `expert_parallel`)
+            for leaf in self.experts.values():
+                setattr(leaf, APPLY_SHAPE_ATTR, (num_experts // ranks, *leaf.shape[1:]))
         nn.init.normal_(self.gate["weight"], 0.0, 0.02)
         nn.init.normal_(self.experts["w_in"], 0.0, 0.02)
         nn.init.normal_(self.experts["w_out"], 0.0, residual_std)
