@@ -36,6 +36,12 @@ from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step
 from fscale.train import value_and_grad as value_and_grad
+from fscale import ckpt as ckpt
+from fscale.ckpt import CheckpointError as CheckpointError
+from fscale.ckpt import latest as latest
+from fscale.ckpt import load as load
+from fscale.ckpt import save as save
+from fscale.ckpt import wait_saves as wait_saves
 
 __version__ = "0.1.0"
 
