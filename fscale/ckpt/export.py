@@ -25,6 +25,7 @@ from fscale.ckpt import directory as dirs
 from fscale.ckpt.manifest import CheckpointError, Manifest, dtype_of, read_manifest
 from fscale.ckpt.pieces import Piece
 from fscale.ckpt.planner import PieceLoadPlanner, numel_of
+from fscale.ckpt.save import FAILURES
 
 __all__ = ["bytes_per_rank", "describe", "export", "read_leaves"]
 
@@ -61,7 +62,7 @@ def read_leaves(
                 planner=PieceLoadPlanner(pieces),
                 no_dist=True,
             )
-        except Exception as error:
+        except FAILURES as error:
             raise CheckpointError(
                 f"the checkpoint {str(directory)!r} could not be read (truncated or damaged "
                 f"files?): {error}"

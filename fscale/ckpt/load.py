@@ -18,7 +18,7 @@ from fscale.ckpt import directory as dirs
 from fscale.ckpt.manifest import CheckpointError, check_matches, read_manifest
 from fscale.ckpt.pieces import pieces_into
 from fscale.ckpt.planner import PieceLoadPlanner
-from fscale.ckpt.save import agree, checkpoint_group, wait_saves
+from fscale.ckpt.save import FAILURES, agree, checkpoint_group, wait_saves
 from fscale.plan import TrainState
 from fscale.train import Step
 
@@ -69,7 +69,7 @@ def load(path: str | os.PathLike[str], like: TrainState, *, step: Step) -> Train
             process_group=group,
             no_dist=group is None,
         )
-    except Exception as failure:  # reported on every rank below
+    except FAILURES as failure:  # reported on every rank below
         error = f"{type(failure).__name__}: {failure}"
     _agree_read(error, group, directory)
     return assemble()

@@ -159,10 +159,14 @@ def check_matches(manifest: Manifest, pieces: Sequence[Piece], where: str) -> No
     """
     wanted = {p.key: (tuple(p.shape), dtype_name(p.dtype)) for p in pieces}
     saved = manifest.leaves
-    lines = [f"  - {key}: missing from the checkpoint" for key in sorted(wanted.keys() - saved)]
-    lines += [f"  + {key}: only in the checkpoint" for key in sorted(saved.keys() - wanted)]
-    for key in sorted(wanted.keys() & saved.keys()):
-        if wanted[key] != saved[key]:
+    lines = []
+    # The model's leaves first: an optimizer state differs wherever its parameters do.
+    for key in sorted(wanted.keys() | saved.keys(), key=lambda k: (k.startswith("opt_state"), k)):
+        if key not in saved:
+            lines.append(f"  - {key}: missing from the checkpoint")
+        elif key not in wanted:
+            lines.append(f"  + {key}: only in the checkpoint")
+        elif wanted[key] != saved[key]:
             (shape, dtype), (saved_shape, saved_dtype) = wanted[key], saved[key]
             lines.append(
                 f"  ~ {key}: checkpoint {list(saved_shape)} {saved_dtype}, "

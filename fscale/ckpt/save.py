@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fscale.ckpt import directory as dirs
 from fscale.ckpt.manifest import CheckpointError, Manifest, model_entry, write_manifest
@@ -39,7 +40,7 @@ from fscale.ckpt.planner import PieceSavePlanner
 from fscale.plan import TrainState
 from fscale.train import Step
 
-__all__ = ["checkpoint_group", "distributed", "save", "wait_saves"]
+__all__ = ["FAILURES", "agree", "checkpoint_group", "distributed", "save", "wait_saves"]
 
 # Long enough for a large write on a slow disk; a killed peer is noticed at once regardless
 # (its sockets close).
@@ -47,6 +48,9 @@ _GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 _groups: dict[int, Any] = {}
 _pending: list[Future] = []
 _pending_lock = threading.Lock()
+# What a failed save raises: DCP reports the ranks' errors as a CheckpointException, which is a
+# BaseException.
+FAILURES = (Exception, CheckpointException)
 _committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fscale-ckpt-commit")
 
 
@@ -195,7 +199,7 @@ def _write(values: dict[str, torch.Tensor], writer: Any, planner: Any, group: An
     try:
         dcp.save(values, storage_writer=writer, planner=planner, process_group=group,
                  no_dist=group is None)
-    except Exception as error:  # DCP raised it on every rank
+    except FAILURES as error:  # DCP raised it on every rank
         raise CheckpointError(f"save: writing the pieces failed: {error}") from error
 
 
@@ -230,7 +234,7 @@ def _attempt(action: Any) -> str | None:
     """Run `action`; its error as a message for the agreement, or None."""
     try:
         action()
-    except Exception as error:  # every rank is told, and raises
+    except FAILURES as error:  # every rank is told, and raises
         return f"{type(error).__name__}: {error}"
     return None
 
