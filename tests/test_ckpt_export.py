@@ -87,7 +87,9 @@ def test_a_hugging_face_model_reloads_with_from_pretrained(tmp_path):
 
     step = fs.train_step(loss_fn, fs.optim.adamw(1e-2))
     state = step.init(params, buffers)
-    state, _ = step(state, torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1)))
+    state, _ = step(
+        state, torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    )
     fs.save(tmp_path / "ckpt", state, step=step, model=apply)
     export = tmp_path / "hf"
     assert main(["consolidate", str(tmp_path / "ckpt"), str(export / "model.safetensors")]) == 0

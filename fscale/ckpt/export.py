@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import os
 import re
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from fscale.ckpt import directory as dirs
 from fscale.ckpt.manifest import CheckpointError, Manifest, dtype_of, read_manifest
 from fscale.ckpt.pieces import Piece
 from fscale.ckpt.planner import PieceLoadPlanner, numel_of
-from fscale.ckpt.save import FAILURES
+from fscale.ckpt.save import FAILURES, single_process_quiet
 
 __all__ = ["bytes_per_rank", "describe", "export", "read_leaves"]
 
@@ -53,8 +52,7 @@ def read_leaves(
         values = torch.zeros(numel_of(shape), dtype=dtype_of(dtype))
         pieces.append(Piece(key, shape, values.dtype, 0, values))
     state_dict = {p.key: p.values for p in pieces if p.values.numel()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process")
+    with single_process_quiet():
         try:
             dcp.load(
                 state_dict,
@@ -139,4 +137,3 @@ def describe(path: str | os.PathLike[str], *, leaves: bool = True) -> str:
 
 def _size(n: int) -> str:
     return f"{n} B" if n < 1024 else f"{n / 1024:.1f} KiB" if n < 2**20 else f"{n / 2**20:.2f} MiB"
-

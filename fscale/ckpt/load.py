@@ -18,7 +18,13 @@ from fscale.ckpt import directory as dirs
 from fscale.ckpt.manifest import CheckpointError, check_matches, read_manifest
 from fscale.ckpt.pieces import pieces_into
 from fscale.ckpt.planner import PieceLoadPlanner
-from fscale.ckpt.save import FAILURES, agree, checkpoint_group, wait_saves
+from fscale.ckpt.save import (
+    FAILURES,
+    agree,
+    checkpoint_group,
+    single_process_quiet,
+    wait_saves,
+)
 from fscale.plan import TrainState
 from fscale.train import Step
 
@@ -62,13 +68,14 @@ def load(path: str | os.PathLike[str], like: TrainState, *, step: Step) -> Train
     values = {p.key: p.values for p in pieces if p.values.numel()}
     error = None
     try:
-        dcp.load(
-            values,
-            storage_reader=FileSystemReader(directory),
-            planner=planner,
-            process_group=group,
-            no_dist=group is None,
-        )
+        with single_process_quiet():
+            dcp.load(
+                values,
+                storage_reader=FileSystemReader(directory),
+                planner=planner,
+                process_group=group,
+                no_dist=group is None,
+            )
     except FAILURES as failure:  # reported on every rank below
         error = f"{type(failure).__name__}: {failure}"
     _agree_read(error, group, directory)

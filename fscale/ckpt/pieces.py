@@ -105,9 +105,7 @@ def pieces_of(step: Step, state: TrainState) -> tuple[str, list[Piece]]:
     return kind, _sharded_pieces(kind, plan, step, state)
 
 
-def pieces_into(
-    step: Step, like: TrainState
-) -> tuple[str, list[Piece], Callable[[], TrainState]]:
+def pieces_into(step: Step, like: TrainState) -> tuple[str, list[Piece], Callable[[], TrainState]]:
     """Fresh tensors laid out as `like`, their pieces, and the state assembled from them.
 
     Fill the pieces' values (a load does), then call the third item: it returns the state
@@ -120,7 +118,7 @@ def pieces_into(
     fresh = _fresh(like)
     if kind == FULL:
         return kind, _whole(fresh), lambda: fresh
-    plan = step.plan.find(kind)
+    plan: Any = step.plan.find(kind)
     assert plan is not None
     pieces = _sharded_pieces(kind, plan, step, fresh)
     if kind == "shard_optimizer":
@@ -150,8 +148,13 @@ def _sharded_pieces(kind: str, plan: Any, step: Step, state: TrainState) -> list
         fragments = layout.fragments(rank)
         views = layout.fragment_views(state.params, rank)
         params = [
-            Piece(f"params/{name}", tuple(fragments[name].shape), views[name].dtype,
-                  fragments[name].start, views[name])
+            Piece(
+                f"params/{name}",
+                tuple(fragments[name].shape),
+                views[name].dtype,
+                fragments[name].start,
+                views[name],
+            )
             for name in sorted(layout.param_order)
         ]
         state_map = fsdp_state_map(plan, step, state.params)
@@ -244,8 +247,10 @@ def _fresh(state: TrainState) -> TrainState:
     """A copy of `state` that shares no memory with it (contiguous, so flat views write through)."""
 
     def copy(leaf: Any) -> Any:
-        return leaf.detach().clone(memory_format=torch.contiguous_format) if isinstance(
-            leaf, torch.Tensor
-        ) else leaf
+        return (
+            leaf.detach().clone(memory_format=torch.contiguous_format)
+            if isinstance(leaf, torch.Tensor)
+            else leaf
+        )
 
     return tree.map(copy, state)

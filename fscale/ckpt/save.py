@@ -20,9 +20,13 @@ time: a save first waits for the previous one; `wait_saves` waits for all.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import threading
+import warnings
+from collections.abc import Iterator
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -35,12 +39,20 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fscale.ckpt import directory as dirs
 from fscale.ckpt.manifest import CheckpointError, Manifest, model_entry, write_manifest
-from fscale.ckpt.pieces import Piece, pieces_of
+from fscale.ckpt.pieces import pieces_of
 from fscale.ckpt.planner import PieceSavePlanner
 from fscale.plan import TrainState
 from fscale.train import Step
 
-__all__ = ["FAILURES", "agree", "checkpoint_group", "distributed", "save", "wait_saves"]
+__all__ = [
+    "FAILURES",
+    "agree",
+    "checkpoint_group",
+    "distributed",
+    "save",
+    "single_process_quiet",
+    "wait_saves",
+]
 
 # Long enough for a large write on a slow disk; a killed peer is noticed at once regardless
 # (its sockets close).
@@ -56,6 +68,14 @@ _committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fscale-ckpt-c
 
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process (a one-process run is no mistake)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        yield
 
 
 def checkpoint_group() -> Any:
@@ -150,9 +170,14 @@ def save(
         _write(values, writer, planner, group)
         _commit(manifest, tmp, final, root, keep_last, rank, group)
         return final
-    upload = dcp.async_save(
-        values, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None
-    )
+    with single_process_quiet():
+        upload = dcp.async_save(
+            values,
+            storage_writer=writer,
+            planner=planner,
+            process_group=group,
+            no_dist=group is None,
+        )
 
     def finish() -> Path:
         error = _attempt(lambda: _result(upload))
@@ -175,15 +200,12 @@ def wait_saves() -> list[Path]:
     with _pending_lock:
         pending = list(_pending)
         _pending.clear()
-    done, first_error = [], None
+    futures.wait(pending)
     for future in pending:
-        try:
-            done.append(future.result())
-        except BaseException as error:  # re-raised below, once every save has ended
-            first_error = first_error or error
-    if first_error is not None:
-        raise first_error
-    return done
+        error = future.exception()
+        if error is not None:  # the first failure, now that every save has ended
+            raise error
+    return [future.result() for future in pending]
 
 
 # ---- the phases ---------------------------------------------------------------------------
@@ -197,8 +219,14 @@ def _prepare(root: Path, tmp: Path) -> None:
 
 def _write(values: dict[str, torch.Tensor], writer: Any, planner: Any, group: Any) -> None:
     try:
-        dcp.save(values, storage_writer=writer, planner=planner, process_group=group,
-                 no_dist=group is None)
+        with single_process_quiet():
+            dcp.save(
+                values,
+                storage_writer=writer,
+                planner=planner,
+                process_group=group,
+                no_dist=group is None,
+            )
     except FAILURES as error:  # DCP raised it on every rank
         raise CheckpointError(f"save: writing the pieces failed: {error}") from error
 
@@ -214,6 +242,7 @@ def _commit(
 ) -> None:
     error = None
     if rank == 0:
+
         def commit() -> None:
             write_manifest(tmp, manifest)
             dirs.commit(tmp, final)
@@ -239,9 +268,7 @@ def _attempt(action: Any) -> str | None:
     return None
 
 
-def _check_arguments(
-    path: Any, state: Any, step: Any, keep_last: Any, async_: Any
-) -> None:
+def _check_arguments(path: Any, state: Any, step: Any, keep_last: Any, async_: Any) -> None:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"save: `path` must be a str or path, got {type(path).__name__}")
     if not isinstance(state, TrainState):
