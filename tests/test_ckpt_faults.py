@@ -13,6 +13,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 import fscale as fs
 import fscale.testing.strategies as fst
 from fscale.ckpt import directory
+from fscale.ckpt.manifest import FORMAT_VERSION
 from fscale.testing import assert_trees_equal, run_spmd
 
 
@@ -38,12 +39,12 @@ def _train(case, step, state, count):
 # ---- a rank killed mid-save ---------------------------------------------------------------
 
 
-def _save_then_die_while_saving_again(root):
+def _save_then_die_while_saving_again(root, where):
     case, step, state = _build()
     state = _train(case, step, state, 2)
     fs.save(root, state, step=step)
     state = _train(case, step, state, 2)
-    if dist.get_rank() == 1:
+    if where == "write" and dist.get_rank() == 1:
         write_data = FileSystemWriter.write_data
 
         def write_then_die(self, plan, planner):
@@ -51,6 +52,12 @@ def _save_then_die_while_saving_again(root):
             os.kill(os.getpid(), signal.SIGKILL)
 
         FileSystemWriter.write_data = write_then_die
+    if where == "commit" and dist.get_rank() == 0:
+
+        def die_before_rename(tmp, final):  # every file and the manifest are written
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        directory.commit = die_before_rename
     fs.save(root, state, step=step)
 
 
@@ -71,12 +78,16 @@ def _resume(root):
     )
 
 
-def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_a_fresh_launch_resumes():
+@pytest.mark.parametrize("where", ["write", "commit"])
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_a_fresh_launch_resumes(where):
     with tempfile.TemporaryDirectory() as root:
         with pytest.raises(fs.distributed.RankError):
-            fs.launch(_save_then_die_while_saving_again, 2, root, timeout=120, pg_timeout=30)
+            fs.launch(
+                _save_then_die_while_saving_again, 2, root, where, timeout=120, pg_timeout=30
+            )
         partial = Path(root) / f".tmp-step_{4:010d}"
         assert partial.is_dir() and list(partial.glob("*.distcp"))
+        assert (partial / "fscale.json").exists() == (where == "commit")
         assert fs.latest(root) == Path(root) / f"step_{2:010d}"
         for latest, resumed_at, state, uninterrupted, entries in fs.launch(_resume, 2, root):
             assert latest.endswith(f"step_{2:010d}")
@@ -191,9 +202,9 @@ def test_a_newer_format_version_is_refused(tmp_path, saved):
     _, step, like = _build()
     newer = _copy(checkpoint, tmp_path / f"step_{1:010d}")
     manifest = json.loads((newer / "fscale.json").read_text())
-    manifest["version"] = directory.__dict__.get("FORMAT_VERSION", 1) + 1
+    manifest["version"] = FORMAT_VERSION + 1
     (newer / "fscale.json").write_text(json.dumps(manifest))
-    with pytest.raises(fs.CheckpointError, match="newer than the version 1"):
+    with pytest.raises(fs.CheckpointError, match=f"newer than the version {FORMAT_VERSION}"):
         fs.load(newer, like, step=step)
 
 
