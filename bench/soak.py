@@ -85,6 +85,7 @@ def run_killed(root: Path, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="about how long to run")
+    parser.add_argument("--steps", type=int, default=0, help="default: from --minutes")
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--sleep", type=float, default=0.25, help="seconds per step")
@@ -94,8 +95,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", default=None)
     args = parser.parse_args()
-    # Steps at --sleep each fill about half the time; restarts take the rest.
-    args.steps = max(2 * args.every, int(args.minutes * 60 * 0.5 / max(args.sleep, 0.01)))
+    # Steps at --sleep each fill about half the time on an idle machine; restarts take the rest.
+    if not args.steps:
+        args.steps = max(2 * args.every, int(args.minutes * 60 * 0.5 / max(args.sleep, 0.01)))
     base = Path(args.root or tempfile.mkdtemp(prefix="fscale-soak-"))
     killed, clean = base / "killed", base / "uninterrupted"
     report = run_killed(killed, args)

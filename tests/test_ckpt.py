@@ -1,7 +1,9 @@
 """Checkpoint files: round trips, resharding across plans and world sizes, asynchronous saves."""
 
+import dataclasses
 import tempfile
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -124,6 +126,79 @@ def test_each_plan_writes_only_its_own_pieces():
     assert run_spmd(_layouts, 2, "ddp") == ["full", "full"]
     assert run_spmd(_layouts, 2, "zero2") == ["shard_optimizer"] * 2
     assert run_spmd(_layouts, 4, "hsdp") == ["fully_shard"] * 4
+
+
+def _zero_count():
+    return torch.zeros((), dtype=torch.int64)
+
+
+class Counted(NamedTuple):
+    inner: Any
+    updates: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class CountUpdates(fs.Plan):
+    """A user layer that adds to the optimizer state (so it is saved consolidated)."""
+
+    inner: fs.Plan
+    name = "count_updates"
+
+    def init(self, step, params, buffers, key, ctx):
+        state = self.inner.init(step, params, buffers, key, ctx)
+        return state._replace(
+            opt_state=Counted(state.opt_state, torch.zeros((), dtype=torch.int64))
+        )
+
+    def gradients(self, step, state, batch, ctx):
+        return self.inner.gradients(
+            step, state._replace(opt_state=state.opt_state.inner), batch, ctx
+        )
+
+    def apply_gradients(self, step, state, grads, aux, ctx):
+        ours = state.opt_state
+        new, metrics = self.inner.apply_gradients(
+            step, state._replace(opt_state=ours.inner), grads, aux, ctx
+        )
+        return new._replace(opt_state=Counted(new.opt_state, ours.updates + 1)), metrics
+
+    def consolidate(self, step, state):
+        return self.inner.consolidate(step, state._replace(opt_state=state.opt_state.inner))
+
+    def shard_state(self, step, full_state):
+        state = self.inner.shard_state(step, full_state)
+        return state._replace(
+            opt_state=Counted(state.opt_state, torch.zeros((), dtype=torch.int64))
+        )
+
+
+def _user_plan_run(path, save):
+    case = _case()
+    apply, params, buffers = fs.functionalize(case.module())
+    base = fs.train_step(case.loss_fn(apply), fs.optim.adam(1e-2))
+    mesh = fs.Mesh(dp=dist.get_world_size())
+    step = fs.shard_optimizer(base.replace(plan=CountUpdates(base.plan)), mesh)
+    state = step.init(params, buffers)
+    if save:
+        state = _train(step, state, case, 0, SAVED_AT)
+        fs.ckpt.save(path, state, step=step)
+    else:
+        state = fs.ckpt.load(path, state, step=step)
+    kind = layout_kind(step, state)
+    return (
+        kind,
+        fs.consolidate(step, state),
+        fs.consolidate(step, _train(step, state, case, SAVED_AT, MORE)),
+    )
+
+
+def test_a_user_layer_that_adds_state_is_saved_consolidated_and_resumes():
+    with tempfile.TemporaryDirectory() as root:
+        kind, saved, uninterrupted = run_spmd(_user_plan_run, 2, root, True)[0]
+        assert kind == "consolidated"
+        for _, loaded, resumed in run_spmd(_user_plan_run, 2, root, False):
+            assert_trees_equal(loaded, saved)
+            assert_trees_equal(resumed, uninterrupted)
 
 
 def _mutate_after_async_save(path):

@@ -100,7 +100,7 @@ def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[st
 
 
 def bytes_per_rank(directory: Path) -> dict[int, int]:
-    """Bytes of tensor data each rank wrote (from DCP's metadata)."""
+    """Bytes each rank wrote into its data files (from DCP's metadata)."""
     reader = FileSystemReader(directory)
     metadata = reader.read_metadata()
     written: collections.Counter[int] = collections.Counter()
@@ -124,7 +124,7 @@ def describe(path: str | os.PathLike[str], *, leaves: bool = True) -> str:
         f"world size  {manifest.world_size} (layout: {manifest.layout})",
         f"leaves      {len(manifest.leaves)}, {_size(total)} in full",
         f"model       {manifest.model['module'] if manifest.model else '(names not saved)'}",
-        "bytes per rank:",
+        "bytes per rank (as written, DCP's framing of each piece included):",
     ]
     lines += [f"  rank {rank}: {_size(n)}" for rank, n in bytes_per_rank(directory).items()]
     if leaves:
