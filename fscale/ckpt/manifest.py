@@ -29,6 +29,8 @@ __all__ = [
     "CheckpointError",
     "Manifest",
     "check_matches",
+    "dtype_name",
+    "dtype_of",
     "model_entry",
     "read_manifest",
     "write_manifest",
