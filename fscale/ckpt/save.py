@@ -11,9 +11,9 @@ rank's error, or None), so that one rank's failure makes every rank raise the sa
 3. *commit*: rank 0 writes the manifest, renames the directory to ``root/step_<n>``
    (`fscale.ckpt.directory.commit`) and prunes to `keep_last`; agreement.
 
-With ``async_=True`` the caller returns once DCP has staged a copy of the pieces (so later
-steps, which may update the state's buffers in place, never change what is written); DCP's
-`async_save` writes them in a thread and a second thread commits. Both use a process group of
+With ``async_=True`` the caller returns once every rank has copied its pieces (so later steps,
+which may update the state's buffers in place, never change what is written); DCP's
+`async_save` writes the copies in a thread and a second thread commits. Both use a process group of
 their own, so their collectives never interleave with the training step's. Saves run one at a
 time: a save first waits for the previous one; `wait_saves` waits for all.
 """
@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from fscale.ckpt import directory as dirs
 from fscale.ckpt.manifest import CheckpointError, Manifest, model_entry, write_manifest
@@ -46,6 +47,7 @@ from fscale.train import Step
 
 __all__ = [
     "FAILURES",
+    "AlreadyStaged",
     "agree",
     "checkpoint_group",
     "distributed",
@@ -170,12 +172,18 @@ def save(
         _write(values, writer, planner, group)
         _commit(manifest, tmp, final, root, keep_last, rank, group)
         return final
+    # Staged here, not by DCP, so a failure to copy (out of memory) is agreed on before any
+    # rank starts the upload's collectives.
+    staged: dict[str, torch.Tensor] = {}
+    error = _attempt(lambda: staged.update(_stage(values)))
+    agree(error, group, "staging")
     with single_process_quiet():
         upload = dcp.async_save(
-            values,
+            staged,
             storage_writer=writer,
             planner=planner,
             process_group=group,
+            async_stager=AlreadyStaged(),
             no_dist=group is None,
         )
 
@@ -251,6 +259,26 @@ def _commit(
 
         error = _attempt(commit)
     agree(error, group, "commit")
+
+
+def _stage(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies on the CPU that the training steps after the save cannot change."""
+    return {key: value.detach().to("cpu", copy=True) for key, value in values.items()}
+
+
+class AlreadyStaged(AsyncStager):
+    """The `AsyncStager` of values `save` has copied already: DCP writes them as they are."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _result(future: Any) -> None:
