@@ -2,9 +2,9 @@
 
 A checkpoint stores the *full* state, the one a single-process `train_step` takes: leaves
 ``params/<path>``, ``buffers/<path>``, ``opt_state/<path>``, ``step`` and ``key``, each as the
-row-major flattening of the full tensor. A rank never builds that state. It describes what it
-holds as `Piece`s: elements ``[start, start + numel)`` of a full leaf's flattening, as a 1-D
-view into its own state. Three layouts cover the built-in plans:
+row-major flattening of the full tensor. Under the built-in plans no rank builds that state:
+each describes what it holds as `Piece`s, elements ``[start, start + numel)`` of a full leaf's
+flattening as a 1-D view into its own state. Three layouts cover the built-in plans:
 
 - **full** (``train_step``, ``data_parallel``, ``accumulate``): every leaf whole on every rank;
   identical pieces of replicated leaves are written once (DCP deduplicates them).
@@ -39,7 +39,16 @@ from fscale.parallel.opt_state import StateMap, plan_state_init, state_spec
 from fscale.plan import Plan, TrainState
 from fscale.train import Step
 
-__all__ = ["FULL", "Piece", "layout_kind", "pieces_into", "pieces_of"]
+__all__ = [
+    "CONSOLIDATED",
+    "FULL",
+    "Piece",
+    "fsdp_state_map",
+    "layout_kind",
+    "pieces_into",
+    "pieces_of",
+    "zero_state_map",
+]
 
 PyTree = Any
 

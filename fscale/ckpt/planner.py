@@ -45,12 +45,8 @@ def numel_of(shape: Sequence[int]) -> int:
     return int(torch.Size(shape).numel())
 
 
-def _offset(piece: Piece) -> torch.Size:
-    return torch.Size([piece.start])
-
-
 class PieceSavePlanner(DefaultSavePlanner):
-    """Writes this rank's pieces; the state_dict DCP is given is ``{key: Piece}``."""
+    """Writes this rank's `pieces`; DCP is given ``{key: values}`` (the values, or copies)."""
 
     def __init__(self, pieces: Sequence[Piece]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -86,7 +82,7 @@ class PieceSavePlanner(DefaultSavePlanner):
 class PieceLoadPlanner(DefaultLoadPlanner):
     """Reads what this rank's pieces need, from whatever chunks the checkpoint holds.
 
-    After the load, the pieces' tensors hold the values.
+    DCP is given ``{key: piece.values}``; after the load, the pieces' tensors hold the values.
     """
 
     def __init__(self, pieces: Sequence[Piece]) -> None:
@@ -105,7 +101,7 @@ class PieceLoadPlanner(DefaultLoadPlanner):
                     f"the checkpoint's DCP metadata has no tensor {piece.key!r} (damaged?)"
                 )
             chunk = ChunkStorageMetadata(
-                offsets=_offset(piece), sizes=torch.Size([piece.values.numel()])
+                offsets=torch.Size([piece.start]), sizes=torch.Size([piece.values.numel()])
             )
             items.extend(create_read_items_for_chunk_list(piece.key, stored, [chunk]))
         return LoadPlan(items)
