@@ -82,9 +82,7 @@ def _resume(root):
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_a_fresh_launch_resumes(where):
     with tempfile.TemporaryDirectory() as root:
         with pytest.raises(fs.distributed.RankError):
-            fs.launch(
-                _save_then_die_while_saving_again, 2, root, where, timeout=120, pg_timeout=30
-            )
+            fs.launch(_save_then_die_while_saving_again, 2, root, where, timeout=120, pg_timeout=30)
         partial = Path(root) / f".tmp-step_{4:010d}"
         assert partial.is_dir() and list(partial.glob("*.distcp"))
         assert (partial / "fscale.json").exists() == (where == "commit")
