@@ -109,9 +109,9 @@ def _check_pair(source, target, from_step=False):
 
 
 def test_same_plan_and_world_size_resumes_bit_exactly_under_every_layout():
-    for plan in [("local", 1), ("zero2", 2), ("fsdp", 2), ("hsdp", 4)]:
+    for plan in [("local", 1), ("zero2", 2), ("hsdp", 4)]:
         _check_pair(plan, plan)
-    _check_pair(("fsdp", 2), ("fsdp", 2), from_step=True)
+    _check_pair(("fsdp", 2), ("fsdp", 2), from_step=True)  # and `like` given as the Step
 
 
 @given(st.sampled_from(PLANS), st.sampled_from(PLANS))
