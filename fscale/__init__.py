@@ -2,6 +2,7 @@
 
 from typing import TYPE_CHECKING
 
+from fscale import ckpt as ckpt
 from fscale import data as data
 from fscale import distributed as distributed
 from fscale import functional as functional
@@ -14,6 +15,11 @@ from fscale import remat as remat
 from fscale import spmd as spmd
 from fscale import tracking as tracking
 from fscale import tree as tree
+from fscale.ckpt import CheckpointError as CheckpointError
+from fscale.ckpt import latest as latest
+from fscale.ckpt import load as load
+from fscale.ckpt import save as save
+from fscale.ckpt import wait_saves as wait_saves
 from fscale.distributed import Mesh as Mesh
 from fscale.distributed import init as init
 from fscale.distributed import launch as launch

@@ -211,12 +211,17 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--lr", type=float, default=defaults.lr)
     demo.add_argument("--seed", type=int, default=defaults.seed)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from fscale.ckpt.cli import add_commands as add_checkpoint_commands
+
+    add_checkpoint_commands(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `fscale` console script."""
     args = _build_parser().parse_args(argv)
+    if hasattr(args, "run"):
+        return args.run(args)
     if args.command == "demo":
         if args.world_size < 1:
             raise SystemExit("fscale demo: --world-size must be at least 1")

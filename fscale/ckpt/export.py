@@ -1,0 +1,139 @@
+"""A checkpoint read in one CPU process: full leaves, a safetensors export, a summary.
+
+`read_leaves` joins every saved chunk of the leaves asked for into full tensors, whatever world
+size and plan wrote them (DCP reads the chunks; no process group is needed). `export` writes
+the model's ``state_dict`` from them as one safetensors file: every key of the module's
+``state_dict``, tied weights under each of their names (as separate tensors, since
+safetensors stores no aliases), in the dtype the state holds its parameters in (the full
+precision master copy). `describe` is what ``fscale inspect`` prints.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from fscale.ckpt import directory as dirs
+from fscale.ckpt.manifest import CheckpointError, Manifest, dtype_of, read_manifest
+from fscale.ckpt.pieces import Piece
+from fscale.ckpt.planner import PieceLoadPlanner, numel_of
+from fscale.ckpt.save import FAILURES, single_process_quiet
+
+__all__ = ["bytes_per_rank", "describe", "export", "read_leaves"]
+
+_DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def read_leaves(
+    path: str | os.PathLike[str], keys: Iterable[str] | None = None
+) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """The manifest of the checkpoint at `path` and its full leaves `keys` (default: all).
+
+    Raises:
+        CheckpointError / FileNotFoundError: as `fscale.ckpt.load`, or a key the checkpoint
+            does not hold.
+    """
+    directory = dirs.resolve(path, "read_leaves")
+    manifest = read_manifest(directory)
+    wanted = list(manifest.leaves) if keys is None else list(keys)
+    unknown = [key for key in wanted if key not in manifest.leaves]
+    if unknown:
+        raise CheckpointError(f"read_leaves: the checkpoint holds no leaves {unknown}")
+    pieces = []
+    for key in wanted:
+        shape, dtype = manifest.leaves[key]
+        values = torch.zeros(numel_of(shape), dtype=dtype_of(dtype))
+        pieces.append(Piece(key, shape, values.dtype, 0, values))
+    state_dict = {p.key: p.values for p in pieces if p.values.numel()}
+    with single_process_quiet():
+        try:
+            dcp.load(
+                state_dict,
+                storage_reader=FileSystemReader(directory),
+                planner=PieceLoadPlanner(pieces),
+                no_dist=True,
+            )
+        except FAILURES as error:
+            raise CheckpointError(
+                f"the checkpoint {str(directory)!r} could not be read (truncated or damaged "
+                f"files?): {error}"
+            ) from None
+    return manifest, {p.key: p.values.view(p.shape) for p in pieces}
+
+
+def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Write the model's ``state_dict`` from the checkpoint at `path` to the safetensors `out`.
+
+    ``module.load_state_dict(safetensors.torch.load_file(out), strict=True)`` accepts it on the
+    module that was trained (the checkpoint must have been saved with ``model=``).
+
+    Returns:
+        The tensors written, by ``state_dict`` key.
+
+    Raises:
+        CheckpointError: the checkpoint has no model names (saved without ``model=``).
+        ImportError: safetensors is not installed.
+    """
+    from safetensors.torch import save_file
+
+    directory = dirs.resolve(path, "export")
+    manifest = read_manifest(directory)
+    if not manifest.model:
+        raise CheckpointError(
+            f"export: {str(directory)!r} was saved without `model=`, so the names of the "
+            "module's state_dict are unknown; save with fscale.save(..., model=apply)"
+        )
+    mapping: dict[str, str] = manifest.model["state_dict"]
+    _, leaves = read_leaves(directory, sorted(set(mapping.values())))
+    tensors = {name: leaves[key].clone().contiguous() for name, key in mapping.items()}
+    metadata = {"format": "pt", "step": str(manifest.step), "module": manifest.model["module"]}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out), metadata=metadata)
+    return tensors
+
+
+def bytes_per_rank(directory: Path) -> dict[int, int]:
+    """Bytes each rank wrote into its data files (from DCP's metadata)."""
+    reader = FileSystemReader(directory)
+    metadata = reader.read_metadata()
+    written: collections.Counter[int] = collections.Counter()
+    for info in (metadata.storage_data or {}).values():
+        match = _DCP_FILE.fullmatch(Path(str(info.relative_path)).name)
+        if match:
+            written[int(match.group(1))] += int(info.length)
+    return dict(sorted(written.items()))
+
+
+def describe(path: str | os.PathLike[str], *, leaves: bool = True) -> str:
+    """What the checkpoint at `path` holds: plan, world size, step, leaves, bytes per rank."""
+    directory = dirs.resolve(path, "inspect")
+    manifest = read_manifest(directory)
+    total = sum(numel_of(s) * dtype_of(d).itemsize for s, d in manifest.leaves.values())
+    lines = [
+        f"checkpoint  {directory}",
+        f"format      version {manifest.version}",
+        f"step        {manifest.step}",
+        f"plan        {manifest.plan}",
+        f"world size  {manifest.world_size} (layout: {manifest.layout})",
+        f"leaves      {len(manifest.leaves)}, {_size(total)} in full",
+        f"model       {manifest.model['module'] if manifest.model else '(names not saved)'}",
+        "bytes per rank (as written, DCP's framing of each piece included):",
+    ]
+    lines += [f"  rank {rank}: {_size(n)}" for rank, n in bytes_per_rank(directory).items()]
+    if leaves:
+        lines.append("leaves:")
+        lines += [
+            f"  {key}  {list(shape)}  {dtype}" for key, (shape, dtype) in manifest.leaves.items()
+        ]
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    return f"{n} B" if n < 1024 else f"{n / 1024:.1f} KiB" if n < 2**20 else f"{n / 2**20:.2f} MiB"

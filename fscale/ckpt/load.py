@@ -1,0 +1,129 @@
+"""`load`: a checkpoint written under any plan and world size, as the state of another.
+
+Each rank lays out fresh tensors as the target state holds them (`fscale.ckpt.pieces`), so it
+knows which elements of which full leaf it needs; DCP reads exactly those from the saved
+chunks, whichever ranks wrote them. Before anything is read, the checkpoint's leaves (names,
+full shapes, dtypes) are compared with the target's, and every difference is listed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from fscale.ckpt import directory as dirs
+from fscale.ckpt.manifest import (
+    CheckpointError,
+    Manifest,
+    check_matches,
+    dtype_of,
+    read_manifest,
+)
+from fscale.ckpt.pieces import pieces_into
+from fscale.ckpt.planner import PieceLoadPlanner
+from fscale.ckpt.save import (
+    FAILURES,
+    agree,
+    checkpoint_group,
+    single_process_quiet,
+    wait_saves,
+)
+from fscale.plan import TrainState
+from fscale.train import Step
+
+__all__ = ["load"]
+
+
+def load(
+    path: str | os.PathLike[str], like: TrainState | Step, *, step: Step | None = None
+) -> TrainState:
+    """The state `step` continues from on this rank, read from the checkpoint at `path`.
+
+    Every rank calls it. Training resumes bit for bit when `step` has the plan and world size
+    that saved the checkpoint; under another plan or world size the state is the same full
+    state resharded (exact too), and the steps after it follow the numerics the README states
+    for the new plan.
+
+    Args:
+        path: a checkpoint directory (``root/step_<n>``), or a root, meaning its newest
+            complete checkpoint (`fscale.latest`).
+        like: a state of `step` for this model (e.g. ``step.init(params, buffers)``): it gives
+            the layout and is not modified. Or the Step itself, when its parameters and
+            buffers are flat ``{name: tensor}`` dicts (as `fscale.functionalize` returns): the
+            state is then initialised from the checkpoint's shapes (``step.init`` on empty
+            tensors, on the CPU) and filled.
+        step: the step that will run on the result (when `like` is a state).
+
+    Returns:
+        The loaded TrainState (step count and key included).
+
+    Raises:
+        FileNotFoundError: nothing is at `path`.
+        CheckpointError: `path` is a file, a partial or damaged checkpoint, a checkpoint of a
+            newer format, or one of another model (the differing leaves are listed).
+    """
+    target: TrainState | None = None
+    if isinstance(like, Step) and step is None:
+        step = like
+    elif isinstance(like, TrainState):
+        target = like
+    else:
+        raise TypeError(
+            f"load: `like` must be a TrainState of `step` or a Step, got {type(like).__name__}"
+        )
+    if not isinstance(step, Step):
+        raise TypeError(f"load: `step` must be a Step, got {type(step).__name__}")
+    wait_saves()
+    group = checkpoint_group()
+    directory = dirs.resolve(path, "load")
+    manifest = read_manifest(directory)
+    if target is None:
+        target = step.init(*_empty_model(manifest, directory))
+    _, pieces, assemble = pieces_into(step, target)
+    check_matches(manifest, pieces, str(directory))
+    planner = PieceLoadPlanner(pieces)
+    values = {p.key: p.values for p in pieces if p.values.numel()}
+    error = None
+    try:
+        with single_process_quiet():
+            dcp.load(
+                values,
+                storage_reader=FileSystemReader(directory),
+                planner=planner,
+                process_group=group,
+                no_dist=group is None,
+            )
+    except FAILURES as failure:  # reported on every rank below
+        error = f"{type(failure).__name__}: {failure}"
+    _agree_read(error, group, directory)
+    return assemble()
+
+
+def _empty_model(manifest: Manifest, directory: Path) -> tuple[dict, dict]:
+    """Empty ``{name: tensor}`` params and buffers of the shapes the checkpoint holds."""
+    groups: dict[str, dict[str, torch.Tensor]] = {"params": {}, "buffers": {}}
+    for key, (shape, dtype) in manifest.leaves.items():
+        group, _, name = key.partition("/")
+        if group in groups:
+            groups[group][name] = torch.zeros(shape, dtype=dtype_of(dtype))
+    if not groups["params"]:
+        raise CheckpointError(
+            f"load: {str(directory)!r} holds no parameters to initialise `like` from; pass "
+            "like=step.init(params, buffers)"
+        )
+    return groups["params"], groups["buffers"]
+
+
+def _agree_read(error: str | None, group: Any, directory: Any) -> None:
+    try:
+        agree(error, group, "reading", caller="load")
+    except CheckpointError as failure:
+        raise CheckpointError(
+            f"load: the checkpoint {str(directory)!r} could not be read (truncated or damaged "
+            f"files?): {failure}"
+        ) from None

@@ -1,0 +1,315 @@
+"""`save` and `wait_saves`: every rank writes its own pieces, and the ranks commit together.
+
+A save has three phases, each ending in an agreement among all ranks (an all-gather of every
+rank's error, or None), so that one rank's failure makes every rank raise the same
+`CheckpointError` and no rank waits in a collective the others never reach:
+
+1. *prepare*: rank 0 removes what killed saves left (``.tmp-*``) and creates
+   ``root/.tmp-step_<n>``; agreement.
+2. *write*: DCP writes every rank's pieces (`fscale.ckpt.planner`) and then its metadata; DCP
+   itself gathers the ranks' write results and raises on every rank if one failed.
+3. *commit*: rank 0 writes the manifest, renames the directory to ``root/step_<n>``
+   (`fscale.ckpt.directory.commit`) and prunes to `keep_last`; agreement.
+
+With ``async_=True`` the caller returns once every rank has copied its pieces (so later steps,
+which may update the state's buffers in place, never change what is written); DCP's
+`async_save` writes the copies in a thread and a second thread commits. Both use a process group of
+their own, so their collectives never interleave with the training step's. Saves run one at a
+time: a save first waits for the previous one; `wait_saves` waits for all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import threading
+import warnings
+from collections.abc import Iterator
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from fscale.ckpt import directory as dirs
+from fscale.ckpt.manifest import CheckpointError, Manifest, model_entry, write_manifest
+from fscale.ckpt.pieces import pieces_of
+from fscale.ckpt.planner import PieceSavePlanner
+from fscale.plan import TrainState
+from fscale.train import Step
+
+__all__ = [
+    "FAILURES",
+    "AlreadyStaged",
+    "agree",
+    "checkpoint_group",
+    "distributed",
+    "save",
+    "single_process_quiet",
+    "wait_saves",
+]
+
+# Long enough for a large write on a slow disk; a killed peer is noticed at once regardless
+# (its sockets close).
+_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+_groups: dict[int, Any] = {}
+_pending: list[Future] = []
+_pending_lock = threading.Lock()
+# What a failed save raises: DCP reports the ranks' errors as a CheckpointException, which is a
+# BaseException.
+FAILURES = (Exception, CheckpointException)
+_committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fscale-ckpt-commit")
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process (a one-process run is no mistake)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        yield
+
+
+def checkpoint_group() -> Any:
+    """The gloo group checkpoints use (None without torch.distributed); made once per world.
+
+    Every rank must call it the first time (it is a collective); `save` and `load` do.
+    """
+    if not distributed():
+        return None
+    world = dist.group.WORLD
+    key = id(world)
+    if key not in _groups:
+        _groups.clear()  # a new default group: the old one's groups are gone with it
+        _groups[key] = (world, dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT))
+    return _groups[key][1]
+
+
+def agree(error: str | None, group: Any, phase: str, caller: str = "save") -> None:
+    """Raise on every rank if any rank's `error` is set (a collective over `group`)."""
+    if group is None:
+        errors = [error]
+    else:
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        detail = "; ".join(f"rank {rank}: {e}" for rank, e in failed)
+        raise CheckpointError(f"{caller}: {phase} failed on {len(failed)} rank(s): {detail}")
+
+
+def save(
+    path: str | os.PathLike[str],
+    state: TrainState,
+    *,
+    step: Step,
+    model: Any = None,
+    keep_last: int | None = None,
+    async_: bool = False,
+) -> Path | Future:
+    """Write `state` as the checkpoint ``path/step_<n>`` (n = ``state.step``); all ranks call it.
+
+    Every rank writes only the pieces of the full state it holds (`fscale.ckpt.pieces`); the
+    directory appears under its final name only when complete (see the module docstring).
+
+    Args:
+        path: the checkpoint root directory (created if missing).
+        state: this rank's state.
+        step: the step that made `state` (its plan says how the state is sharded).
+        model: the `FunctionalModule` from `fscale.functionalize` (or the ``nn.Module``), to
+            record its ``state_dict`` names for ``fscale consolidate``; optional.
+        keep_last: keep only the newest this many checkpoints under `path` (None: all).
+        async_: return as soon as the pieces are staged; the write and commit continue in the
+            background (`wait_saves` waits for them).
+
+    Returns:
+        The committed directory, or (async) a Future of it.
+
+    Raises:
+        TypeError / ValueError: bad arguments (named).
+        CheckpointError: the save failed on some rank; it is raised on every rank, and the
+            previous checkpoints are untouched.
+    """
+    _check_arguments(path, state, step, keep_last, async_)
+    wait_saves()
+    group = checkpoint_group()
+    world_size = dist.get_world_size() if distributed() else 1
+    rank = dist.get_rank() if distributed() else 0
+    root = Path(path)
+    number = int(state.step)
+    layout, pieces = pieces_of(step, state)
+    params = {p.key.removeprefix("params/") for p in pieces if p.key.startswith("params/")}
+    manifest = Manifest.of(
+        pieces,
+        step=number,
+        world_size=world_size,
+        plan=repr(step.plan),
+        layout=layout,
+        model=model_entry(model, params),
+    )
+    tmp = root / f"{dirs.TMP_PREFIX}{dirs.step_name(number)}"
+    final = root / dirs.step_name(number)
+
+    error = None
+    if rank == 0:
+        error = _attempt(lambda: _prepare(root, tmp))
+    agree(error, group, "prepare")
+
+    values = {p.key: p.values for p in pieces if p.values.numel()}
+    writer = FileSystemWriter(tmp, overwrite=True)
+    planner = PieceSavePlanner(pieces)
+    if not async_:
+        _write(values, writer, planner, group)
+        _commit(manifest, tmp, final, root, keep_last, rank, group)
+        return final
+    # Staged here, not by DCP, so a failure to copy (out of memory) is agreed on before any
+    # rank starts the upload's collectives.
+    staged: dict[str, torch.Tensor] = {}
+    error = _attempt(lambda: staged.update(_stage(values)))
+    agree(error, group, "staging")
+    with single_process_quiet():
+        upload = dcp.async_save(
+            staged,
+            storage_writer=writer,
+            planner=planner,
+            process_group=group,
+            async_stager=AlreadyStaged(),
+            no_dist=group is None,
+        )
+
+    def finish() -> Path:
+        error = _attempt(lambda: _result(upload))
+        agree(error, group, "write")
+        _commit(manifest, tmp, final, root, keep_last, rank, group)
+        return final
+
+    future = _committer.submit(finish)
+    with _pending_lock:
+        _pending.append(future)
+    return future
+
+
+def wait_saves() -> list[Path]:
+    """Wait for every asynchronous save of this process; their directories, oldest first.
+
+    Raises:
+        CheckpointError: a save failed (the first failure is raised, after all have ended).
+    """
+    with _pending_lock:
+        pending = list(_pending)
+        _pending.clear()
+    futures.wait(pending)
+    for future in pending:
+        error = future.exception()
+        if error is not None:  # the first failure, now that every save has ended
+            raise error
+    return [future.result() for future in pending]
+
+
+# ---- the phases ---------------------------------------------------------------------------
+
+
+def _prepare(root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    dirs.remove_partial(root)
+    tmp.mkdir()
+
+
+def _write(values: dict[str, torch.Tensor], writer: Any, planner: Any, group: Any) -> None:
+    try:
+        with single_process_quiet():
+            dcp.save(
+                values,
+                storage_writer=writer,
+                planner=planner,
+                process_group=group,
+                no_dist=group is None,
+            )
+    except FAILURES as error:  # DCP raised it on every rank
+        raise CheckpointError(f"save: writing the pieces failed: {error}") from error
+
+
+def _commit(
+    manifest: Manifest,
+    tmp: Path,
+    final: Path,
+    root: Path,
+    keep_last: int | None,
+    rank: int,
+    group: Any,
+) -> None:
+    error = None
+    if rank == 0:
+
+        def commit() -> None:
+            write_manifest(tmp, manifest)
+            dirs.commit(tmp, final)
+            if keep_last is not None:
+                dirs.prune(root, keep_last)
+
+        error = _attempt(commit)
+    agree(error, group, "commit")
+
+
+def _stage(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies on the CPU that the training steps after the save cannot change."""
+    return {key: value.detach().to("cpu", copy=True) for key, value in values.items()}
+
+
+class AlreadyStaged(AsyncStager):
+    """The `AsyncStager` of values `save` has copied already: DCP writes them as they are."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _result(future: Any) -> None:
+    # DCP's async_save returns a Future, or a response holding the upload's Future.
+    upload = getattr(future, "upload_completion", future)
+    upload.result()
+
+
+def _attempt(action: Any) -> str | None:
+    """Run `action`; its error as a message for the agreement, or None."""
+    try:
+        action()
+    except FAILURES as error:  # every rank is told, and raises
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _check_arguments(path: Any, state: Any, step: Any, keep_last: Any, async_: Any) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"save: `path` must be a str or path, got {type(path).__name__}")
+    if not isinstance(state, TrainState):
+        raise TypeError(f"save: `state` must be a TrainState, got {type(state).__name__}")
+    if not isinstance(step, Step):
+        raise TypeError(f"save: `step` must be the Step of `state`, got {type(step).__name__}")
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
+        raise ValueError(f"save: `keep_last` must be a positive int or None, got {keep_last!r}")
+    if not isinstance(async_, bool):
+        raise TypeError(f"save: `async_` must be a bool, got {async_!r}")
+    if Path(path).is_file():
+        raise CheckpointError(
+            f"save: `path` {str(path)!r} is a file; a checkpoint root is a directory"
+        )
