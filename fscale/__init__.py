@@ -2,7 +2,6 @@
 
 from typing import TYPE_CHECKING
 
-from fscale import ckpt as ckpt
 from fscale import data as data
 from fscale import distributed as distributed
 from fscale import functional as functional
@@ -15,11 +14,6 @@ from fscale import remat as remat
 from fscale import spmd as spmd
 from fscale import tracking as tracking
 from fscale import tree as tree
-from fscale.ckpt import CheckpointError as CheckpointError
-from fscale.ckpt import latest as latest
-from fscale.ckpt import load as load
-from fscale.ckpt import save as save
-from fscale.ckpt import wait_saves as wait_saves
 from fscale.distributed import Mesh as Mesh
 from fscale.distributed import init as init
 from fscale.distributed import launch as launch
@@ -52,21 +46,31 @@ from fscale.train import value_and_grad as value_and_grad
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from fscale import ckpt as ckpt
     from fscale import models as models
     from fscale import testing as testing
+    from fscale.ckpt import CheckpointError as CheckpointError
+    from fscale.ckpt import latest as latest
+    from fscale.ckpt import load as load
+    from fscale.ckpt import save as save
+    from fscale.ckpt import wait_saves as wait_saves
 
-# The reference models and the rank pool (a multiprocessing test harness) are imported on first
-# access, so `import fscale` loads neither.
-_LAZY_SUBMODULES = ("models", "testing")
+# The reference models, the rank pool (a multiprocessing test harness) and the checkpoint files
+# (torch.distributed.checkpoint takes about a second to import) are imported on first access,
+# so `import fscale` loads none of them.
+_LAZY_SUBMODULES = ("ckpt", "models", "testing")
+_LAZY_NAMES = dict.fromkeys(("CheckpointError", "latest", "load", "save", "wait_saves"), "ckpt")
 
 
 def __getattr__(name: str) -> object:
-    if name in _LAZY_SUBMODULES:
-        import importlib
+    import importlib
 
+    if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"fscale.{name}")
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(f"fscale.{_LAZY_NAMES[name]}"), name)
     raise AttributeError(f"module 'fscale' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY_SUBMODULES})
+    return sorted({*globals(), *_LAZY_SUBMODULES, *_LAZY_NAMES})

@@ -225,6 +225,7 @@ def _run_python(args, *, cwd, stdin=None, timeout=120):
 _ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 
 _TORCHRUN_PROGRAM = """
+import os
 import torch
 import fscale as fs
 from fscale.distributed import all_reduce
@@ -232,7 +233,7 @@ from fscale.distributed import all_reduce
 with fs.init() as info:
     total = all_reduce(torch.ones(1), "dp", mesh=fs.Mesh(dp=info.world_size))
     assert total.item() == info.world_size
-    print("rank", info.rank, "done")
+    os.write(1, f"rank {info.rank} done\\n".encode())  # one write: ranks' lines never interleave
 assert not torch.distributed.is_initialized()
 fs.shutdown()  # nothing left to leave: a no-op
 """
