@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data, checked by simulation, run across processes."""
