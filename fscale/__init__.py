@@ -36,6 +36,13 @@ from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step
 from fscale.train import value_and_grad as value_and_grad
+from fscale.parallel import pipeline as pipeline
+from fscale.parallel import pipeline_chart as pipeline_chart
+from fscale.parallel import balance_by_time as balance_by_time
+from fscale.parallel import balance_by_size as balance_by_size
+from fscale.parallel import deferred_batch_norm as deferred_batch_norm
+from fscale.parallel import DeferredBatchNorm as DeferredBatchNorm
+from fscale.parallel import Schedule as Schedule
 
 __version__ = "0.1.0"
 

@@ -14,6 +14,16 @@ from fscale.parallel.ddp import HookState as HookState
 from fscale.parallel.ddp import data_parallel as data_parallel
 from fscale.parallel.fsdp import FullyShardPlan as FullyShardPlan
 from fscale.parallel.fsdp import fully_shard as fully_shard
+from fscale.parallel.pipeline import DeferredBatchNorm as DeferredBatchNorm
+from fscale.parallel.pipeline import PipelinePlan as PipelinePlan
+from fscale.parallel.pipeline import Schedule as Schedule
+from fscale.parallel.pipeline import ScheduleError as ScheduleError
+from fscale.parallel.pipeline import StageContractError as StageContractError
+from fscale.parallel.pipeline import balance_by_size as balance_by_size
+from fscale.parallel.pipeline import balance_by_time as balance_by_time
+from fscale.parallel.pipeline import deferred_batch_norm as deferred_batch_norm
+from fscale.parallel.pipeline import pipeline as pipeline
+from fscale.parallel.pipeline import pipeline_chart as pipeline_chart
 from fscale.parallel.reduce import BucketInfo as BucketInfo
 from fscale.parallel.state import consolidate as consolidate
 from fscale.parallel.state import shard_state as shard_state
@@ -25,14 +35,24 @@ __all__ = [
     "AccumulatePlan",
     "BucketInfo",
     "DataParallelPlan",
+    "DeferredBatchNorm",
     "FullyShardPlan",
     "HookState",
+    "PipelinePlan",
+    "Schedule",
+    "ScheduleError",
     "ShardedOptState",
     "ShardedOptimizerPlan",
+    "StageContractError",
     "accumulate",
+    "balance_by_size",
+    "balance_by_time",
     "consolidate",
     "data_parallel",
+    "deferred_batch_norm",
     "fully_shard",
+    "pipeline",
+    "pipeline_chart",
     "shard_optimizer",
     "shard_state",
 ]
