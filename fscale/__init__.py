@@ -21,11 +21,18 @@ from fscale.functional import FunctionalModule as FunctionalModule
 from fscale.functional import functionalize as functionalize
 from fscale.offload import offload_optimizer as offload_optimizer
 from fscale.offload import offload_params as offload_params
+from fscale.parallel import DeferredBatchNorm as DeferredBatchNorm
+from fscale.parallel import Schedule as Schedule
 from fscale.parallel import ShardedOptState as ShardedOptState
 from fscale.parallel import accumulate as accumulate
+from fscale.parallel import balance_by_size as balance_by_size
+from fscale.parallel import balance_by_time as balance_by_time
 from fscale.parallel import consolidate as consolidate
 from fscale.parallel import data_parallel as data_parallel
+from fscale.parallel import deferred_batch_norm as deferred_batch_norm
 from fscale.parallel import fully_shard as fully_shard
+from fscale.parallel import pipeline as pipeline
+from fscale.parallel import pipeline_chart as pipeline_chart
 from fscale.parallel import shard_optimizer as shard_optimizer
 from fscale.parallel import shard_state as shard_state
 from fscale.plan import Context as Context
@@ -36,13 +43,6 @@ from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step
 from fscale.train import value_and_grad as value_and_grad
-from fscale.parallel import pipeline as pipeline
-from fscale.parallel import pipeline_chart as pipeline_chart
-from fscale.parallel import balance_by_time as balance_by_time
-from fscale.parallel import balance_by_size as balance_by_size
-from fscale.parallel import deferred_batch_norm as deferred_batch_norm
-from fscale.parallel import DeferredBatchNorm as DeferredBatchNorm
-from fscale.parallel import Schedule as Schedule
 
 __version__ = "0.1.0"
 

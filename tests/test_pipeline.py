@@ -45,7 +45,9 @@ def _reference(model, batch, steps, micro_batches=1, optimizer=None):
         x = data[0]
         for index, (name, (apply, lp, lb)) in enumerate(zip(names, apply_layers)):
             own = {k: p[f"{name}.{k}"] for k in lp}
-            x, _ = apply(own, {k: b[f"{name}.{k}"] for k in lb}, x, key=fsrandom.fold_in(key, index))
+            x, _ = apply(
+                own, {k: b[f"{name}.{k}"] for k in lb}, x, key=fsrandom.fold_in(key, index)
+            )
         return _mse(x, data[1])
 
     step = fs.train_step(loss_fn, optimizer or fs.optim.adam(1e-2))
@@ -107,7 +109,13 @@ def test_pipeline_equals_unpipelined_training(
     if schedule == "interleaved" and micro_batches % num_ranks:
         micro_batches = num_ranks
     results = run_spmd(
-        _pipelined_vs_unpipelined, num_ranks, schedule, num_ranks, micro_batches, width, seed,
+        _pipelined_vs_unpipelined,
+        num_ranks,
+        schedule,
+        num_ranks,
+        micro_batches,
+        width,
+        seed,
         checkpoint,
     )
     for params, expected, opt_state, expected_opt, losses, expected_losses in results:
@@ -123,7 +131,9 @@ def _consolidate_and_continue():
     model = _mlp(2, 5, 0)
     _, params, buffers = fs.functionalize(model)
     batch = _batch(0, 8, 5)
-    step = pipeline(model, _mse, fs.optim.adam(1e-2), fs.Mesh(pp=2), micro_batches=4, balance=[2, 2])
+    step = pipeline(
+        model, _mse, fs.optim.adam(1e-2), fs.Mesh(pp=2), micro_batches=4, balance=[2, 2]
+    )
     state, _ = _train(step, params, buffers, batch, 2)
     full = fs.consolidate(step, state)
     again = fs.shard_state(step, full)
@@ -181,7 +191,12 @@ def _dropout_any_split(balance, schedule):
     _, params, buffers = fs.functionalize(model)
     batch = _batch(1, 8, 6)
     step = pipeline(
-        model, _mse, fs.optim.adam(1e-2), fs.Mesh(pp=2), micro_batches=4, balance=balance,
+        model,
+        _mse,
+        fs.optim.adam(1e-2),
+        fs.Mesh(pp=2),
+        micro_batches=4,
+        balance=balance,
         schedule=schedule,
     )
     state, _ = _train(step, params, buffers, batch, 2)
@@ -223,14 +238,24 @@ def _pp_dp(kind):
         step = fs.data_parallel(step, mesh, "dp")
     elif kind == "accumulate":
         step = pipeline(
-            model, _mse, fs.optim.adam(1e-2), mesh, micro_batches=2, balance=[2, 2],
+            model,
+            _mse,
+            fs.optim.adam(1e-2),
+            mesh,
+            micro_batches=2,
+            balance=[2, 2],
             per_stage=lambda s: fs.data_parallel(s, mesh, "dp"),
         )
         step = fs.accumulate(step, 2)
     else:
         wrap = fs.data_parallel if kind == "data_parallel" else fs.shard_optimizer
         step = pipeline(
-            model, _mse, fs.optim.adam(1e-2), mesh, micro_batches=4, balance=[2, 2],
+            model,
+            _mse,
+            fs.optim.adam(1e-2),
+            mesh,
+            micro_batches=4,
+            balance=[2, 2],
             per_stage=lambda s: wrap(s, mesh, "dp"),
         )
     state, losses = _train(step, params, buffers, local, 3)
@@ -293,7 +318,9 @@ def test_bad_arguments_get_clear_errors():
         pipeline(model, _mse, opt, fs.Mesh(dp=1), micro_batches=2, balance=[4])
     step = pipeline(model, _mse, opt, mesh, micro_batches=4, balance=[4])
     state = step.init(*fs.functionalize(model)[1:])
-    with pytest.raises(ValueError, match=r"batch of 6 samples does not split into `micro_batches`=4"):
+    with pytest.raises(
+        ValueError, match=r"batch of 6 samples does not split into `micro_batches`=4"
+    ):
         step(state, (torch.randn(6, 4), torch.randn(6, 4)))
     with pytest.raises(TypeError, match=r"a pair \(inputs, targets\)"):
         step(state, torch.randn(8, 4))
@@ -305,12 +332,23 @@ def test_a_deadlocking_schedule_is_refused_before_any_collective():
     table = gpipe(1, 2)
     forward = next(a for a in table.actions if a.kind == "F" and a.micro_batch == 0)
     bad = Schedule(
-        "mine", 1, 2, (0,),
-        tuple(a._replace(tick=9) if a == forward else a for a in table.actions), (2,),
+        "mine",
+        1,
+        2,
+        (0,),
+        tuple(a._replace(tick=9) if a == forward else a for a in table.actions),
+        (2,),
     )
     with pytest.raises(ScheduleError, match="schedule 'mine' deadlocks: rank 0 waits on itself"):
-        pipeline(_mlp(1, 4, 0), _mse, fs.optim.sgd(0.1), fs.Mesh(pp=1), micro_batches=2,
-                 balance=[2], schedule=bad)
+        pipeline(
+            _mlp(1, 4, 0),
+            _mse,
+            fs.optim.sgd(0.1),
+            fs.Mesh(pp=1),
+            micro_batches=2,
+            balance=[2],
+            schedule=bad,
+        )
 
 
 def test_sharding_outside_the_pipeline_is_refused_with_the_fix():

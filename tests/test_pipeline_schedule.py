@@ -67,8 +67,11 @@ def test_a_late_send_is_named():
     first = next(a for a in schedule.actions if a.rank == 1 and a.kind == "F")
     early = first._replace(tick=0)
     bad = _replace(schedule, first, early)
-    with pytest.raises(ScheduleError, match=r"rank 1 receives the activation for F\(m=0, stage 1\) "
-                       r"at tick 0, but rank 0 sends it only after F\(m=0, stage 0\) ends at tick 1"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 1 receives the activation for F\(m=0, stage 1\) "
+        r"at tick 0, but rank 0 sends it only after F\(m=0, stage 0\) ends at tick 1",
+    ):
         check_schedule(bad)
 
 
@@ -76,8 +79,11 @@ def test_a_rank_waiting_on_itself_is_named():
     schedule = gpipe(1, 1)
     forward = next(a for a in schedule.actions if a.kind == "F")
     bad = _replace(schedule, forward, forward._replace(tick=5))  # after its own backward
-    with pytest.raises(ScheduleError, match=r"rank 0 waits on itself: B\(m=0, stage 0\) at tick "
-                       r"1 needs F\(m=0, stage 0\), which the same rank runs at tick 5"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 0 waits on itself: B\(m=0, stage 0\) at tick "
+        r"1 needs F\(m=0, stage 0\), which the same rank runs at tick 5",
+    ):
         check_schedule(bad)
 
 
@@ -97,8 +103,11 @@ def test_missing_duplicate_and_misplaced_actions_are_refused():
 def test_deadlocking_orders_name_the_first_conflict():
     # Rank 1 wants the backward of micro-batch 0 before running its forward: it waits on itself.
     orders = [[("F", 0, 0), ("B", 0, 0)], [("B", 0, 1), ("F", 0, 1)]]
-    with pytest.raises(ScheduleError, match=r"rank 1: B\(m=0, stage 1\) waits for F\(m=0, "
-                       r"stage 1\), which it runs itself only later"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 1: B\(m=0, stage 1\) waits for F\(m=0, "
+        r"stage 1\), which it runs itself only later",
+    ):
         from_orders("bad", orders, micro_batches=1, stage_ranks=[0, 1], activation_bound=[1, 1])
 
 

@@ -18,7 +18,7 @@ def _brute_force(costs, parts):
     best = None
     for cuts in itertools.combinations(range(1, len(costs)), parts - 1):
         bounds = [0, *cuts, len(costs)]
-        worst = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        worst = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
         if best is None or worst < best:
             best = worst
     return best
@@ -32,7 +32,7 @@ def test_partition_minimises_the_largest_part(seed):
         sizes = partition(costs, parts)
         assert len(sizes) == parts and sum(sizes) == 7 and min(sizes) >= 1
         bounds = [0, *itertools.accumulate(sizes)]
-        worst = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        worst = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
         assert worst == pytest.approx(_brute_force(costs, parts))
 
 
@@ -52,7 +52,7 @@ def test_balance_counts_the_head_and_the_loss():
         fs.balance_by_size(layers, sample, 6)
     with pytest.raises(ValueError, match="give `loss_fn` and `targets` together"):
         fs.balance_by_time(layers, sample, 2, loss_fn=nn.functional.cross_entropy)
-    with pytest.raises(TypeError, match="`layers` must be an nn.Sequential"):
+    with pytest.raises(TypeError, match=r"`layers` must be an nn\.Sequential"):
         fs.balance_by_time("layers", sample, 2)
 
 
@@ -63,8 +63,12 @@ def _batch_norm_statistics(micro_batches):
     _, params, buffers = fs.functionalize(model)
     x, t = torch.randn(16, 4), torch.randn(16, 2)
     step = fs.pipeline(
-        model, lambda out, tgt: ((out - tgt) ** 2).mean(), fs.optim.sgd(0.0), fs.Mesh(pp=2),
-        micro_batches=micro_batches, balance=[2, 1],
+        model,
+        lambda out, tgt: ((out - tgt) ** 2).mean(),
+        fs.optim.sgd(0.0),
+        fs.Mesh(pp=2),
+        micro_batches=micro_batches,
+        balance=[2, 1],
     )
     state = step.init(params, buffers)
     for _ in range(2):
@@ -88,7 +92,7 @@ def test_deferred_batch_norm_statistics_are_the_whole_batch_s():
 def test_deferred_batch_norm_checks_its_arguments():
     with pytest.raises(ValueError, match="`micro_batches` must be a positive int"):
         fs.DeferredBatchNorm(4, 0)
-    with pytest.raises(TypeError, match="`module` must be an nn.Module"):
+    with pytest.raises(TypeError, match=r"`module` must be an nn\.Module"):
         fs.deferred_batch_norm("bn", 2)
     converted = fs.deferred_batch_norm(nn.Sequential(nn.BatchNorm2d(3)), 2)
     assert isinstance(converted[0], fs.DeferredBatchNorm)

@@ -17,8 +17,8 @@ from fscale.parallel.pipeline.builders import gpipe as gpipe
 from fscale.parallel.pipeline.builders import interleaved as interleaved
 from fscale.parallel.pipeline.builders import one_f_one_b as one_f_one_b
 from fscale.parallel.pipeline.builders import zero_bubble as zero_bubble
-from fscale.parallel.pipeline.check import activation_peaks as activation_peaks
 from fscale.parallel.pipeline.chart import pipeline_chart as pipeline_chart
+from fscale.parallel.pipeline.check import activation_peaks as activation_peaks
 from fscale.parallel.pipeline.check import check_schedule as check_schedule
 from fscale.parallel.pipeline.contract import StageContractError as StageContractError
 from fscale.parallel.pipeline.layer import PipelinePlan as PipelinePlan

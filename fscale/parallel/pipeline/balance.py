@@ -65,7 +65,11 @@ def partition(costs: Sequence[float], partitions: int) -> list[int]:
 def _layers(layers: Any, caller: str) -> list[nn.Module]:
     if isinstance(layers, nn.Sequential):
         return list(layers.children())
-    if isinstance(layers, (list, tuple)) and layers and all(isinstance(m, nn.Module) for m in layers):
+    if (
+        isinstance(layers, (list, tuple))
+        and layers
+        and all(isinstance(m, nn.Module) for m in layers)
+    ):
         return list(layers)
     raise TypeError(
         f"{caller}: `layers` must be an nn.Sequential or a list of modules, got "
@@ -86,6 +90,19 @@ def _run_layer(layer: nn.Module, x: Any, loss: Callable[[torch.Tensor], torch.Te
     return y.detach()
 
 
+def _saved_bytes(layer: nn.Module, x: Any, loss: Any) -> tuple[float, torch.Tensor]:
+    """The bytes `layer` (and `loss`) save for backward on `x`, and the layer's output."""
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = _run_layer(layer, x, loss)
+    return float(sum(saved)), y
+
+
 def layer_costs(
     layers: Any,
     sample: Any,
@@ -96,7 +113,7 @@ def layer_costs(
     repeats: int = 3,
     param_scale: float = 2.0,
 ) -> list[float]:
-    """Per-layer cost, ``kind`` "time" (microseconds) or "size" (bytes); see the module docstring."""
+    """Per-layer cost, ``kind`` "time" (microseconds) or "size" (bytes): see the module doc."""
     caller = f"balance_by_{kind}"
     modules = _layers(layers, caller)
     if (loss_fn is None) != (targets is None):
@@ -108,26 +125,19 @@ def layer_costs(
     costs, x = [], sample
     for index, layer in enumerate(modules):
         last = index == len(modules) - 1
-        loss = (lambda y: loss_fn(y, targets)) if last and loss_fn is not None else None  # noqa: E731
+        loss = (lambda y: loss_fn(y, targets)) if last and loss_fn is not None else None
         if kind == "time":
             runs = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                y = _run_layer(layer, x, loss)
+                _run_layer(layer, x, loss)
                 runs.append((time.perf_counter() - start) * 1e6)
             costs.append(min(runs))
+            x = _run_layer(layer, x, loss)
         else:
-            saved: list[int] = []
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                saved.append(t.numel() * t.element_size())
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = _run_layer(layer, x, loss)
+            saved_bytes, x = _saved_bytes(layer, x, loss)
             params = sum(p.numel() * p.element_size() for p in layer.parameters())
-            costs.append(float(sum(saved)) + param_scale * params)
-        x = y
+            costs.append(saved_bytes + param_scale * params)
     return costs
 
 
@@ -167,7 +177,11 @@ def balance_by_size(
 ) -> list[int]:
     """The balance that evens the memory per stage: saved activations plus `param_scale` times
     the parameter bytes (arguments as `balance_by_time`)."""
-    if not isinstance(param_scale, (int, float)) or isinstance(param_scale, bool) or param_scale < 0:
+    if (
+        not isinstance(param_scale, (int, float))
+        or isinstance(param_scale, bool)
+        or param_scale < 0
+    ):
         raise ValueError(f"balance_by_size: `param_scale` must be >= 0, got {param_scale!r}")
     costs = layer_costs(
         layers, sample, "size", loss_fn=loss_fn, targets=targets, param_scale=param_scale

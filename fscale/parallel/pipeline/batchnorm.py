@@ -48,7 +48,11 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         momentum: float = 0.1,
         affine: bool = True,
     ) -> None:
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        if (
+            isinstance(micro_batches, bool)
+            or not isinstance(micro_batches, int)
+            or micro_batches < 1
+        ):
             raise ValueError(
                 f"DeferredBatchNorm: `micro_batches` must be a positive int, got {micro_batches!r}"
             )
@@ -72,7 +76,13 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         self._check_input_dim(input)
         if not self.training:
             return F.batch_norm(
-                input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
+                input,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                False,
+                0.0,
                 self.eps,
             )
         dims = [d for d in range(input.dim()) if d != 1]

@@ -62,7 +62,9 @@ def one_f_one_b(num_ranks: int, micro_batches: int) -> Schedule:
         order += [("B", i, r) for i in range(m - warmup, m)]
         orders.append(order)
     bound = [min(p - r, m) for r in range(p)]
-    return from_orders("1f1b", orders, micro_batches=m, stage_ranks=range(p), activation_bound=bound)
+    return from_orders(
+        "1f1b", orders, micro_batches=m, stage_ranks=range(p), activation_bound=bound
+    )
 
 
 def interleaved(num_ranks: int, micro_batches: int, virtual: int = 2) -> Schedule:

@@ -49,12 +49,19 @@ def pipeline_chart(schedule: Schedule, path: str | pathlib.Path, *, dpi: int = 1
         colour = _lighter(_COLOURS[action.kind], chunk / max(len(local), 1))
         duration = schedule.duration(action.kind)
         axes.broken_barh(
-            [(action.tick, duration)], (action.rank - 0.4, 0.8), facecolors=colour,
+            [(action.tick, duration)],
+            (action.rank - 0.4, 0.8),
+            facecolors=colour,
             edgecolors="white",
         )
         axes.text(
-            action.tick + duration / 2, action.rank, str(action.micro_batch), ha="center",
-            va="center", fontsize=7, color="white",
+            action.tick + duration / 2,
+            action.rank,
+            str(action.micro_batch),
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white",
         )
     axes.set_yticks(range(schedule.num_ranks), [f"rank {r}" for r in range(schedule.num_ranks)])
     axes.invert_yaxis()
@@ -70,7 +77,9 @@ def pipeline_chart(schedule: Schedule, path: str | pathlib.Path, *, dpi: int = 1
         if any(a.kind == k for a in schedule.actions)
     ]
     labels = [
-        {"F": "forward", "B": "backward (input)" if schedule.split else "backward", "W": "weights"}[k]
+        {"F": "forward", "B": "backward (input)" if schedule.split else "backward", "W": "weights"}[
+            k
+        ]
         for k in ("F", "B", "W")
         if any(a.kind == k for a in schedule.actions)
     ]

@@ -21,6 +21,8 @@ The first conflict in tick order is reported, with the rank, the tick and both a
 
 from __future__ import annotations
 
+import itertools
+
 from fscale.parallel.pipeline.schedule import KINDS, Action, Schedule, ScheduleError, dependencies
 
 __all__ = ["activation_peaks", "check_schedule"]
@@ -73,8 +75,7 @@ def _check_table(schedule: Schedule) -> None:
         )
     for stage, rank in enumerate(schedule.stage_ranks):
         if not 0 <= rank < p:
-            raise ScheduleError(f"schedule {name!r}: stage {stage} is placed on rank {rank} "
-                                f"of {p}")
+            raise ScheduleError(f"schedule {name!r}: stage {stage} is placed on rank {rank} of {p}")
     seen: dict[tuple[str, int, int], Action] = {}
     for a in sorted(schedule.actions, key=lambda a: (a.tick, a.rank)):
         if a.kind not in KINDS:
@@ -106,7 +107,7 @@ def _check_table(schedule: Schedule) -> None:
                     )
     for rank in range(p):
         actions = schedule.rank_actions(rank)
-        for before, after in zip(actions, actions[1:]):
+        for before, after in itertools.pairwise(actions):
             if after.tick < schedule.end(before):
                 raise ScheduleError(
                     f"schedule {name!r}: rank {rank} runs {after.label()} at tick {after.tick} "

@@ -26,6 +26,7 @@ from fscale.distributed.comm import Comm
 from fscale.grad import normalize_loss_output
 from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.stages import Stages
+from fscale.parallel.pipeline.transport import wait
 
 __all__ = ["StageContractError", "probe_stages"]
 
@@ -106,7 +107,9 @@ def probe_stages(
             y: Any = None
             try:
                 y, _ = stages.calls[stage](
-                    params[local.index(stage)], buffers[local.index(stage)], x,
+                    params[local.index(stage)],
+                    buffers[local.index(stage)],
+                    x,
                     fsrandom.fold_in(key, 0),
                 )
                 if not isinstance(y, torch.Tensor):
@@ -114,8 +117,10 @@ def probe_stages(
                 if stage == last:
                     normalize_loss_output(loss_fn(y, targets), None)
             except Exception as error:  # reported on every rank below
-                where = "its output in loss_fn" if isinstance(y, torch.Tensor) and stage == last else (
-                    received
+                where = (
+                    "its output in loss_fn"
+                    if isinstance(y, torch.Tensor) and stage == last
+                    else (received)
                 )
                 failure = (
                     f"stage {stage} (rank {index} along {axis!r}) failed on {where}: "
@@ -128,7 +133,7 @@ def probe_stages(
             if stage < last:
                 _send_on(comm, schedule, index, stage, y, sends)
     for work in sends:
-        work.wait()
+        wait(work)
     failures = [failure]
     found = None
     if comm is not None:
@@ -163,11 +168,11 @@ def _send_on(
 def _receive(comm: Comm, source: int, stage: int) -> torch.Tensor | None:
     tag = _PROBE_TAG + 2 * stage
     header = torch.empty(_HEADER, dtype=torch.int64)
-    dist.irecv(header, group=comm.group, group_src=source, tag=tag).wait()
+    wait(dist.irecv(header, group=comm.group, group_src=source, tag=tag))
     if int(header[0]) != 0:
         return None
     ndim = int(header[2])
     shape = torch.Size(int(d) for d in header[3 : 3 + ndim])
     buffer = torch.empty(shape, dtype=_DTYPES[int(header[1])])
-    dist.irecv(buffer, group=comm.group, group_src=source, tag=tag + 1).wait()
+    wait(dist.irecv(buffer, group=comm.group, group_src=source, tag=tag + 1))
     return buffer

@@ -84,7 +84,9 @@ class PipelinePlan(Plan):
         return self.schedule.local_stages(self.index)
 
     def _comm(self) -> Comm | None:
-        return resolve_comm(self.axis, self.mesh, "pipeline") if self.schedule.num_ranks > 1 else None
+        return (
+            resolve_comm(self.axis, self.mesh, "pipeline") if self.schedule.num_ranks > 1 else None
+        )
 
     # ---- phases --------------------------------------------------------------------------
 
@@ -158,16 +160,14 @@ class PipelinePlan(Plan):
 
     def shard_state(self, step, full_state):
         local_params, local_buffers = self._local_pieces(full_state.params, full_state.buffers)
-        local_def = tree.structure(local_params)
-        full_def = tree.structure(full_state.params)
-        items, outer = _param_shaped(full_state.opt_state, full_def)
-        local_items = [
-            self._local_of(item) if shaped else item for shaped, item in items
-        ]
-        del local_def
-        opt_state = optree.tree_unflatten(outer, local_items)
+        items, outer = _param_shaped(full_state.opt_state, tree.structure(full_state.params))
+        local_items = [self._local_of(item) if shaped else item for shaped, item in items]
         local_state = TrainState(
-            local_params, local_buffers, opt_state, full_state.step, full_state.key
+            local_params,
+            local_buffers,
+            optree.tree_unflatten(outer, local_items),
+            full_state.step,
+            full_state.key,
         )
         return self.inner.shard_state(step, local_state)
 
@@ -225,14 +225,26 @@ class PipelinePlan(Plan):
         return micro_inputs, micro_targets
 
     def _contract(self, comm, params, buffers, inputs, targets, key):
-        signature = (tuple(inputs.shape), inputs.dtype, tuple(
-            (tuple(t.shape), t.dtype) for t in tree.leaves(targets)
-        ))
+        signature = (
+            tuple(inputs.shape),
+            inputs.dtype,
+            tuple((tuple(t.shape), t.dtype) for t in tree.leaves(targets)),
+        )
         shapes = self._shapes.get(signature)
         if shapes is None:
             shapes = probe_stages(
-                self.schedule, self.index, comm, self.mesh, self.axis, self.stages,
-                params, buffers, inputs, targets, self.loss_fn, key,
+                self.schedule,
+                self.index,
+                comm,
+                self.mesh,
+                self.axis,
+                self.stages,
+                params,
+                buffers,
+                inputs,
+                targets,
+                self.loss_fn,
+                key,
             )
             self._shapes[signature] = shapes
         return shapes

@@ -125,7 +125,8 @@ def run_schedule(
     def add(i: int, found: Sequence[torch.Tensor | None]) -> None:
         for j, g in enumerate(found):
             if g is not None:
-                grads[i][j] = g if grads[i][j] is None else grads[i][j] + g
+                total = grads[i][j]
+                grads[i][j] = g if total is None else total + g
 
     def forward(m: int, stage: int) -> None:
         nonlocal loss_sum
@@ -147,7 +148,9 @@ def run_schedule(
         if checkpoint == "always" or (checkpoint == "except_last" and m < micro_batches - 1):
             call = remat_checkpoint(call)
         with torch.enable_grad():
-            y, stage_buffers[i] = call(stage_params[i], stage_buffers[i], x, fsrandom.fold_in(key, m))
+            y, stage_buffers[i] = call(
+                stage_params[i], stage_buffers[i], x, fsrandom.fold_in(key, m)
+            )
             unit.output = y
             if stage == last:
                 out = normalize_loss_output(loss_fn(y, targets[m]), None)
@@ -171,6 +174,7 @@ def run_schedule(
         if stage < last and schedule.stage_ranks[stage + 1] == index:
             unit.grad_out = local_grads.pop((m, stage))
         wanted = targets_of(unit, i, not split)
+        assert unit.root is not None
         found = torch.autograd.grad(
             unit.root, wanted, unit.grad_out, retain_graph=split, allow_unused=True
         )
@@ -189,6 +193,7 @@ def run_schedule(
             root, grad_out = unit.output, unit.link.received_grad
         else:
             root, grad_out = unit.root, unit.grad_out
+        assert root is not None
         add(i, torch.autograd.grad(root, leaves[i], grad_out, allow_unused=True))
 
     split = schedule.split

@@ -182,15 +182,15 @@ def from_orders(
         progressed = False
         for rank, order in enumerate(orders):
             while position[rank] < len(order):
-                step = tuple(order[position[rank]])
-                needs = dependencies(step, num_stages)  # type: ignore[arg-type]
+                kind, m, s = order[position[rank]]
+                step = (kind, m, s)
+                needs = dependencies(step, num_stages)
                 if any(need not in ends for need in needs):
                     break
                 start = max([free[rank], *(ends[need] for need in needs)])
-                kind, m, s = step
                 placed.append(Action(rank, start, kind, m, s))
-                ends[step] = start + durations[kind]  # type: ignore[index]
-                free[rank] = ends[step]  # type: ignore[index]
+                ends[step] = start + durations[kind]
+                free[rank] = ends[step]
                 position[rank] += 1
                 remaining -= 1
                 progressed = True

@@ -110,9 +110,7 @@ def pipeline(
             raise TypeError(f"{caller}: `per_stage` must be a Step -> Step transformation")
         base = per_stage(base)
         if not isinstance(base, Step):
-            raise TypeError(
-                f"{caller}: `per_stage` must return a Step, got {type(base).__name__}"
-            )
+            raise TypeError(f"{caller}: `per_stage` must return a Step, got {type(base).__name__}")
         if axis in base.plan.data_axes():
             raise ValueError(
                 f"{caller}: `per_stage` splits the batch over the pipeline axis {axis!r}; use "

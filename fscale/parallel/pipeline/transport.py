@@ -29,7 +29,7 @@ import torch.distributed as dist
 from fscale.distributed.comm import Comm
 from fscale.distributed.ledger import record
 
-__all__ = ["Link", "Outbox", "message_tag", "recv_activation", "send_activation"]
+__all__ = ["Link", "Outbox", "message_tag", "recv_activation", "send_activation", "wait"]
 
 Tensor = torch.Tensor
 
@@ -49,14 +49,20 @@ class Outbox:
     def drain(self) -> None:
         pending, self._pending = self._pending, []
         for work, _ in pending:
-            work.wait()
+            wait(work)
 
 
 def receive(comm: Comm, shape: torch.Size, dtype: torch.dtype, source: int, tag: int) -> Tensor:
     """Block until the tensor tagged `tag` from index `source` along the axis has arrived."""
     buffer = torch.empty(shape, dtype=dtype)
-    dist.irecv(buffer, group=comm.group, group_src=source, tag=tag).wait()
+    wait(dist.irecv(buffer, group=comm.group, group_src=source, tag=tag))
     return buffer
+
+
+def wait(work: Any) -> None:
+    """Wait for a point-to-point operation (None: it completed at once)."""
+    if work is not None:
+        work.wait()
 
 
 def message_tag(gradient: bool, micro_batch: int, stage: int, micro_batches: int) -> int:
