@@ -146,7 +146,9 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
     variants: dict[str, Any] = {}
     peaks: dict[str, int] = {}
     try:
-        variants["torch"] = _torch_variant(cfg, torch_balance, torch_stages, schedule, micro_batches)
+        variants["torch"] = _torch_variant(
+            cfg, torch_balance, torch_stages, schedule, micro_batches
+        )
     except Exception as error:  # a schedule that torch does not run on gloo is reported
         variants_error = f"{type(error).__name__}: {error}"
     else:
@@ -193,6 +195,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = args.steps if args.steps is not None else (5 if args.quick else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     rows = []
+    with _util.MachineLoad() as load:
+        _run_all(args, steps, warmup, rows)
+    print(_format(rows))
+    print(load.describe())
+    _util.write_results(
+        "pipeline", {"rows": rows, "steps": steps, "warmup": warmup, "load": load.describe()}
+    )
+    return {"rows": rows}
+
+
+def _run_all(args: Any, steps: int, warmup: int, rows: list[dict[str, Any]]) -> None:
     for ranks in args.ranks:
         for micro_batches in args.micro_batches:
             for schedule in args.schedules:
@@ -204,20 +217,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "micro_batches": micro_batches,
                 }
                 results = fs.launch(
-                    rank_main, ranks, options, backend="gloo", env={"FSCALE_DEBUG": "0"},
+                    rank_main,
+                    ranks,
+                    options,
+                    backend="gloo",
+                    env={"FSCALE_DEBUG": "0"},
                     timeout=1800,
                 )
                 rows.append(_row(ranks, micro_batches, schedule, results))
                 print(_format([rows[-1]]), flush=True)
-    print(_format(rows))
-    _util.write_results("pipeline", {"rows": rows, "steps": steps, "warmup": warmup})
-    return {"rows": rows}
 
 
 def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, Any]]):
     names = list(results[0]["times"])
     per_round = {
-        name: [max(r["times"][name][i] for r in results) for i in range(len(results[0]["times"][name]))]
+        name: [max(values) for values in zip(*(r["times"][name] for r in results))]
         for name in names
     }
     medians = {name: _util.summarize(values).median for name, values in per_round.items()}
@@ -238,18 +252,33 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
 
 
 def _format(rows: list[dict[str, Any]]) -> str:
-    header = ["P", "M", "schedule", "fscale ms", "torch ms", "fscale/torch thr", "fscale peak MiB",
-              "torch peak MiB", "table bubble", "(P-1)/(M+P-1)"]
-    body = []
-    for r in rows:
-        body.append([
-            r["ranks"], r["micro_batches"], r["schedule"], r["fscale_s"] * 1e3,
+    header = [
+        "P",
+        "M",
+        "schedule",
+        "fscale ms",
+        "torch ms",
+        "fscale/torch thr",
+        "fscale peak MiB",
+        "torch peak MiB",
+        "table bubble",
+        "(P-1)/(M+P-1)",
+    ]
+    body = [
+        [
+            r["ranks"],
+            r["micro_batches"],
+            r["schedule"],
+            r["fscale_s"] * 1e3,
             (r["torch_s"] or float("nan")) * 1e3,
             r["throughput_ratio"] if r["throughput_ratio"] is not None else "n/a",
             "/".join(f"{v:.1f}" for v in r["fscale_peak_mib"]),
             "/".join(f"{v:.1f}" for v in r["torch_peak_mib"]),
-            r["table_bubble"], r["analytic_bubble"] if r["analytic_bubble"] is not None else "-",
-        ])
+            r["table_bubble"],
+            r["analytic_bubble"] if r["analytic_bubble"] is not None else "-",
+        ]
+        for r in rows
+    ]
     return _util.format_table(header, body)
 
 
