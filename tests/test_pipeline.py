@@ -358,3 +358,43 @@ def test_sharding_outside_the_pipeline_is_refused_with_the_fix():
     step = fs.shard_optimizer(step, mesh, "dp")
     with pytest.raises(ValueError, match="shard each stage instead"):
         step.init(*fs.functionalize(model)[1:])
+
+
+def _token_weighted():
+    model = _mlp(2, 4, 5)
+    _, params, buffers = fs.functionalize(model)
+    x, t = _batch(5, 8, 4)
+    mask = torch.zeros(8, 4)
+    mask[0, :1] = 1  # micro-batches hold 1, 8, 3 and 16 items: uneven on purpose
+    mask[2:4, :] = 1
+    mask[4:6, :2] = 1
+    mask[4, 2] = 0
+    mask[5, :] = 0
+    mask[4, :3] = 1
+    mask[6:, :] = 1
+
+    def masked(out, targets):
+        target, weights = targets
+        count = weights.sum()
+        return (((out - target) ** 2) * weights).sum() / count, count
+
+    step = pipeline(
+        model, masked, fs.optim.sgd(0.1), fs.Mesh(pp=2), micro_batches=4, balance=[2, 2]
+    )
+    state, losses = _train(step, params, buffers, (x, (t, mask)), 2)
+    apply, _, _ = fs.functionalize(model)
+
+    def global_mean(p, b, data, key):
+        out = apply(p, b, data[0])[0]
+        return (((out - data[1]) ** 2) * mask).sum() / mask.sum()
+
+    expected, expected_losses = _train(
+        fs.train_step(global_mean, fs.optim.sgd(0.1)), params, buffers, (x, t), 2
+    )
+    return fs.consolidate(step, state).params, expected.params, losses, expected_losses
+
+
+def test_a_loss_that_counts_its_tokens_is_reduced_by_the_global_count():
+    for params, expected, losses, expected_losses in run_spmd(_token_weighted, 2):
+        assert_trees_close(params, expected, rtol=1e-5, atol=1e-6)
+        assert losses == pytest.approx(expected_losses, rel=1e-5)

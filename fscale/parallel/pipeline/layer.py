@@ -36,7 +36,7 @@ from fscale.distributed import collectives
 from fscale.distributed.comm import Comm, resolve_comm
 from fscale.distributed.mesh import Mesh
 from fscale.parallel.pipeline.contract import probe_stages
-from fscale.parallel.pipeline.runner import run_schedule
+from fscale.parallel.pipeline.runner import RankResult, run_schedule
 from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.stages import Stages
 from fscale.plan import PlainOptimizer, Plan, TrainState
@@ -126,12 +126,12 @@ class PipelinePlan(Plan):
                 self.checkpoint,
                 shapes,
             )
-            loss = result.loss if result.loss is not None else torch.zeros(())
-            if comm is not None:
-                loss = collectives.all_reduce(loss, self.axis, "sum", mesh=self.mesh)
+            loss, count = _reduce_loss(result, comm, self.mesh, self.axis)
+            grads = tree.leaves(result.grads)
+            if count is not None:  # weighted by counts: divide by the global count
+                grads = [g / count.to(g.dtype) for g in grads]
             surrogate = sum(
-                (leaf * grad).sum()
-                for leaf, grad in zip(tree.leaves(live_params), tree.leaves(result.grads))
+                (leaf * grad).sum() for leaf, grad in zip(tree.leaves(live_params), grads)
             )
             assert isinstance(surrogate, torch.Tensor)
             return loss.to(surrogate.dtype) + (surrogate - surrogate.detach()), result.buffers
@@ -248,6 +248,24 @@ class PipelinePlan(Plan):
             )
             self._shapes[signature] = shapes
         return shapes
+
+
+def _reduce_loss(
+    result: RankResult, comm: Comm | None, mesh: Mesh, axis: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The batch's mean loss on every rank and, when the loss gave counts, the global count.
+
+    The last stage's (loss sum, count sum, whether counted) go to every rank in one sum."""
+    values = torch.zeros(3)
+    if result.loss is not None:
+        values[0] = result.loss.detach().float()
+    if result.count is not None:
+        values[1], values[2] = result.count, 1.0
+    if comm is not None:
+        values = collectives.all_reduce(values, axis, "sum", mesh=mesh)
+    if values[2] > 0:
+        return values[0] / values[1], values[1]
+    return values[0], None
 
 
 def _param_shaped(value: PyTree, params_def: Any) -> tuple[list[tuple[bool, Any]], Any]:

@@ -6,8 +6,10 @@ For each (micro-batch m, stage s) the rank holds:
   (cut from its graph), or received with `recv_activation`; the stage runs (under
   `fscale.checkpoint` when the checkpoint mode says so) and its output goes to the next stage —
   through `send_activation`, whose token is then the root of the stage's backward — or, on the
-  last stage, into ``loss_fn(outputs, targets)``, weighted by the micro-batch's share of the
-  batch (so the gradient is that of the mean over all samples, whatever M is).
+  last stage, into ``loss_fn(outputs, targets)``: a mean over the micro-batch's samples,
+  weighted by the micro-batch's share of the batch (1/M), or ``(mean, count)``, a mean over
+  `count` items (tokens), weighted by `count` — the caller divides by the global count. Either
+  way the gradient is that of the mean over the whole batch, whatever M is.
 - ``B``: one ``torch.autograd.grad`` from the root: the gradient of the output arrives from the
   next stage (the token's backward receives it), the input's gradient leaves for the previous
   stage (the recv's backward sends it), and — unless the schedule splits — the weights'
@@ -51,12 +53,14 @@ CHECKPOINT_MODES = ("always", "except_last", "never")
 
 
 class RankResult(NamedTuple):
-    """What one rank computed: gradients and new buffers per local stage, and, on the rank of
-    the last stage, the sum of the weighted micro-batch losses (else None)."""
+    """What one rank computed: gradients and new buffers per local stage; on the rank of the
+    last stage, the sum of the weighted micro-batch losses and, when the loss gives counts,
+    the sum of the counts (else None: the weights were 1/M)."""
 
     grads: tuple[PyTree, ...]
     buffers: tuple[PyTree, ...]
     loss: torch.Tensor | None
+    count: torch.Tensor | None
 
 
 class _Unit:
@@ -109,6 +113,7 @@ def run_schedule(
     local_grads: dict[tuple[int, int], torch.Tensor] = {}
     outbox = Outbox()
     loss_sum: torch.Tensor | None = None
+    counts: list[torch.Tensor] = []
 
     def link(m: int, stage: int, gradient_of: int) -> Link:
         # The link carries stage `gradient_of`'s output forward and its gradient back.
@@ -153,8 +158,10 @@ def run_schedule(
             )
             unit.output = y
             if stage == last:
-                out = normalize_loss_output(loss_fn(y, targets[m]), None)
-                unit.root = out.loss * weight
+                loss, count = _loss_and_count(loss_fn(y, targets[m]), m, len(counts))
+                if count is not None:
+                    counts.append(count)
+                unit.root = loss * (weight if count is None else count)
                 loss_sum = unit.root.detach() if loss_sum is None else loss_sum + unit.root.detach()
             elif schedule.stage_ranks[stage + 1] == index:
                 unit.root = y
@@ -209,4 +216,26 @@ def run_schedule(
         tree.unflatten(d, [torch.zeros_like(t) if g is None else g for g, t in zip(gs, ls)])
         for d, gs, ls in zip(treedefs, grads, leaves)
     )
-    return RankResult(stage_grads, tuple(stage_buffers), loss_sum)
+    count_sum = torch.stack(counts).sum() if counts else None
+    return RankResult(stage_grads, tuple(stage_buffers), loss_sum, count_sum)
+
+
+def _loss_and_count(out: Any, m: int, counted: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The loss and, if `loss_fn` returned ``(mean, count)``, the count; every micro-batch
+    must return the same kind."""
+    count = None
+    if isinstance(out, tuple) and len(out) == 2:
+        out, count = out
+        count = torch.as_tensor(count, dtype=torch.float32).reshape(())
+        if not bool(count > 0):
+            raise ValueError(
+                f"pipeline: loss_fn returned a count of {float(count)} for micro-batch {m}; a "
+                "(mean, count) loss needs the positive number of items the mean is over"
+            )
+    loss = normalize_loss_output(out, None).loss
+    if (count is None) != (counted == 0) and m > 0:
+        raise ValueError(
+            "pipeline: loss_fn returned (mean, count) for some micro-batches and a plain mean "
+            "for others; return the same kind for every micro-batch"
+        )
+    return loss, count
