@@ -4,6 +4,9 @@ errors a wrong pipeline gets."""
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import pytest
 import torch
 from hypothesis import given
@@ -398,3 +401,30 @@ def test_a_loss_that_counts_its_tokens_is_reduced_by_the_global_count():
     for params, expected, losses, expected_losses in run_spmd(_token_weighted, 2):
         assert_trees_close(params, expected, rtol=1e-5, atol=1e-6)
         assert losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+def _user_schedule():
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from test_pipeline_schedule import eager_1f1b  # the builder the schedule tests define
+
+    model = _mlp(2, 4, 6)
+    _, params, buffers = fs.functionalize(model)
+    batch = _batch(6, 8, 4)
+    step = pipeline(
+        model,
+        _mse,
+        fs.optim.adam(1e-2),
+        fs.Mesh(pp=2),
+        micro_batches=4,
+        balance=[2, 2],
+        schedule=eager_1f1b,
+    )
+    state, _ = _train(step, params, buffers, batch, 2)
+    expected, _ = _reference(model, batch, 2)
+    return fs.consolidate(step, state).params, expected.params, repr(step)
+
+
+def test_a_schedule_of_ones_own_runs_like_the_built_in_ones():
+    for params, expected, description in run_spmd(_user_schedule, 2):
+        assert_trees_close(params, expected, rtol=1e-5, atol=1e-6)
+        assert "schedule='eager_1f1b'" in description
