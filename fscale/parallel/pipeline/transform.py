@@ -11,8 +11,11 @@ micro-batches (fewer with checkpointing). Traffic per step: each stage boundary 
 activation and one gradient per micro-batch, plus one scalar all-reduce of the loss.
 
 Reductions do not depend on the split: each micro-batch's mean loss is weighted by its share of
-the batch (1/M), so the gradient and ``metrics["loss"]`` are those of the mean over the whole
-batch, for any M, schedule and number of stages. Dropout keys are folded by (step,
+the batch (1/M) — or, when ``loss_fn`` returns ``(mean, count)``, by its count, the gradient
+then divided by the batch's total count — so the gradient and ``metrics["loss"]`` are those of
+the mean over the whole batch (of samples, or of the counted tokens), for any M, schedule and
+number of stages. Across data-parallel ranks (``per_stage``) the data-parallel layer's mean
+over ranks applies. Dropout keys are folded by (step,
 micro-batch, layer) — the stage index in the functions form — so a mask does not depend on the
 schedule or the balance.
 """
@@ -59,7 +62,7 @@ def pipeline(
             (or ``-> y``), one per stage; or an ``nn.Sequential`` / list of modules cut by
             `balance`. The activation between stages is one tensor.
         loss_fn: ``loss_fn(outputs, targets)``: the mean loss of one micro-batch, on the last
-            stage.
+            stage; or ``(mean, count)``, a mean over `count` items (e.g. unpadded tokens).
         optimizer: an `fscale.optim.Optimizer`; each rank runs it on its stages.
         mesh: the mesh; `axis` must be one of its axes.
         axis: the pipeline axis.
@@ -67,7 +70,8 @@ def pipeline(
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (`virtual` stages per rank) or
             ``"zero_bubble"``; a `Schedule`; or a builder ``(num_ranks, micro_batches) ->
             Schedule``. It is checked by simulation here (`check_schedule`).
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (torchgpipe's modes).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (torchgpipe's modes). Under
+            ``"zero_bubble"`` a checkpointed stage is recomputed for B and again for W.
         balance: for a module pipeline, the number of consecutive layers of each stage.
         virtual: stages per rank of the interleaved schedule.
         per_stage: a transformation of each rank's stage step, e.g. ``lambda s:
