@@ -31,7 +31,7 @@ from fscale.parallel import consolidate as consolidate
 from fscale.parallel import data_parallel as data_parallel
 from fscale.parallel import deferred_batch_norm as deferred_batch_norm
 from fscale.parallel import fully_shard as fully_shard
-from fscale.parallel import pipeline as pipeline
+from fscale.parallel.pipeline import pipeline as pipeline
 from fscale.parallel import pipeline_chart as pipeline_chart
 from fscale.parallel import shard_optimizer as shard_optimizer
 from fscale.parallel import shard_state as shard_state

@@ -22,7 +22,6 @@ from fscale.parallel.pipeline import StageContractError as StageContractError
 from fscale.parallel.pipeline import balance_by_size as balance_by_size
 from fscale.parallel.pipeline import balance_by_time as balance_by_time
 from fscale.parallel.pipeline import deferred_batch_norm as deferred_batch_norm
-from fscale.parallel.pipeline import pipeline as pipeline
 from fscale.parallel.pipeline import pipeline_chart as pipeline_chart
 from fscale.parallel.reduce import BucketInfo as BucketInfo
 from fscale.parallel.state import consolidate as consolidate
@@ -51,7 +50,6 @@ __all__ = [
     "data_parallel",
     "deferred_batch_norm",
     "fully_shard",
-    "pipeline",
     "pipeline_chart",
     "shard_optimizer",
     "shard_state",
