@@ -31,10 +31,10 @@ from fscale.parallel import consolidate as consolidate
 from fscale.parallel import data_parallel as data_parallel
 from fscale.parallel import deferred_batch_norm as deferred_batch_norm
 from fscale.parallel import fully_shard as fully_shard
-from fscale.parallel.pipeline import pipeline as pipeline
 from fscale.parallel import pipeline_chart as pipeline_chart
 from fscale.parallel import shard_optimizer as shard_optimizer
 from fscale.parallel import shard_state as shard_state
+from fscale.parallel.pipeline import pipeline as pipeline
 from fscale.plan import Context as Context
 from fscale.plan import GradAux as GradAux
 from fscale.plan import Plan as Plan
