@@ -214,6 +214,13 @@ def _build_parser() -> argparse.ArgumentParser:
     from fscale.ckpt.cli import add_commands as add_checkpoint_commands
 
     add_checkpoint_commands(commands)
+    from fscale.parallel.pipeline.chart import chart_arguments, chart_command
+
+    chart = commands.add_parser(
+        "pipeline-chart", help="print a pipeline schedule as a table and draw it as a PNG"
+    )
+    chart_arguments(chart)
+    chart.set_defaults(run=chart_command)
     return parser
 
 

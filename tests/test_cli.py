@@ -77,3 +77,28 @@ def test_ledger_summary_prints_whole_element_counts():
     summary = ledger.summary()
     assert "655,490" in summary and "655,489.50" not in summary
     assert "." not in summary.splitlines()[2].split()[3]
+
+
+def test_pipeline_chart_command_prints_the_table_and_writes_the_png(tmp_path, capsys) -> None:
+    from fscale.cli import main
+
+    out = tmp_path / "gpipe.png"
+    assert (
+        main(
+            [
+                "pipeline-chart",
+                "gpipe",
+                "--ranks",
+                "2",
+                "--micro-batches",
+                "3",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert text.startswith("gpipe: 2 ranks, 2 stages, 3 micro-batches")
+    assert "rank 0 | F0 F1 F2" in text and "rank 1 |" in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

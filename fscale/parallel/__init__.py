@@ -21,6 +21,15 @@ from fscale.parallel.moe import ExpertParallelPlan as ExpertParallelPlan
 from fscale.parallel.moe import MoEDispatch as MoEDispatch
 from fscale.parallel.moe import expert_parallel as expert_parallel
 from fscale.parallel.moe import moe_dispatch as moe_dispatch
+from fscale.parallel.pipeline import DeferredBatchNorm as DeferredBatchNorm
+from fscale.parallel.pipeline import PipelinePlan as PipelinePlan
+from fscale.parallel.pipeline import Schedule as Schedule
+from fscale.parallel.pipeline import ScheduleError as ScheduleError
+from fscale.parallel.pipeline import StageContractError as StageContractError
+from fscale.parallel.pipeline import balance_by_size as balance_by_size
+from fscale.parallel.pipeline import balance_by_time as balance_by_time
+from fscale.parallel.pipeline import deferred_batch_norm as deferred_batch_norm
+from fscale.parallel.pipeline import pipeline_chart as pipeline_chart
 from fscale.parallel.reduce import BucketInfo as BucketInfo
 from fscale.parallel.state import consolidate as consolidate
 from fscale.parallel.state import shard_state as shard_state
@@ -36,20 +45,29 @@ __all__ = [
     "AccumulatePlan",
     "BucketInfo",
     "DataParallelPlan",
+    "DeferredBatchNorm",
     "ExpertParallelPlan",
     "FullyShardPlan",
     "HookState",
     "MoEDispatch",
+    "PipelinePlan",
+    "Schedule",
+    "ScheduleError",
     "ShardedOptState",
     "ShardedOptimizerPlan",
+    "StageContractError",
     "accumulate",
+    "balance_by_size",
+    "balance_by_time",
     "consolidate",
     "data_parallel",
+    "deferred_batch_norm",
     "expert_parallel",
     "fully_shard",
     "gpt_plan",
     "llama_plan",
     "moe_dispatch",
+    "pipeline_chart",
     "shard_optimizer",
     "shard_state",
     "tensor",

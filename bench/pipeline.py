@@ -1,0 +1,286 @@
+"""Benchmark: `fscale.pipeline` against `torch.distributed.pipelining` on gloo ranks.
+
+Usage: ``python bench/pipeline.py [--quick] [--steps N] [--warmup N] [--ranks 2 4]
+[--micro-batches 4 8]``
+
+For every (ranks P, micro-batches M, schedule) one `fscale.launch` starts P gloo ranks (one
+thread each) that train the same GPT-style ``nn.Sequential`` — token and position embeddings,
+the blocks, and a head (final LayerNorm and an untied output layer) — cut by the same balance,
+with AdamW, round by round alternating (`_util.interleave`, a barrier before every step):
+
+* ``torch``: ``PipelineStage`` per local stage and ``ScheduleGPipe`` / ``Schedule1F1B`` /
+  ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``, ``torch.optim.AdamW``;
+* ``fscale``: ``fscale.pipeline(..., schedule=...)`` over the same modules.
+
+Reported per configuration: median step time of each (the slowest rank's per round), the
+throughput ratio fscale / torch (samples per second), the peak RSS growth of each rank during
+its steps (what the step allocates above the model: mostly activations), the bubble fraction of
+fscale's schedule table, and for GPipe and 1F1B the analytical (P−1)/(M+P−1). Writes
+``bench/results/pipeline.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import _util
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fscale as fs
+from fscale.models import GPT, GPTConfig
+
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+}
+LEARNING_RATE = 1e-3
+SEQUENCES_PER_MICRO_BATCH = 2
+
+
+def _config(quick: bool) -> GPTConfig:
+    if quick:
+        return GPTConfig(
+            vocab_size=1024, seq_len=32, d_model=64, n_heads=4, n_layers=6, tie_embeddings=False
+        )
+    return GPTConfig(
+        vocab_size=4096, seq_len=64, d_model=128, n_heads=4, n_layers=6, tie_embeddings=False
+    )
+
+
+class Head(nn.Module):
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.norm, self.out = gpt.final_norm, gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def _layers(cfg: GPTConfig) -> nn.Sequential:
+    gpt = GPT(cfg, seed=0)
+    return nn.Sequential(gpt.embed, *gpt.blocks, Head(gpt))
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _balance(num_layers: int, num_stages: int) -> list[int]:
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+def _torch_variant(cfg, balance, num_stages, schedule, micro_batches):
+    from torch.distributed import pipelining
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _layers(cfg)
+    bounds = [0]
+    for size in balance:
+        bounds.append(bounds[-1] + size)
+    local = [s for s in range(num_stages) if s % world == rank]
+    stages, params = [], []
+    for s in local:
+        module = nn.Sequential(*list(model.children())[bounds[s] : bounds[s + 1]])
+        params += list(module.parameters())
+        stages.append(pipelining.PipelineStage(module, s, num_stages, torch.device("cpu")))
+    schedule_class = getattr(pipelining, SCHEDULES[schedule])
+    if schedule in ("interleaved", "zero_bubble"):
+        runner = schedule_class(stages, n_microbatches=micro_batches, loss_fn=_loss)
+    else:
+        runner = schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=_loss)
+    optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE)
+    first, last = 0 in local, num_stages - 1 in local
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        args = (tokens,) if first else ()
+        kwargs = {"target": targets, "losses": []} if last else {}
+        runner.step(*args, **kwargs)
+        optimizer.step()
+
+    return step
+
+
+def _fscale_variant(cfg, balance, num_stages, schedule, micro_batches):
+    model = _layers(cfg)
+    _, params, buffers = fs.functionalize(model)
+    mesh = fs.Mesh(pp=dist.get_world_size())
+    step = fs.pipeline(
+        model,
+        _loss,
+        fs.optim.adamw(LEARNING_RATE),
+        mesh,
+        micro_batches=micro_batches,
+        schedule=schedule,
+        balance=balance,
+        checkpoint="never",
+    )
+    holder = {"state": step.init(params, buffers)}
+
+    def run(tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        holder["state"], _ = step(holder["state"], (tokens, targets))
+
+    return run, step.plan.schedule  # type: ignore[attr-defined]
+
+
+def rank_main(options: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    cfg = _config(options["quick"])
+    schedule, micro_batches = options["schedule"], options["micro_batches"]
+    world = dist.get_world_size()
+    num_stages = world * (2 if schedule in ("interleaved", "zero_bubble") else 1)
+    if schedule == "zero_bubble":
+        num_stages = world  # fscale's ZB-H1 is one stage per rank; torch's needs v stages
+    balance = _balance(cfg.n_layers + 2, num_stages)
+    batch = _util.lm_batch(cfg, SEQUENCES_PER_MICRO_BATCH * micro_batches, 0)
+    tokens, targets = batch.inputs, batch.targets
+    torch_stages = world * 2 if schedule in ("interleaved", "zero_bubble") else world
+    torch_balance = _balance(cfg.n_layers + 2, torch_stages)
+    variants: dict[str, Any] = {}
+    peaks: dict[str, int] = {}
+    try:
+        variants["torch"] = _torch_variant(
+            cfg, torch_balance, torch_stages, schedule, micro_batches
+        )
+    except Exception as error:  # a schedule that torch does not run on gloo is reported
+        variants_error = f"{type(error).__name__}: {error}"
+    else:
+        variants_error = None
+    fscale_step, table = _fscale_variant(cfg, balance, num_stages, schedule, micro_batches)
+    variants["fscale"] = fscale_step
+
+    def timed(name: str):
+        def call() -> None:
+            dist.barrier()
+            _util.reset_peak_rss()
+            before = _util.rss_bytes()
+            variants[name](tokens, targets)
+            peaks[name] = max(peaks.get(name, 0), _util.peak_rss_bytes() - before)
+
+        return call
+
+    start = time.perf_counter()
+    times = _util.interleave(
+        {name: timed(name) for name in variants},
+        rounds=options["steps"],
+        warmup=options["warmup"],
+    )
+    return {
+        "times": times,
+        "peak_rss_growth": peaks,
+        "torch_error": variants_error,
+        "bubble": table.bubble_fraction(),
+        "activation_bound": list(table.activation_bound),
+        "balance": balance,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer steps")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    args = parser.parse_args(argv)
+    steps = args.steps if args.steps is not None else (5 if args.quick else 15)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    rows = []
+    with _util.MachineLoad() as load:
+        _run_all(args, steps, warmup, rows)
+    print(_format(rows))
+    print(load.describe())
+    _util.write_results(
+        "pipeline", {"rows": rows, "steps": steps, "warmup": warmup, "load": load.describe()}
+    )
+    return {"rows": rows}
+
+
+def _run_all(args: Any, steps: int, warmup: int, rows: list[dict[str, Any]]) -> None:
+    for ranks in args.ranks:
+        for micro_batches in args.micro_batches:
+            for schedule in args.schedules:
+                options = {
+                    "quick": args.quick,
+                    "steps": steps,
+                    "warmup": warmup,
+                    "schedule": schedule,
+                    "micro_batches": micro_batches,
+                }
+                results = fs.launch(
+                    rank_main,
+                    ranks,
+                    options,
+                    backend="gloo",
+                    env={"FSCALE_DEBUG": "0"},
+                    timeout=1800,
+                )
+                rows.append(_row(ranks, micro_batches, schedule, results))
+                print(_format([rows[-1]]), flush=True)
+
+
+def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, Any]]):
+    names = list(results[0]["times"])
+    per_round = {
+        name: [max(values) for values in zip(*(r["times"][name] for r in results))]
+        for name in names
+    }
+    medians = {name: _util.summarize(values).median for name, values in per_round.items()}
+    analytic = (ranks - 1) / (micro_batches + ranks - 1) if schedule in ("gpipe", "1f1b") else None
+    return {
+        "ranks": ranks,
+        "micro_batches": micro_batches,
+        "schedule": schedule,
+        "fscale_s": medians["fscale"],
+        "torch_s": medians.get("torch"),
+        "throughput_ratio": medians["torch"] / medians["fscale"] if "torch" in medians else None,
+        "fscale_peak_mib": [r["peak_rss_growth"].get("fscale", 0) / 2**20 for r in results],
+        "torch_peak_mib": [r["peak_rss_growth"].get("torch", 0) / 2**20 for r in results],
+        "table_bubble": results[0]["bubble"],
+        "analytic_bubble": analytic,
+        "torch_error": results[0]["torch_error"],
+    }
+
+
+def _format(rows: list[dict[str, Any]]) -> str:
+    header = [
+        "P",
+        "M",
+        "schedule",
+        "fscale ms",
+        "torch ms",
+        "fscale/torch thr",
+        "fscale peak MiB",
+        "torch peak MiB",
+        "table bubble",
+        "(P-1)/(M+P-1)",
+    ]
+    body = [
+        [
+            r["ranks"],
+            r["micro_batches"],
+            r["schedule"],
+            r["fscale_s"] * 1e3,
+            (r["torch_s"] or float("nan")) * 1e3,
+            r["throughput_ratio"] if r["throughput_ratio"] is not None else "n/a",
+            "/".join(f"{v:.1f}" for v in r["fscale_peak_mib"]),
+            "/".join(f"{v:.1f}" for v in r["torch_peak_mib"]),
+            r["table_bubble"],
+            r["analytic_bubble"] if r["analytic_bubble"] is not None else "-",
+        ]
+        for r in rows
+    ]
+    return _util.format_table(header, body)
+
+
+if __name__ == "__main__":
+    main()

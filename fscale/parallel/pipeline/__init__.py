@@ -1,0 +1,51 @@
+"""Pipeline parallelism: schedules as data, checked by simulation, run across processes.
+
+`fscale.pipeline` builds the Step (`transform`); a schedule is a `Schedule` table
+(`schedule`) written by a builder (`builders`) and checked before any collective runs
+(`check`); each rank executes its rows (`runner`) with the stage-to-stage send/recv pair
+(`transport`), after the first step's check of what the stages pass (`contract`); the layer
+that joins it to the Plan protocol is `layer`. `balance` cuts layers into even stages,
+`batchnorm` keeps BatchNorm's statistics those of the whole batch, `chart` draws a schedule.
+"""
+
+from fscale.parallel.pipeline.balance import balance_by_size as balance_by_size
+from fscale.parallel.pipeline.balance import balance_by_time as balance_by_time
+from fscale.parallel.pipeline.balance import partition as partition
+from fscale.parallel.pipeline.batchnorm import DeferredBatchNorm as DeferredBatchNorm
+from fscale.parallel.pipeline.batchnorm import deferred_batch_norm as deferred_batch_norm
+from fscale.parallel.pipeline.builders import gpipe as gpipe
+from fscale.parallel.pipeline.builders import interleaved as interleaved
+from fscale.parallel.pipeline.builders import one_f_one_b as one_f_one_b
+from fscale.parallel.pipeline.builders import zero_bubble as zero_bubble
+from fscale.parallel.pipeline.chart import pipeline_chart as pipeline_chart
+from fscale.parallel.pipeline.check import activation_peaks as activation_peaks
+from fscale.parallel.pipeline.check import check_schedule as check_schedule
+from fscale.parallel.pipeline.contract import StageContractError as StageContractError
+from fscale.parallel.pipeline.layer import PipelinePlan as PipelinePlan
+from fscale.parallel.pipeline.schedule import Action as Action
+from fscale.parallel.pipeline.schedule import Schedule as Schedule
+from fscale.parallel.pipeline.schedule import ScheduleError as ScheduleError
+from fscale.parallel.pipeline.schedule import from_orders as from_orders
+from fscale.parallel.pipeline.transform import pipeline as pipeline
+
+__all__ = [
+    "Action",
+    "DeferredBatchNorm",
+    "PipelinePlan",
+    "Schedule",
+    "ScheduleError",
+    "StageContractError",
+    "activation_peaks",
+    "balance_by_size",
+    "balance_by_time",
+    "check_schedule",
+    "deferred_batch_norm",
+    "from_orders",
+    "gpipe",
+    "interleaved",
+    "one_f_one_b",
+    "partition",
+    "pipeline",
+    "pipeline_chart",
+    "zero_bubble",
+]

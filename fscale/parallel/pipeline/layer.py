@@ -1,0 +1,279 @@
+"""`PipelinePlan`: the pipeline as a layer of a plan; the stage's own plan runs inside it.
+
+Each rank along the pipeline axis holds its stages' parameters (a tuple, one pytree per local
+stage), their buffers, and the optimizer state of those alone. The layer inside (`inner`) is
+the plan of one stage: `LocalPlan`, or `data_parallel` / `shard_optimizer` over another axis
+of the mesh (``per_stage=`` of `fscale.pipeline`). The pipeline reaches it only through the
+Plan protocol:
+
+- ``init`` keeps this rank's pieces of the full model and initialises the inner plan on them;
+- ``gradients`` runs the inner plan's gradient phase with a loss function that executes this
+  rank's part of the schedule (`run_schedule`) and returns the loss together with a linear
+  *surrogate*, ``Σ_leaf ⟨leaf, g_leaf⟩`` minus its own value, whose gradient w.r.t. the live
+  parameters is exactly the pipeline's gradient ``g``. So whatever the inner plan does with a
+  loss's gradient — DDP's bucketed all-reduce, ZeRO's reduce-scatter, accumulation's seeding
+  and weighting — it does with the pipeline's, unchanged. The value is the mean loss over the
+  batch, summed from the last stage over the pipeline axis, equal on every rank;
+- ``apply_gradients`` is the inner plan's: each rank updates its own stages;
+- ``consolidate`` / ``shard_state`` map the inner plan's full state of the local stages to and
+  from the whole model's (an all-gather of the pieces over the pipeline axis).
+
+An optimizer state leaf that mirrors the parameters (a moment) is joined or cut per stage; any
+other leaf (a step count) is the same on every rank and taken from the first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import optree
+import torch
+
+from fscale import spmd, tree
+from fscale.data import split_batch
+from fscale.distributed import collectives
+from fscale.distributed.comm import Comm, resolve_comm
+from fscale.distributed.mesh import Mesh
+from fscale.parallel.pipeline.contract import probe_stages
+from fscale.parallel.pipeline.runner import RankResult, run_schedule
+from fscale.parallel.pipeline.schedule import Schedule
+from fscale.parallel.pipeline.stages import Stages
+from fscale.plan import PlainOptimizer, Plan, TrainState
+
+__all__ = ["PipelinePlan"]
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class PipelinePlan(Plan):
+    """Stages over `axis` run by `schedule`; `inner` is the plan of each rank's stages."""
+
+    inner: Plan
+    mesh: Mesh
+    axis: str
+    stages: Stages
+    schedule: Schedule
+    loss_fn: Any
+    checkpoint: str
+    # Output shapes found by the first step's contract check, per batch signature.
+    _shapes: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        return "pipeline"
+
+    def describe(self) -> str:
+        s = self.schedule
+        return (
+            f"pipeline(axis={self.axis!r} of size {s.num_ranks}, schedule={s.name!r}, "
+            f"stages={s.num_stages}, micro_batches={s.micro_batches}, "
+            f"checkpoint={self.checkpoint!r})"
+        )
+
+    def own_mesh(self) -> Mesh:
+        return self.mesh
+
+    @property
+    def index(self) -> int:
+        return self.mesh.rank(self.axis)
+
+    @property
+    def local(self) -> tuple[int, ...]:
+        return self.schedule.local_stages(self.index)
+
+    def _comm(self) -> Comm | None:
+        return (
+            resolve_comm(self.axis, self.mesh, "pipeline") if self.schedule.num_ranks > 1 else None
+        )
+
+    # ---- phases --------------------------------------------------------------------------
+
+    def init(self, step, params, buffers, key, ctx):
+        if ctx.optimizer != PlainOptimizer() or ctx.param_maps:
+            raise ValueError(
+                "pipeline: a layer outside the pipeline shards the state (shard_optimizer or "
+                "fully_shard); shard each stage instead: fscale.pipeline(..., per_stage=lambda "
+                "s: fscale.shard_optimizer(s, mesh, 'dp'))"
+            )
+        local_params, local_buffers = self._local_pieces(params, buffers)
+        if not tree.leaves(local_params):
+            raise ValueError(
+                f"pipeline: the stages {list(self.local)} of rank {self.index} along "
+                f"{self.axis!r} have no trainable parameters; move a layer with parameters "
+                "into them (change `balance`)"
+            )
+        return self.inner.init(step, local_params, local_buffers, key, ctx)
+
+    def gradients(self, step, state, batch, ctx):
+        inputs, targets = self._micro_batches(batch)
+
+        def run_rank(live_params: PyTree, buffers: PyTree, _batch: Any, key: torch.Tensor):
+            comm = self._comm()
+            shapes = self._contract(comm, live_params, buffers, inputs[0], targets[0], key)
+            result = run_schedule(
+                self.schedule,
+                self.index,
+                comm,
+                self.stages,
+                live_params,
+                buffers,
+                inputs,
+                targets,
+                self.loss_fn,
+                key,
+                self.checkpoint,
+                shapes,
+            )
+            loss, count = _reduce_loss(result, comm, self.mesh, self.axis)
+            grads = tree.leaves(result.grads)
+            if count is not None:  # weighted by counts: divide by the global count
+                grads = [g / count.to(g.dtype) for g in grads]
+            surrogate = sum(
+                (leaf * grad).sum() for leaf, grad in zip(tree.leaves(live_params), grads)
+            )
+            assert isinstance(surrogate, torch.Tensor)
+            return loss.to(surrogate.dtype) + (surrogate - surrogate.detach()), result.buffers
+
+        return self.inner.gradients(step.replace(loss_fn=run_rank), state, batch, ctx)
+
+    # ---- state in and out ----------------------------------------------------------------
+
+    def consolidate(self, step, state):
+        local_full = self.inner.consolidate(step, state)
+        pieces = (self.local, local_full.params, local_full.buffers, local_full.opt_state)
+        gathered = spmd.all_gather_objects(pieces, self.mesh, self.axis)
+        num_stages = self.schedule.num_stages
+        params: list[Any] = [None] * num_stages
+        buffers: list[Any] = [None] * num_stages
+        for local, rank_params, rank_buffers, _ in gathered:
+            for position, stage in enumerate(local):
+                params[stage] = rank_params[position]
+                buffers[stage] = rank_buffers[position]
+        opt_state = self._merge_opt_state([(g[0], g[1], g[3]) for g in gathered])
+        return local_full._replace(
+            params=self.stages.merge(params),
+            buffers=self.stages.merge(buffers),
+            opt_state=opt_state,
+        )
+
+    def shard_state(self, step, full_state):
+        local_params, local_buffers = self._local_pieces(full_state.params, full_state.buffers)
+        items, outer = _param_shaped(full_state.opt_state, tree.structure(full_state.params))
+        local_items = [self._local_of(item) if shaped else item for shaped, item in items]
+        local_state = TrainState(
+            local_params,
+            local_buffers,
+            optree.tree_unflatten(outer, local_items),
+            full_state.step,
+            full_state.key,
+        )
+        return self.inner.shard_state(step, local_state)
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _local_pieces(self, params: PyTree, buffers: PyTree) -> tuple[tuple, tuple]:
+        stage_params = self.stages.split(params, "params", "pipeline")
+        stage_buffers = self.stages.split(buffers, "buffers", "pipeline")
+        return (
+            tuple(stage_params[s] for s in self.local),
+            tuple(stage_buffers[s] for s in self.local),
+        )
+
+    def _local_of(self, full_like_params: PyTree) -> tuple:
+        pieces = self.stages.split(full_like_params, "params", "pipeline")
+        return tuple(pieces[s] for s in self.local)
+
+    def _merge_opt_state(self, ranks: list[tuple[tuple[int, ...], tuple, PyTree]]) -> PyTree:
+        flattened = []
+        for local, rank_params, opt_state in ranks:
+            items, outer = _param_shaped(opt_state, tree.structure(rank_params))
+            flattened.append((local, items, outer))
+        _, first_items, outer = flattened[0]
+        merged = []
+        for k, (shaped, value) in enumerate(first_items):
+            if not shaped:
+                merged.append(value)
+                continue
+            stage_pieces: list[Any] = [None] * self.schedule.num_stages
+            for local, items, _ in flattened:
+                for position, stage in enumerate(local):
+                    stage_pieces[stage] = items[k][1][position]
+            merged.append(self.stages.merge(stage_pieces))
+        return optree.tree_unflatten(outer, merged)
+
+    def _micro_batches(self, batch: Any) -> tuple[list[torch.Tensor], list[Any]]:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError(
+                "pipeline: the batch must be a pair (inputs, targets), given whole to every "
+                f"rank of the pipeline; got {type(batch).__name__}"
+            )
+        inputs, targets = batch
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
+            raise TypeError("pipeline: the batch's inputs must be a tensor with a batch dim 0")
+        m = self.schedule.micro_batches
+        size = inputs.shape[0]
+        if size % m:
+            raise ValueError(
+                f"pipeline: the batch of {size} samples does not split into "
+                f"`micro_batches`={m} equal micro-batches; use a batch size that is a "
+                f"multiple of {m}"
+            )
+        micro_inputs = [split_batch(inputs, i, m) for i in range(m)]
+        micro_targets = [split_batch(targets, i, m) for i in range(m)]
+        return micro_inputs, micro_targets
+
+    def _contract(self, comm, params, buffers, inputs, targets, key):
+        signature = (
+            tuple(inputs.shape),
+            inputs.dtype,
+            tuple((tuple(t.shape), t.dtype) for t in tree.leaves(targets)),
+        )
+        shapes = self._shapes.get(signature)
+        if shapes is None:
+            shapes = probe_stages(
+                self.schedule,
+                self.index,
+                comm,
+                self.mesh,
+                self.axis,
+                self.stages,
+                params,
+                buffers,
+                inputs,
+                targets,
+                self.loss_fn,
+                key,
+            )
+            self._shapes[signature] = shapes
+        return shapes
+
+
+def _reduce_loss(
+    result: RankResult, comm: Comm | None, mesh: Mesh, axis: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The batch's mean loss on every rank and, when the loss gave counts, the global count.
+
+    The last stage's (loss sum, count sum, whether counted) go to every rank in one sum."""
+    values = torch.zeros(3)
+    if result.loss is not None:
+        values[0] = result.loss.detach().float()
+    if result.count is not None:
+        values[1], values[2] = result.count, 1.0
+    if comm is not None:
+        values = collectives.all_reduce(values, axis, "sum", mesh=mesh)
+    if values[2] > 0:
+        return values[0] / values[1], values[1]
+    return values[0], None
+
+
+def _param_shaped(value: PyTree, params_def: Any) -> tuple[list[tuple[bool, Any]], Any]:
+    """`value` flattened down to its subtrees shaped like the params (marked True) and its
+    other leaves (False), with the outer structure."""
+
+    def is_params(node: Any) -> bool:
+        return tree.structure(node) == params_def
+
+    items, outer = optree.tree_flatten(value, is_leaf=is_params, none_is_leaf=False)
+    return [(is_params(item), item) for item in items], outer

@@ -1,0 +1,184 @@
+"""The stages of a pipeline: user functions, or an ``nn.Sequential`` cut by a `balance` list.
+
+Either form becomes `Stages`: one call per stage, ``call(params_s, buffers_s, x, key) ->
+(y, buffers_s)`` with `key` the micro-batch's key, and the map between the full model's state
+and the stages' pieces (`split` / `merge`):
+
+- **functions**: ``stage_i(params_i, buffers_i, x, key) -> (y, buffers_i)`` (or just ``y``);
+  the full params and buffers are lists with one pytree per stage. The key a stage sees is the
+  micro-batch's key folded with the stage index.
+- **modules**: an ``nn.Sequential`` (or a list of modules, named ``"0"``, ``"1"`` ... as a
+  Sequential would name them) and `balance`, the number of consecutive layers per stage. Each
+  layer is functionalized on its own; a stage's params and buffers are dicts keyed by the
+  Sequential's own names (``"3.weight"``), so the full state is exactly what
+  ``fscale.functionalize(sequential)`` returns. Each layer runs with the micro-batch's key
+  folded with the layer's index, so dropout masks do not depend on the balance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fscale import random as fsrandom
+from fscale.functional import functionalize
+
+__all__ = ["StageCall", "Stages", "function_stages", "module_stages"]
+
+PyTree = Any
+StageCall = Callable[[PyTree, PyTree, torch.Tensor, torch.Tensor], tuple[torch.Tensor, PyTree]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """The stages' calls and how the full model's pytrees split into per-stage pieces.
+
+    Attributes:
+        calls: one call per stage.
+        param_names: for the modules form, the Sequential's parameter names of each stage, and
+            `buffer_names` its buffer names; None for the functions form.
+    """
+
+    calls: tuple[StageCall, ...]
+    param_names: tuple[tuple[str, ...], ...] | None = None
+    buffer_names: tuple[tuple[str, ...], ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def split(self, full: PyTree, which: str, caller: str) -> list[PyTree]:
+        """The per-stage pieces of the full model's `which` ("params" or "buffers")."""
+        count = len(self.calls)
+        if self.param_names is None:
+            if full is None or (isinstance(full, dict) and not full and which == "buffers"):
+                return [{} for _ in range(count)]
+            if not isinstance(full, (list, tuple)) or len(full) != count:
+                raise ValueError(
+                    f"{caller}: `{which}` must be a list with one pytree per stage ({count}), "
+                    f"got {type(full).__name__}"
+                    + (f" of length {len(full)}" if isinstance(full, (list, tuple)) else "")
+                )
+            return list(full)
+        names = self.param_names if which == "params" else self.buffer_names
+        assert names is not None
+        full = {} if full is None else full
+        if not isinstance(full, dict):
+            raise TypeError(
+                f"{caller}: `{which}` must be the dict that fscale.functionalize(sequential) "
+                f"returns, got {type(full).__name__}"
+            )
+        wanted = {name for stage in names for name in stage}
+        missing, extra = sorted(wanted - set(full)), sorted(set(full) - wanted)
+        if missing or extra:
+            raise ValueError(
+                f"{caller}: `{which}` does not match the pipeline's layers (missing: "
+                f"{missing[:3]}, unexpected: {extra[:3]}); pass the {which} of "
+                "fscale.functionalize(sequential) for the Sequential the pipeline was built from"
+            )
+        return [{name: full[name] for name in stage} for stage in names]
+
+    def merge(self, pieces: Sequence[PyTree]) -> PyTree:
+        """The full model's pytree from one piece per stage (the inverse of `split`)."""
+        if self.param_names is None:
+            return list(pieces)
+        merged: dict[str, Any] = {}
+        for piece in pieces:
+            merged.update(piece)
+        return merged
+
+
+def function_stages(functions: Sequence[Any], caller: str) -> Stages:
+    """`Stages` of user functions ``stage_i(params_i, buffers_i, x, key)``."""
+    calls = []
+    for index, fn in enumerate(functions):
+        if not callable(fn):
+            raise TypeError(
+                f"{caller}: `stages[{index}]` must be callable as stage(params, buffers, x, key),"
+                f" got {type(fn).__name__}"
+            )
+        calls.append(_function_call(fn, index))
+    return Stages(tuple(calls))
+
+
+def _function_call(fn: Callable[..., Any], index: int) -> StageCall:
+    def call(params: PyTree, buffers: PyTree, x: torch.Tensor, key: torch.Tensor) -> Any:
+        out = fn(params, buffers, x, fsrandom.fold_in(key, index))
+        return (out, buffers) if isinstance(out, torch.Tensor) else out
+
+    return call
+
+
+def module_stages(module: Any, balance: Any, caller: str) -> Stages:
+    """`Stages` of an ``nn.Sequential`` (or list of modules) cut by `balance`."""
+    if isinstance(module, nn.Sequential):
+        named = list(module.named_children())
+    elif isinstance(module, (list, tuple)) and all(isinstance(m, nn.Module) for m in module):
+        named = [(str(i), m) for i, m in enumerate(module)]
+    else:
+        raise TypeError(
+            f"{caller}: `stages` must be a sequence of stage functions, an nn.Sequential or a "
+            f"list of modules, got {type(module).__name__}"
+        )
+    bounds = _check_balance(balance, len(named), caller)
+    _check_untied(named, caller)
+    layers = [(name, *functionalize(layer)) for name, layer in named]
+    calls, param_names, buffer_names = [], [], []
+    for start, stop in bounds:
+        stage_layers = [(index, *layers[index]) for index in range(start, stop)]
+        calls.append(_layers_call(stage_layers))
+        param_names.append(tuple(f"{n}.{k}" for _, n, _, p, _ in stage_layers for k in p))
+        buffer_names.append(tuple(f"{n}.{k}" for _, n, _, _, b in stage_layers for k in b))
+    return Stages(tuple(calls), tuple(param_names), tuple(buffer_names))
+
+
+def _layers_call(stage_layers: list[tuple[Any, ...]]) -> StageCall:
+    def call(params: PyTree, buffers: PyTree, x: torch.Tensor, key: torch.Tensor) -> Any:
+        new_buffers = dict(buffers)
+        for index, name, apply, layer_params, layer_buffers in stage_layers:
+            own_params = {k: params[f"{name}.{k}"] for k in layer_params}
+            own_buffers = {k: new_buffers[f"{name}.{k}"] for k in layer_buffers}
+            x, updated = apply(own_params, own_buffers, x, key=fsrandom.fold_in(key, index))
+            new_buffers.update({f"{name}.{k}": v for k, v in updated.items()})
+        return x, new_buffers
+
+    return call
+
+
+def _check_balance(balance: Any, num_layers: int, caller: str) -> list[tuple[int, int]]:
+    if balance is None:
+        raise ValueError(
+            f"{caller}: a module pipeline needs `balance`, the number of layers of each stage "
+            f"(e.g. fscale.balance_by_time(layers, sample, partitions)); it has {num_layers} "
+            "layers"
+        )
+    if not isinstance(balance, (list, tuple)) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in balance
+    ):
+        raise ValueError(f"{caller}: `balance` must be a list of positive ints, got {balance!r}")
+    if sum(balance) != num_layers:
+        raise ValueError(
+            f"{caller}: `balance` {list(balance)} sums to {sum(balance)}, but the model has "
+            f"{num_layers} layers; the stages must cover every layer once"
+        )
+    bounds, start = [], 0
+    for size in balance:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def _check_untied(named: list[tuple[str, nn.Module]], caller: str) -> None:
+    owner: dict[int, str] = {}
+    for name, layer in named:
+        for param_name, param in layer.named_parameters():
+            first = owner.setdefault(id(param), f"{name}.{param_name}")
+            if not first.startswith(f"{name}."):
+                raise ValueError(
+                    f"{caller}: layers share the parameter {first} (also {name}.{param_name}); "
+                    "a module pipeline needs untied layers. Tie them in the functions form: "
+                    "one stage function that uses the weight twice"
+                )

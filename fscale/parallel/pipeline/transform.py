@@ -1,0 +1,172 @@
+"""`pipeline(stages, loss_fn, optimizer, mesh, ...) -> Step`: pipeline parallelism across processes.
+
+The model is cut into S stages placed on the P ranks of the mesh axis `axis` (S = P, or v·P
+for the interleaved schedule); a batch ``(inputs, targets)``, given whole to every rank of the
+axis, is split along dim 0 into `micro_batches` equal micro-batches that flow through the
+stages as the schedule's table says. Forward collective: a send of each stage's output to the
+next stage's rank; backward collective: its dual, the gradient sent back
+(`fscale.parallel.pipeline.transport`). Memory per rank: its stages' parameters, gradients
+and optimizer state, and the activations of at most the schedule's `activation_bound`
+micro-batches (fewer with checkpointing). Traffic per step: each stage boundary carries one
+activation and one gradient per micro-batch, plus one scalar all-reduce of the loss.
+
+Reductions do not depend on the split: each micro-batch's mean loss is weighted by its share of
+the batch (1/M) — or, when ``loss_fn`` returns ``(mean, count)``, by its count, the gradient
+then divided by the batch's total count — so the gradient and ``metrics["loss"]`` are those of
+the mean over the whole batch (of samples, or of the counted tokens), for any M, schedule and
+number of stages. Across data-parallel ranks (``per_stage``) the data-parallel layer's mean
+over ranks applies. Dropout keys are folded by (step,
+micro-batch, layer) — the stage index in the functions form — so a mask does not depend on the
+schedule or the balance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from fscale import optim as optim_lib
+from fscale import spmd
+from fscale.distributed.mesh import Mesh
+from fscale.parallel.pipeline.builders import BUILDERS, interleaved
+from fscale.parallel.pipeline.check import check_schedule
+from fscale.parallel.pipeline.layer import PipelinePlan
+from fscale.parallel.pipeline.runner import CHECKPOINT_MODES
+from fscale.parallel.pipeline.schedule import Schedule
+from fscale.parallel.pipeline.stages import Stages, function_stages, module_stages
+from fscale.train import Step, train_step
+
+__all__ = ["pipeline"]
+
+
+def pipeline(
+    stages: Any,
+    loss_fn: Callable[..., Any],
+    optimizer: optim_lib.Optimizer,
+    mesh: Mesh,
+    axis: str = "pp",
+    *,
+    micro_batches: int,
+    schedule: str | Schedule | Callable[[int, int], Schedule] = "1f1b",
+    checkpoint: str = "except_last",
+    balance: list[int] | None = None,
+    virtual: int = 2,
+    per_stage: Callable[[Step], Step] | None = None,
+) -> Step:
+    """A Step that trains `stages` as a pipeline over `axis` (see the module docstring).
+
+    Args:
+        stages: a list of functions ``stage_i(params_i, buffers_i, x, key) -> (y, buffers_i)``
+            (or ``-> y``), one per stage; or an ``nn.Sequential`` / list of modules cut by
+            `balance`. The activation between stages is one tensor.
+        loss_fn: ``loss_fn(outputs, targets)``: the mean loss of one micro-batch, on the last
+            stage; or ``(mean, count)``, a mean over `count` items (e.g. unpadded tokens).
+        optimizer: an `fscale.optim.Optimizer`; each rank runs it on its stages.
+        mesh: the mesh; `axis` must be one of its axes.
+        axis: the pipeline axis.
+        micro_batches: M, the number of micro-batches per batch.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (`virtual` stages per rank) or
+            ``"zero_bubble"``; a `Schedule`; or a builder ``(num_ranks, micro_batches) ->
+            Schedule``. It is checked by simulation here (`check_schedule`).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (torchgpipe's modes). Under
+            ``"zero_bubble"`` a checkpointed stage is recomputed for B and again for W.
+        balance: for a module pipeline, the number of consecutive layers of each stage.
+        virtual: stages per rank of the interleaved schedule.
+        per_stage: a transformation of each rank's stage step, e.g. ``lambda s:
+            fscale.data_parallel(s, mesh, "dp")`` or ``fscale.shard_optimizer(s, mesh, "dp")``
+            for pp × dp.
+
+    Returns:
+        A Step; ``state = step.init(params, buffers)`` takes the full model's pytrees (a list
+        per stage, or the dicts of ``fscale.functionalize(sequential)``) and keeps this rank's
+        pieces; ``fscale.consolidate(step, state)`` gives the full state back on every rank.
+
+    Raises:
+        TypeError / ValueError: bad arguments; a stage count that does not match the axis (and
+            the schedule); `balance` not summing to the layer count; a schedule that fails the
+            simulation check (`ScheduleError`, naming the first conflict). At the first step: a
+            batch that does not split into `micro_batches`, or stages whose outputs and inputs
+            disagree (`StageContractError`, on every rank, naming both stages).
+    """
+    caller = "pipeline"
+    spmd.check_axis(mesh, axis, caller)
+    if not callable(loss_fn):
+        raise TypeError(f"{caller}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"{caller}: `micro_batches` must be a positive int, got {micro_batches!r}")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(
+            f"{caller}: `checkpoint` must be one of {CHECKPOINT_MODES}, got {checkpoint!r}"
+        )
+    stage_set = _stages(stages, balance, caller)
+    table = _schedule(schedule, mesh.size(axis), micro_batches, virtual, caller)
+    if table.num_stages != len(stage_set):
+        raise ValueError(
+            f"{caller}: {len(stage_set)} stages were given but the schedule {table.name!r} on "
+            f"{table.num_ranks} ranks of axis {axis!r} runs {table.num_stages}; give one stage "
+            "per rank" + (f" times virtual={virtual}" if table.name == "interleaved" else "")
+        )
+    base = train_step(loss_fn, optimizer)
+    if per_stage is not None:
+        if not callable(per_stage):
+            raise TypeError(f"{caller}: `per_stage` must be a Step -> Step transformation")
+        base = per_stage(base)
+        if not isinstance(base, Step):
+            raise TypeError(f"{caller}: `per_stage` must return a Step, got {type(base).__name__}")
+        if axis in base.plan.data_axes():
+            raise ValueError(
+                f"{caller}: `per_stage` splits the batch over the pipeline axis {axis!r}; use "
+                "another mesh axis for data parallelism, e.g. fscale.Mesh(dp=2, pp=2)"
+            )
+    plan = PipelinePlan(base.plan, mesh, axis, stage_set, table, loss_fn, checkpoint)
+    return base.replace(plan=plan)
+
+
+def _stages(stages: Any, balance: Any, caller: str) -> Stages:
+    if isinstance(stages, nn.Sequential) or (
+        isinstance(stages, (list, tuple))
+        and stages
+        and all(isinstance(s, nn.Module) for s in stages)
+    ):
+        return module_stages(stages, balance, caller)
+    if balance is not None:
+        raise ValueError(f"{caller}: `balance` applies to a module pipeline, not to functions")
+    if not isinstance(stages, (list, tuple)) or not stages:
+        raise TypeError(
+            f"{caller}: `stages` must be a non-empty list of stage functions or an "
+            f"nn.Sequential, got {type(stages).__name__}"
+        )
+    return function_stages(stages, caller)
+
+
+def _schedule(schedule: Any, num_ranks: int, micro_batches: int, virtual: int, caller: str):
+    if isinstance(schedule, str):
+        if schedule not in BUILDERS:
+            raise ValueError(
+                f"{caller}: `schedule` must be one of {sorted(BUILDERS)}, a Schedule or a "
+                f"builder, got {schedule!r}"
+            )
+        if schedule == "interleaved":
+            table = interleaved(num_ranks, micro_batches, virtual)
+        else:
+            table = BUILDERS[schedule](num_ranks, micro_batches)
+    elif isinstance(schedule, Schedule):
+        table = schedule
+    elif callable(schedule):
+        table = schedule(num_ranks, micro_batches)
+        if not isinstance(table, Schedule):
+            raise TypeError(
+                f"{caller}: the schedule builder returned a {type(table).__name__}, not a Schedule"
+            )
+    else:
+        raise TypeError(f"{caller}: `schedule` must be a name, a Schedule or a builder")
+    if table.num_ranks != num_ranks or table.micro_batches != micro_batches:
+        raise ValueError(
+            f"{caller}: the schedule {table.name!r} is for {table.num_ranks} ranks and "
+            f"{table.micro_batches} micro-batches, but the axis has {num_ranks} ranks and "
+            f"`micro_batches`={micro_batches}"
+        )
+    check_schedule(table)
+    return table
