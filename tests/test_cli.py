@@ -80,6 +80,7 @@ def test_ledger_summary_prints_whole_element_counts():
 
 
 def test_pipeline_chart_command_prints_the_table_and_writes_the_png(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib", reason="the chart draws with matplotlib")
     from fscale.cli import main
 
     out = tmp_path / "gpipe.png"
