@@ -256,9 +256,11 @@ def _reduce_loss(
     """The batch's mean loss on every rank and, when the loss gave counts, the global count.
 
     The last stage's (loss sum, count sum, whether counted) go to every rank in one sum."""
-    values = torch.zeros(3)
+    # float64 keeps a float64 model's loss whole; for float32 and narrower losses the result,
+    # cast back, is what float32 arithmetic gives (one sum, one correctly rounded division).
+    values = torch.zeros(3, dtype=torch.float64)
     if result.loss is not None:
-        values[0] = result.loss.detach().float()
+        values[0] = result.loss.detach().double()
     if result.count is not None:
         values[1], values[2] = result.count, 1.0
     if comm is not None:
