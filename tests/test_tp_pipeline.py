@@ -25,18 +25,27 @@ STEPS = 3
 CLOSE = dict(rtol=1e-10, atol=1e-12)
 VOCAB, SEQ_LEN, BATCH = 32, 8, 8
 
-# The GPT plan (`fscale.parallel.tensor.gpt_plan`) under the Sequential's names: "0" is the
-# embeddings, "1" ... "4" the blocks, "5" the final norm ("5.0") and output layer ("5.1").
-PLAN = {
-    "0.token": "vocab",
-    "*.attn": (tpl.Heads("n_heads"), tpl.Input("replicated")),
-    "*.attn.qkv": tpl.Colwise(parts=3),
-    "*.attn.proj": "rowwise",
-    "*.mlp": tpl.Input("replicated"),
-    "*.mlp.fc_in": "colwise",
-    "*.mlp.fc_out": "rowwise",
-    "5.1": tpl.Colwise(gather_output=True),
-}
+
+def _plan(sequence_parallel: bool, vocab_parallel: bool) -> dict:
+    """`fscale.parallel.tensor.gpt_plan` under the Sequential's names: "0" is the embeddings,
+    "1" ... "4" the blocks, "5" the final norm ("5.0") and the output layer ("5.1")."""
+    how = "sequence" if sequence_parallel else "replicated"
+    plan = {
+        "0.token": "vocab",
+        "*.attn": (tpl.Heads("n_heads"), tpl.Input(how)),
+        "*.attn.qkv": tpl.Colwise(parts=3),
+        "*.attn.proj": tpl.Rowwise(output=how),
+        "*.mlp": tpl.Input(how),
+        "*.mlp.fc_in": "colwise",
+        "*.mlp.fc_out": tpl.Rowwise(output=how),
+        "5.1": tpl.Colwise(input=how, gather_output=not vocab_parallel),
+    }
+    if sequence_parallel:  # the stages pass sequence shards to each other
+        plan["0"] = tpl.Output("split")
+        for name in ("attn_norm", "mlp_norm", "attn.dropout", "mlp.dropout"):
+            plan[f"*.{name}"] = "sequence"
+        plan["5.0"] = "sequence"
+    return plan
 
 
 def _sequential(seed: int) -> nn.Sequential:
@@ -75,51 +84,66 @@ def _dense(model: nn.Sequential, batch, steps: int):
     return state, losses
 
 
-def _tp_pipeline(schedule: str, micro_batches: int, checkpoint: str, seed: int):
+def _tp_pipeline(case):
+    schedule, micro_batches, checkpoint, sequence_parallel, vocab_parallel, seed = case
     mesh = fs.Mesh(pp=2, tp=2)
     dense = _sequential(seed)
-    model = tpl.tensor_parallel(dense, mesh, "tp", PLAN)
+    model = tpl.tensor_parallel(dense, mesh, "tp", _plan(sequence_parallel, vocab_parallel))
     _, params, buffers = fs.functionalize(model)
+
+    def loss_fn(logits, targets):
+        if vocab_parallel:
+            return tpl.vocab_parallel_cross_entropy(logits, targets, "tp", mesh=mesh)
+        return lm_loss(logits, targets)
+
     step = pipeline(
         model,
-        lm_loss,
+        loss_fn,
         fs.optim.adam(1e-2),
         mesh,
         "pp",
         micro_batches=micro_batches,
         schedule=schedule,
-        balance=[3, 3],
+        balance=[2, 1, 1, 2] if schedule == "interleaved" else [3, 3],
         checkpoint=checkpoint,
     )
     batch = _batch(seed)
     state = step.init(params, buffers)
     losses = []
-    for _ in range(STEPS):
+    for i in range(STEPS):
+        if i == STEPS - 1:  # the full form (of this tp rank's shards) continues the run
+            state = fs.shard_state(step, fs.consolidate(step, state))
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     full = fs.consolidate(step, state)
     expected, expected_losses = _dense(dense, batch, STEPS)
-    mu, nu = full.opt_state.exp_avg, full.opt_state.exp_avg_sq
-    expected_mu, expected_nu = expected.opt_state.exp_avg, expected.opt_state.exp_avg_sq
-    return (
-        (full.params, mu, nu, losses),
-        (
-            tpl.shard_like(expected.params, model),
-            tpl.shard_like(expected_mu, model),
-            tpl.shard_like(expected_nu, model),
-            expected_losses,
-        ),
+    got = (full.params, full.opt_state.exp_avg, full.opt_state.exp_avg_sq, losses)
+    want = (
+        tpl.shard_like(expected.params, model),
+        tpl.shard_like(expected.opt_state.exp_avg, model),
+        tpl.shard_like(expected.opt_state.exp_avg_sq, model),
+        expected_losses,
     )
+    return got, want
 
 
-@pytest.mark.parametrize(
-    ("schedule", "micro_batches", "checkpoint"),
-    [("gpipe", 4, "except_last"), ("1f1b", 2, "never"), ("zero_bubble", 4, "always")],
-)
-def test_tensor_parallel_stages_equal_dense_training(schedule, micro_batches, checkpoint):
-    results = run_spmd(_tp_pipeline, 4, schedule, micro_batches, checkpoint, 3)
-    for (params, mu, nu, losses), (e_params, e_mu, e_nu, e_losses) in results:
-        assert_trees_close(params, e_params, **CLOSE)
-        assert_trees_close(mu, e_mu, **CLOSE)
-        assert_trees_close(nu, e_nu, **CLOSE)
-        assert losses == pytest.approx(e_losses, rel=1e-12)
+CASES = [
+    # schedule, micro_batches, checkpoint, sequence_parallel, vocab_parallel
+    ("gpipe", 4, "except_last", False, False),
+    ("1f1b", 4, "never", True, True),
+    ("zero_bubble", 2, "always", False, True),
+    ("interleaved", 2, "except_last", True, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_tensor_parallel_stages_equal_dense_training(case):
+    for got, want in run_spmd(_tp_pipeline, 4, (*case, 3)):
+        params, mu, nu, losses = got
+        # consolidate gathers the stages over "pp" but not the shards over "tp": each rank's
+        # full state holds its tp shards under the dense names (half the MLP's hidden units).
+        assert params["1.mlp.fc_in.weight"].shape == (32, 16)
+        assert_trees_close(params, want[0], **CLOSE)
+        assert_trees_close(mu, want[1], **CLOSE)
+        assert_trees_close(nu, want[2], **CLOSE)
+        assert losses == pytest.approx(want[3], rel=1e-12)
