@@ -2,12 +2,13 @@
 
 A GPT cut into an ``nn.Sequential`` (embeddings, blocks, final norm and output layer) is made
 tensor-parallel over "tp" (Megatron's plan: vocab-parallel embedding, column-parallel q/k/v and
-first MLP layer, row-parallel output projections, column-parallel output layer gathered for the
-loss), then pipelined over "pp". In float64, the parameters and optimizer state after a few
-Adam steps equal the dense Sequential trained in one process, as each rank holds them: the pp
-ranks gather the stages (`consolidate`), the tp shards stay this rank's (`shard_like` of the
-dense result).
-"""
+first MLP layer, row-parallel output projections, column-parallel output layer, its logits
+gathered or left split for the vocab-parallel loss; optionally sequence parallel, so that the
+stages pass sequence shards), then pipelined over "pp" under each schedule. In float64, the
+losses, parameters and Adam moments after three steps equal the dense Sequential trained in
+one process, as each rank holds them: `consolidate` gathers the stages over "pp" but leaves the
+tp shards this rank's (compared with `shard_like` of the dense result), and `shard_state` of
+that state continues the run."""
 
 from __future__ import annotations
 
