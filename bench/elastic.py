@@ -3,7 +3,8 @@
 Two parts in one file:
 
 - ``worker`` (run by torchrun on every rank): a small GPT trained with ZeRO-2
-  (`fscale.shard_optimizer`) on 2 gloo ranks, resuming from `fscale.latest` at start,
+  (`fscale.shard_optimizer`) on 2 gloo ranks, joined through a store scoped to torchrun's
+  restart attempt (`join`), resuming from `fscale.latest` at start,
   checkpointing every ``--every`` steps (asynchronously with ``--async``). In torchrun's first
   attempt, rank 1 SIGKILLs itself after step ``--kill-at``; torchrun then restarts every rank,
   and each resumes from the newest complete checkpoint. Rank 0 logs every step it finishes to
