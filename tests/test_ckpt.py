@@ -2,6 +2,7 @@
 
 import dataclasses
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -234,6 +235,23 @@ def test_async_save_overlapping_training_resumes_exactly():
         _, uninterrupted = run_spmd(_save_run, 2, "fsdp", tempfile.mkdtemp(dir=root))[0]
         for _, resumed, _ in run_spmd(_resume_run, 2, "fsdp", root):
             assert_trees_equal(resumed, uninterrupted)
+
+
+def test_a_single_process_async_save_is_quiet_and_writes_the_state_at_save(tmp_path):
+    case, _, step, state = _build("local")
+    state = _train(step, state, case, 0, SAVED_AT)
+    expected = fs.tree.map(torch.clone, state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        future = fs.ckpt.save(tmp_path, state, step=step, async_=True)
+        with torch.no_grad():  # changed while the write may still run
+            for leaf in fs.tree.leaves(state.params):
+                leaf.add_(1.0)
+        committed = fs.ckpt.wait_saves()
+    # DCP warns from the thread that writes when it runs without torch.distributed.
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
+    assert committed == [future.result()] == [tmp_path / f"step_{SAVED_AT:010d}"]
+    assert_trees_equal(fs.ckpt.load(tmp_path, _build("local")[3], step=step), expected)
 
 
 def test_latest_and_keep_last(tmp_path):

@@ -13,7 +13,8 @@ rank's error, or None), so that one rank's failure makes every rank raise the sa
 
 With ``async_=True`` the caller returns once every rank has copied its pieces (so later steps,
 which may update the state's buffers in place, never change what is written); DCP's
-`async_save` writes the copies in a thread and a second thread commits. Both use a process group of
+`async_save` writes the copies in a thread and a second thread commits (in one process, that
+second thread writes as well). Both use a process group of
 their own, so their collectives never interleave with the training step's. Saves run one at a
 time: a save first waits for the previous one; `wait_saves` waits for all.
 """
@@ -177,21 +178,28 @@ def save(
     staged: dict[str, torch.Tensor] = {}
     error = _attempt(lambda: staged.update(_stage(values)))
     agree(error, group, "staging")
-    with single_process_quiet():
+    if group is None:
+        # One process: the commit thread writes too. DCP's own upload thread would warn that
+        # it runs in one process, outside any filter this thread can set around the call.
+        def finish() -> Path:
+            _write(staged, writer, planner, None)
+            _commit(manifest, tmp, final, root, keep_last, rank, None)
+            return final
+
+    else:
         upload = dcp.async_save(
             staged,
             storage_writer=writer,
             planner=planner,
             process_group=group,
             async_stager=AlreadyStaged(),
-            no_dist=group is None,
         )
 
-    def finish() -> Path:
-        error = _attempt(lambda: _result(upload))
-        agree(error, group, "write")
-        _commit(manifest, tmp, final, root, keep_last, rank, group)
-        return final
+        def finish() -> Path:
+            error = _attempt(lambda: _result(upload))
+            agree(error, group, "write")
+            _commit(manifest, tmp, final, root, keep_last, rank, group)
+            return final
 
     future = _committer.submit(finish)
     with _pending_lock:
