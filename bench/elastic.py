@@ -22,7 +22,6 @@ uninterrupted one does.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import signal
@@ -51,35 +50,15 @@ def log(root: Path, **entry) -> None:
         f.write(json.dumps(entry) + "\n")
 
 
-def join(attempt: int, seconds: float = 30.0) -> None:
-    """Join torchrun's process group through a store scoped to this restart attempt.
-
-    torchrun's c10d rendezvous (torch 2.13) keeps one TCPStore for the whole job and hands it
-    to every attempt's ranks (``TORCHELASTIC_USE_AGENT_STORE``), while `init_process_group`'s
-    keys do not name the attempt: the keys where the killed attempt's ranks published their
-    gloo addresses survive, and a restarted rank that reads one before its peer overwrites it
-    connects to a dead process (``Gloo connectFullMesh ... Connection refused``) and the
-    restart fails. A prefix per attempt keeps the attempts apart; the restart count is the
-    same on every rank of one node (this bench's job).
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
-        timeout = datetime.timedelta(seconds=seconds)
-        shared = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=timeout
-        )
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore(f"fscale/attempt_{attempt}/", shared),
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-            timeout=timeout,
-        )
-    fs.init(backend="gloo", timeout=seconds)  # without a shared store: the usual env:// join
+def join(seconds: float = 30.0) -> None:
+    """Join torchrun's group: `fs.init` scopes torchrun's shared store to the restart attempt,
+    so a restarted rank never reads a killed attempt's gloo address (see `fs.init`)."""
+    fs.init(backend="gloo", timeout=seconds)
 
 
 def worker(args: argparse.Namespace) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    join(attempt)
+    join()
     rank, root = dist.get_rank(), Path(args.root)
     (root / "pids").mkdir(parents=True, exist_ok=True)
     (root / "pids" / f"rank{rank}").write_text(str(os.getpid()))

@@ -164,16 +164,39 @@ def init(backend: str | None = None, timeout: float = DEFAULT_PG_TIMEOUT) -> Ran
         backend = "nccl" if local_rank < cuda_device_count() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(
-        backend,
-        init_method="env://",
-        rank=global_rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
+    delta = datetime.timedelta(seconds=timeout)
+    store = _attempt_store(delta)
+    if store is None:
+        dist.init_process_group(
+            backend, init_method="env://", rank=global_rank, world_size=size, timeout=delta
+        )
+    else:
+        dist.init_process_group(
+            backend, store=store, rank=global_rank, world_size=size, timeout=delta
+        )
     global _JOINED
     _JOINED = True
     return RankInfo(global_rank, size, local_rank)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """torchrun's shared store, scoped to this restart attempt; None when torchrun shares none.
+
+    torchrun's c10d rendezvous keeps one TCPStore for the whole job and hands it to every
+    attempt (``TORCHELASTIC_USE_AGENT_STORE``), while `init_process_group`'s keys do not name
+    the attempt: after a rank was killed, the keys where the dead attempt's ranks published their
+    gloo addresses survive, and a restarted rank that reads one before its peer rewrites it
+    connects to a dead process ("Gloo connectFullMesh ... Connection refused"). A prefix per
+    restart count keeps the attempts apart (the count is the same on every rank of a node; for
+    nodes that join at different counts torch offers TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    shared = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"fscale/attempt_{attempt}/", shared)
 
 
 def shutdown(barrier: bool = True) -> None:
