@@ -217,3 +217,32 @@ def test_bad_arguments_are_named(tmp_path, saved):
         fs.load(root, like.params, step=step)
     with pytest.raises(TypeError, match="`model`"):
         fs.save(tmp_path, like, step=step, model="gpt")
+
+
+def _save_a_tensor_parallel_state(root):
+    from fscale.models import GPT, GPTConfig, lm_loss
+
+    mesh = fs.Mesh(tp=2)
+    dense = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=2, n_layers=1))
+    model = fs.tensor_parallel(dense, mesh, "tp", fs.parallel.gpt_plan())
+    apply, params, buffers = fs.functionalize(model)
+
+    def loss_fn(params, buffers, tokens, key):
+        logits, buffers = apply(params, buffers, tokens[:, :-1], key=key)
+        return lm_loss(logits, tokens[:, 1:]), buffers
+
+    step = fs.train_step(loss_fn, fs.optim.sgd(0.1))
+    try:
+        fs.save(root, step.init(params, buffers), step=step)
+    except fs.CheckpointError as error:
+        return str(error), fs.latest(root)
+    return None, fs.latest(root)
+
+
+def test_per_rank_shards_under_dense_names_are_refused_not_saved_as_one_ranks(tmp_path):
+    # DCP writes a leaf that every rank holds whole once: tensor-parallel shards would be
+    # stored as rank 0's, silently. The ranks compare what they hold and refuse together.
+    for message, latest in run_spmd(_save_a_tensor_parallel_state, 2, str(tmp_path)):
+        assert message is not None and "different values for the whole leaf" in message
+        assert "tensor-parallel" in message
+        assert latest is None

@@ -109,6 +109,42 @@ def agree(error: str | None, group: Any, phase: str, caller: str = "save") -> No
         raise CheckpointError(f"{caller}: {phase} failed on {len(failed)} rank(s): {detail}")
 
 
+def _check_replicas(pieces: list[Any], group: Any) -> None:
+    """Raise on every rank if ranks hold different values for the same whole leaf.
+
+    DCP writes a piece that several ranks hold once, so they must be equal. A model whose
+    parameters are per-rank shards under the dense names (tensor parallelism; expert slices
+    outside `expert_parallel`) would otherwise be saved as one rank's shard, silently.
+    """
+    if group is None:
+        return
+    mine = {}
+    with torch.no_grad():
+        for piece in pieces:
+            if piece.start == 0 and piece.values.numel() == _numel(piece.shape):
+                wide = piece.values.detach().to(torch.float64)
+                mine[piece.key] = (float(wide.sum()), float(wide.abs().sum()))
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for key in sorted(mine.keys() | set().union(*everyone)):
+        held = {rank: values[key] for rank, values in enumerate(everyone) if key in values}
+        if len(set(held.values())) > 1:
+            raise CheckpointError(
+                f"save: the ranks hold different values for the whole leaf {key!r} "
+                f"(sum, |sum| per rank: {held}); a checkpoint stores one copy of it. Its "
+                "values are per-rank shards the step does not know of (a tensor-parallel "
+                "model: checkpoint files do not gather tensor-parallel shards yet), or the "
+                "replicas have diverged."
+            )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
 def save(
     path: str | os.PathLike[str],
     state: TrainState,
@@ -158,6 +194,7 @@ def save(
         layout=layout,
         model=model_entry(model, params),
     )
+    _check_replicas(pieces, group)
     tmp = root / f"{dirs.TMP_PREFIX}{dirs.step_name(number)}"
     final = root / dirs.step_name(number)
 
