@@ -115,7 +115,7 @@ def run_schedule(
     stage_buffers = list(buffers)
     units: dict[tuple[int, int], _Unit] = {}
     local_grads: dict[tuple[int, int], torch.Tensor] = {}
-    recorder = StepRecorder(tree.leaves(params)) if recording() else None
+    recorder = StepRecorder(tree.leaves((params, buffers))) if recording() else None
     outbox = Outbox(None if recorder is None else recorder.waited)
     loss_sum: torch.Tensor | None = None
     counts: list[torch.Tensor] = []

@@ -11,8 +11,8 @@ one `StepTimeline` to ``timeline.steps``:
   figure the schedule table's `Schedule.bubble_fraction` predicts from unit costs;
 - the peak bytes of the activations the step holds for its backward: every tensor autograd
   saves is counted (`fscale.memory.LiveBytes`, one count per storage, until freed) unless it
-  shares storage with a parameter, so the figure is what the schedule's in-flight micro-batches
-  cost, sampled at each save.
+  shares storage with a parameter or buffer of the step, so the figure is what the schedule's
+  in-flight micro-batches cost, sampled at each save.
 
 Recording is off unless a block is open; a step then pays one truth test per action.
 """
@@ -107,8 +107,9 @@ class StepRecorder:
     reports its blocking receives through `waited`.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self._param_storages = {t.untyped_storage().data_ptr() for t in params}
+    def __init__(self, state: Iterable[torch.Tensor]) -> None:
+        # The step's parameters and buffers are state, not activations, when autograd saves them.
+        self._state_storages = {t.untyped_storage().data_ptr() for t in state}
         self._actions: list[ActionTime] = []
         self._live = LiveBytes()
         self._waited = 0.0
@@ -134,7 +135,7 @@ class StepRecorder:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.untyped_storage().data_ptr() not in self._param_storages:
+        if tensor.untyped_storage().data_ptr() not in self._state_storages:
             self._live.track(tensor)
         return tensor
 
