@@ -44,20 +44,28 @@ class Outbox:
     outbox waited (see `timed_receive`)."""
 
     def __init__(self, on_wait: Callable[[float], None] | None = None) -> None:
-        self._pending: list[tuple[Any, Tensor]] = []
+        self._pending: dict[tuple[int, int], tuple[Any, Tensor]] = {}
         self.on_wait = on_wait
 
     def post(self, tensor: Tensor, comm: Comm, to: int, tag: int) -> None:
         payload = tensor.detach().contiguous()
         record("send", comm.axis, payload.dtype, payload.numel(), comm.size)
         work = dist.isend(payload, group=comm.group, group_dst=to, tag=tag)
-        self._pending.append((work, payload))  # the payload must live until delivered
+        self._pending[(to, tag)] = (work, payload)  # the payload must live until delivered
+
+    def settle(self, to: int, tag: int) -> None:
+        """Forget the send (`to`, `tag`), which the caller knows was received: the peer
+        answered it. Its payload (often the stage's output) is then freed with the stage's
+        graph instead of living until the step's end."""
+        sent = self._pending.pop((to, tag), None)
+        if sent is not None:
+            wait(sent[0])  # returns at once; gloo marks a send complete only when waited on
 
     def drain(self) -> float:
         """Wait for every posted send; returns the seconds that took."""
         start = time.perf_counter()
-        pending, self._pending = self._pending, []
-        for work, _ in pending:
+        pending, self._pending = self._pending, {}
+        for work, _ in pending.values():
             wait(work)
         return time.perf_counter() - start
 
@@ -122,6 +130,8 @@ class _SendActivation(torch.autograd.Function):
             link.comm, ctx.shape, ctx.dtype, link.peer, link.grad_tag
         )
         link.received_grad = grad_y  # a split backward's W reuses it
+        # The gradient came back, so the peer has the activation: its send is done.
+        link.outbox.settle(link.peer, link.tag)
         return grad_y, None
 
 
