@@ -209,7 +209,7 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "pipeline").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model and fewer steps")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)

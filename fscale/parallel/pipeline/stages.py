@@ -130,7 +130,7 @@ def module_stages(module: Any, balance: Any, caller: str) -> Stages:
     _check_untied(named, caller)
     calls, param_names, buffer_names = [], [], []
     for start, stop in bounds:
-        container = _StageLayers([(index, *named[index]) for index in range(start, stop)])
+        container = _StageLayers([(i, named[i][0], named[i][1]) for i in range(start, stop)])
         apply, params, buffers = functionalize(container)
         calls.append(_stage_call(apply))
         param_names.append(tuple(params))
