@@ -15,13 +15,21 @@ with AdamW, round by round alternating (`_util.interleave`, a barrier before eve
 Reported per configuration: median step time of each (the slowest rank's per round), the
 throughput ratio fscale / torch (samples per second), the peak RSS growth of each rank during
 its steps (what the step allocates above the model: mostly activations), the bubble fraction of
-fscale's schedule table, and for GPipe and 1F1B the analytical (P−1)/(M+P−1). Writes
-``bench/results/pipeline.json``.
+fscale's schedule table, and for GPipe and 1F1B the analytical (P−1)/(M+P−1).
+
+Measured, from extra fscale steps run under `fscale.parallel.pipeline.record_timeline` after
+the timed rounds (so the recording costs the timed steps nothing): the bubble, each rank's
+``1 - busy / wall`` of its part of the step (busy: its actions' time less their waits on
+receives; median over the steps, mean over the ranks), and each rank's peak of the activation
+bytes autograd saves for backward (parameters excluded). Below the table, per (P, M): 1F1B's
+activation peak over GPipe's (the goal: at most P/M) and zero-bubble's measured bubble beside
+1F1B's (the goal: below it). Writes ``bench/results/pipeline.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -32,6 +40,7 @@ from torch import nn
 
 import fscale as fs
 from fscale.models import GPT, GPTConfig
+from fscale.parallel.pipeline import record_timeline
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -130,6 +139,20 @@ def _fscale_variant(cfg, balance, num_stages, schedule, micro_batches):
     return run, step.plan.schedule  # type: ignore[attr-defined]
 
 
+def _measure(run: Any, tokens: torch.Tensor, targets: torch.Tensor, steps: int) -> dict[str, Any]:
+    """This rank's measured bubble (median over `steps` steps) and activation peak (max)."""
+    with record_timeline() as timeline:
+        for _ in range(steps):
+            dist.barrier()
+            run(tokens, targets)
+    return {
+        "bubble": statistics.median(s.bubble for s in timeline.steps),
+        "activation_peak": max(s.activation_peak for s in timeline.steps),
+        "busy_s": statistics.median(s.busy for s in timeline.steps),
+        "wall_s": statistics.median(s.wall for s in timeline.steps),
+    }
+
+
 def rank_main(options: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     cfg = _config(options["quick"])
@@ -172,8 +195,10 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
         rounds=options["steps"],
         warmup=options["warmup"],
     )
+    measured = _measure(variants["fscale"], tokens, targets, options["measure"])
     return {
         "times": times,
+        "measured": measured,
         "peak_rss_growth": peaks,
         "torch_error": variants_error,
         "bubble": table.bubble_fraction(),
@@ -184,20 +209,23 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "pipeline").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model and fewer steps")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    parser.add_argument("--measure", type=int, default=None, help="steps under record_timeline")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (5 if args.quick else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    args.measure = args.measure if args.measure is not None else (3 if args.quick else 5)
     rows = []
     with _util.MachineLoad() as load:
         _run_all(args, steps, warmup, rows)
     print(_format(rows))
+    print(_goals(rows))
     print(load.describe())
     _util.write_results(
         "pipeline", {"rows": rows, "steps": steps, "warmup": warmup, "load": load.describe()}
@@ -215,6 +243,7 @@ def _run_all(args: Any, steps: int, warmup: int, rows: list[dict[str, Any]]) -> 
                     "warmup": warmup,
                     "schedule": schedule,
                     "micro_batches": micro_batches,
+                    "measure": args.measure,
                 }
                 results = fs.launch(
                     rank_main,
@@ -247,6 +276,9 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
         "torch_peak_mib": [r["peak_rss_growth"].get("torch", 0) / 2**20 for r in results],
         "table_bubble": results[0]["bubble"],
         "analytic_bubble": analytic,
+        "measured_bubble": statistics.mean(r["measured"]["bubble"] for r in results),
+        "rank_bubbles": [r["measured"]["bubble"] for r in results],
+        "activation_peak_mib": [r["measured"]["activation_peak"] / 2**20 for r in results],
         "torch_error": results[0]["torch_error"],
     }
 
@@ -263,6 +295,8 @@ def _format(rows: list[dict[str, Any]]) -> str:
         "torch peak MiB",
         "table bubble",
         "(P-1)/(M+P-1)",
+        "measured bubble",
+        "act peak MiB",
     ]
     body = [
         [
@@ -276,10 +310,39 @@ def _format(rows: list[dict[str, Any]]) -> str:
             "/".join(f"{v:.1f}" for v in r["torch_peak_mib"]),
             r["table_bubble"],
             r["analytic_bubble"] if r["analytic_bubble"] is not None else "-",
+            r["measured_bubble"],
+            "/".join(f"{v:.2f}" for v in r["activation_peak_mib"]),
         ]
         for r in rows
     ]
     return _util.format_table(header, body)
+
+
+def _goals(rows: list[dict[str, Any]]) -> str:
+    """Per (P, M): 1F1B's activation peak over GPipe's against P/M, and zero-bubble's measured
+    bubble against 1F1B's."""
+    by_key = {(r["ranks"], r["micro_batches"], r["schedule"]): r for r in rows}
+    lines = []
+    for ranks, micro_batches in sorted({(r["ranks"], r["micro_batches"]) for r in rows}):
+        gpipe = by_key.get((ranks, micro_batches, "gpipe"))
+        one = by_key.get((ranks, micro_batches, "1f1b"))
+        zero = by_key.get((ranks, micro_batches, "zero_bubble"))
+        parts = [f"P={ranks} M={micro_batches}:"]
+        if gpipe and one:
+            ratio = max(one["activation_peak_mib"]) / max(gpipe["activation_peak_mib"])
+            bound = ranks / micro_batches
+            parts.append(
+                f"1F1B/GPipe activation peak {ratio:.4f} (P/M {bound:.4f}, "
+                f"{'met' if ratio <= bound else 'missed'})"
+            )
+        if zero and one:
+            met = zero["measured_bubble"] < one["measured_bubble"]
+            parts.append(
+                f"zero-bubble measured bubble {zero['measured_bubble']:.3f} vs 1F1B "
+                f"{one['measured_bubble']:.3f} ({'met' if met else 'missed'})"
+            )
+        lines.append(" ".join(parts))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

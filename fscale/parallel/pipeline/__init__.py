@@ -5,7 +5,8 @@
 (`check`); each rank executes its rows (`runner`) with the stage-to-stage send/recv pair
 (`transport`), after the first step's check of what the stages pass (`contract`); the layer
 that joins it to the Plan protocol is `layer`. `balance` cuts layers into even stages,
-`batchnorm` keeps BatchNorm's statistics those of the whole batch, `chart` draws a schedule.
+`batchnorm` keeps BatchNorm's statistics those of the whole batch, `chart` draws a schedule,
+`timeline` measures the steps as they run.
 """
 
 from fscale.parallel.pipeline.balance import balance_by_size as balance_by_size
@@ -26,15 +27,22 @@ from fscale.parallel.pipeline.schedule import Action as Action
 from fscale.parallel.pipeline.schedule import Schedule as Schedule
 from fscale.parallel.pipeline.schedule import ScheduleError as ScheduleError
 from fscale.parallel.pipeline.schedule import from_orders as from_orders
+from fscale.parallel.pipeline.timeline import ActionTime as ActionTime
+from fscale.parallel.pipeline.timeline import StepTimeline as StepTimeline
+from fscale.parallel.pipeline.timeline import Timeline as Timeline
+from fscale.parallel.pipeline.timeline import record_timeline as record_timeline
 from fscale.parallel.pipeline.transform import pipeline as pipeline
 
 __all__ = [
     "Action",
+    "ActionTime",
     "DeferredBatchNorm",
     "PipelinePlan",
     "Schedule",
     "ScheduleError",
     "StageContractError",
+    "StepTimeline",
+    "Timeline",
     "activation_peaks",
     "balance_by_size",
     "balance_by_time",
@@ -47,5 +55,6 @@ __all__ = [
     "partition",
     "pipeline",
     "pipeline_chart",
+    "record_timeline",
     "zero_bubble",
 ]

@@ -19,6 +19,9 @@ For each (micro-batch m, stage s) the rank holds:
   keep the per-layer output gradients of B), so W costs about one more input-gradient pass,
   and a checkpointed stage is recomputed for B and again for W.
 
+Under `fscale.parallel.pipeline.timeline.record_timeline` each action is timed, its waits on
+receives counted, and the activations it saves measured.
+
 Checkpoint modes are torchgpipe's: ``"always"`` recomputes every micro-batch's stage in
 backward, ``"except_last"`` all but the last micro-batch's (whose backward comes first in
 GPipe's drain, so recomputing it saves nothing), ``"never"`` keeps every activation.
@@ -37,6 +40,7 @@ from fscale.distributed.comm import Comm
 from fscale.grad import normalize_loss_output
 from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.stages import Stages
+from fscale.parallel.pipeline.timeline import StepRecorder, recording
 from fscale.parallel.pipeline.transport import (
     Link,
     Outbox,
@@ -111,7 +115,8 @@ def run_schedule(
     stage_buffers = list(buffers)
     units: dict[tuple[int, int], _Unit] = {}
     local_grads: dict[tuple[int, int], torch.Tensor] = {}
-    outbox = Outbox()
+    recorder = StepRecorder(tree.leaves((params, buffers))) if recording() else None
+    outbox = Outbox(None if recorder is None else recorder.waited)
     loss_sum: torch.Tensor | None = None
     counts: list[torch.Tensor] = []
 
@@ -204,14 +209,25 @@ def run_schedule(
         add(i, torch.autograd.grad(root, leaves[i], grad_out, allow_unused=True))
 
     split = schedule.split
-    for action in schedule.rank_actions(index):
-        if action.kind == "F":
-            forward(action.micro_batch, action.stage)
-        elif action.kind == "B":
-            backward(action.micro_batch, action.stage, split)
+
+    def run(kind: str, m: int, stage: int) -> None:
+        if kind == "F":
+            forward(m, stage)
+        elif kind == "B":
+            backward(m, stage, split)
         else:
-            weight_grads(action.micro_batch, action.stage)
-    outbox.drain()
+            weight_grads(m, stage)
+
+    for action in schedule.rank_actions(index):
+        if recorder is None:
+            run(action.kind, action.micro_batch, action.stage)
+        else:
+            timed = recorder.action(action.kind, action.micro_batch, action.stage)
+            with timed, recorder.saving():
+                run(action.kind, action.micro_batch, action.stage)
+    drain_wait = outbox.drain()
+    if recorder is not None:
+        recorder.finish(drain_wait)
     stage_grads = tuple(
         tree.unflatten(d, [torch.zeros_like(t) if g is None else g for g, t in zip(gs, ls)])
         for d, gs, ls in zip(treedefs, grads, leaves)

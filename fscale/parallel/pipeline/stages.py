@@ -8,11 +8,13 @@ and the stages' pieces (`split` / `merge`):
   the full params and buffers are lists with one pytree per stage. The key a stage sees is the
   micro-batch's key folded with the stage index.
 - **modules**: an ``nn.Sequential`` (or a list of modules, named ``"0"``, ``"1"`` ... as a
-  Sequential would name them) and `balance`, the number of consecutive layers per stage. Each
-  layer is functionalized on its own; a stage's params and buffers are dicts keyed by the
-  Sequential's own names (``"3.weight"``), so the full state is exactly what
-  ``fscale.functionalize(sequential)`` returns. Each layer runs with the micro-batch's key
-  folded with the layer's index, so dropout masks do not depend on the balance.
+  Sequential would name them) and `balance`, the number of consecutive layers per stage. A
+  stage's layers are held under their Sequential names by one container module, functionalized
+  once, so a stage runs as one functional call (the fixed cost of a call is paid per stage and
+  micro-batch, not per layer); its params and buffers are dicts keyed by the Sequential's own
+  names (``"3.weight"``), so the full state is exactly what ``fscale.functionalize(sequential)``
+  returns. Each layer runs under the RNG seeded by the micro-batch's key folded with the
+  layer's index, so dropout masks do not depend on the balance.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 
 from fscale import random as fsrandom
 from fscale.functional import functionalize
+from fscale.functional.rng import seeded_by
 
 __all__ = ["StageCall", "Stages", "function_stages", "module_stages"]
 
@@ -125,25 +128,38 @@ def module_stages(module: Any, balance: Any, caller: str) -> Stages:
         )
     bounds = _check_balance(balance, len(named), caller)
     _check_untied(named, caller)
-    layers = [(name, *functionalize(layer)) for name, layer in named]
     calls, param_names, buffer_names = [], [], []
     for start, stop in bounds:
-        stage_layers = [(index, *layers[index]) for index in range(start, stop)]
-        calls.append(_layers_call(stage_layers))
-        param_names.append(tuple(f"{n}.{k}" for _, n, _, p, _ in stage_layers for k in p))
-        buffer_names.append(tuple(f"{n}.{k}" for _, n, _, _, b in stage_layers for k in b))
+        container = _StageLayers([(i, named[i][0], named[i][1]) for i in range(start, stop)])
+        apply, params, buffers = functionalize(container)
+        calls.append(_stage_call(apply))
+        param_names.append(tuple(params))
+        buffer_names.append(tuple(buffers))
     return Stages(tuple(calls), tuple(param_names), tuple(buffer_names))
 
 
-def _layers_call(stage_layers: list[tuple[Any, ...]]) -> StageCall:
+class _StageLayers(nn.Module):
+    """A stage's layers under their Sequential names, each run under its own layer key."""
+
+    def __init__(self, layers: list[tuple[int, str, nn.Module]]) -> None:
+        super().__init__()
+        self._indices: list[tuple[int, str]] = []
+        for index, name, layer in layers:
+            self.add_module(name, layer)
+            self._indices.append((index, name))
+
+    def forward(self, x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        for index, name in self._indices:
+            # The stage's input tells the accelerator in use (the layers' tensors live with it),
+            # which is cheaper to ask than every layer's parameters.
+            with seeded_by(fsrandom.fold_in(key, index), lambda x=x: [x]):
+                x = self.get_submodule(name)(x)
+        return x
+
+
+def _stage_call(apply: Any) -> StageCall:
     def call(params: PyTree, buffers: PyTree, x: torch.Tensor, key: torch.Tensor) -> Any:
-        new_buffers = dict(buffers)
-        for index, name, apply, layer_params, layer_buffers in stage_layers:
-            own_params = {k: params[f"{name}.{k}"] for k in layer_params}
-            own_buffers = {k: new_buffers[f"{name}.{k}"] for k in layer_buffers}
-            x, updated = apply(own_params, own_buffers, x, key=fsrandom.fold_in(key, index))
-            new_buffers.update({f"{name}.{k}": v for k, v in updated.items()})
-        return x, new_buffers
+        return apply(params, buffers, x, key)
 
     return call
 

@@ -15,12 +15,15 @@ receives only what an earlier tick has sent. Every message is tagged by (directi
 micro-batch, stage), so a rank may receive in another order than its peer sent.
 
 The comm ledger records each send (the bytes this rank puts on the wire), under the
-pipeline's axis.
+pipeline's axis. An outbox made with `on_wait` is told the seconds each receive along its links
+and its final drain spent blocked (`fscale.parallel.pipeline.timeline` counts them as idle).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,21 +38,47 @@ Tensor = torch.Tensor
 
 
 class Outbox:
-    """Sends posted and not yet known to be delivered; `drain` waits for all of them."""
+    """Sends posted and not yet known to be delivered; `drain` waits for all of them.
 
-    def __init__(self) -> None:
-        self._pending: list[tuple[Any, Tensor]] = []
+    `on_wait`, if given, receives the seconds each blocking receive of a link through this
+    outbox waited (see `timed_receive`)."""
+
+    def __init__(self, on_wait: Callable[[float], None] | None = None) -> None:
+        self._pending: dict[tuple[int, int], tuple[Any, Tensor]] = {}
+        self.on_wait = on_wait
 
     def post(self, tensor: Tensor, comm: Comm, to: int, tag: int) -> None:
         payload = tensor.detach().contiguous()
         record("send", comm.axis, payload.dtype, payload.numel(), comm.size)
         work = dist.isend(payload, group=comm.group, group_dst=to, tag=tag)
-        self._pending.append((work, payload))  # the payload must live until delivered
+        self._pending[(to, tag)] = (work, payload)  # the payload must live until delivered
 
-    def drain(self) -> None:
-        pending, self._pending = self._pending, []
-        for work, _ in pending:
+    def settle(self, to: int, tag: int) -> None:
+        """Forget the send (`to`, `tag`), which the caller knows was received: the peer
+        answered it. Its payload (often the stage's output) is then freed with the stage's
+        graph instead of living until the step's end."""
+        sent = self._pending.pop((to, tag), None)
+        if sent is not None:
+            wait(sent[0])  # returns at once; gloo marks a send complete only when waited on
+
+    def drain(self) -> float:
+        """Wait for every posted send; returns the seconds that took."""
+        start = time.perf_counter()
+        pending, self._pending = self._pending, {}
+        for work, _ in pending.values():
             wait(work)
+        return time.perf_counter() - start
+
+    def timed_receive(
+        self, comm: Comm, shape: torch.Size, dtype: torch.dtype, source: int, tag: int
+    ) -> Tensor:
+        """`receive`, its blocked seconds reported to `on_wait`."""
+        if self.on_wait is None:
+            return receive(comm, shape, dtype, source, tag)
+        start = time.perf_counter()
+        buffer = receive(comm, shape, dtype, source, tag)
+        self.on_wait(time.perf_counter() - start)
+        return buffer
 
 
 def receive(comm: Comm, shape: torch.Size, dtype: torch.dtype, source: int, tag: int) -> Tensor:
@@ -97,15 +126,21 @@ class _SendActivation(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         link = ctx.link
-        grad_y = receive(link.comm, ctx.shape, ctx.dtype, link.peer, link.grad_tag)
+        grad_y = link.outbox.timed_receive(
+            link.comm, ctx.shape, ctx.dtype, link.peer, link.grad_tag
+        )
         link.received_grad = grad_y  # a split backward's W reuses it
+        # The gradient came back, so the peer has the activation: its send is done.
+        link.outbox.settle(link.peer, link.tag)
         return grad_y, None
 
 
 class _RecvActivation(torch.autograd.Function):
     @staticmethod
     def forward(template: Tensor, link: Link) -> Tensor:
-        return receive(link.comm, template.shape, template.dtype, link.peer, link.tag)
+        return link.outbox.timed_receive(
+            link.comm, template.shape, template.dtype, link.peer, link.tag
+        )
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:

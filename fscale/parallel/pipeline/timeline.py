@@ -1,0 +1,153 @@
+"""`record_timeline`: each rank's pipeline steps as measured: action times, waits, activations.
+
+Inside ``with record_timeline() as timeline:`` every pipeline step this process runs appends
+one `StepTimeline` to ``timeline.steps``:
+
+- the wall time of the rank's part of the schedule (from its first action's start to the end
+  of the step's final drain of sends), and each action's start and end (``time.perf_counter``);
+- the time each action spent blocked on a receive (an activation from the previous stage or a
+  gradient from the next), and the time the final drain waited on sends. The rank was *busy*
+  for the actions' time less those waits; its measured bubble is ``1 - busy / wall``, the
+  figure the schedule table's `Schedule.bubble_fraction` predicts from unit costs;
+- the peak bytes of the activations the step holds for its backward: every tensor autograd
+  saves is counted (`fscale.memory.LiveBytes`, one count per storage, until freed) unless it
+  shares storage with a parameter or buffer of the step, so the figure is what the schedule's
+  in-flight micro-batches cost, sampled at each save.
+
+Recording is off unless a block is open; a step then pays one truth test per action.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from fscale import tracking
+from fscale.memory import LiveBytes
+
+__all__ = ["ActionTime", "StepTimeline", "Timeline", "record_timeline"]
+
+_TIMELINES = tracking.stack("fscale.parallel.pipeline.timeline")
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionTime:
+    """One action of the schedule as it ran: kind ("F", "B", "W"), micro-batch, stage, its start
+    and end (seconds, ``time.perf_counter``) and the seconds of it spent blocked on a receive."""
+
+    kind: str
+    micro_batch: int
+    stage: int
+    start: float
+    end: float
+    waited: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimeline:
+    """One rank's part of one pipeline step (see the module docstring)."""
+
+    actions: tuple[ActionTime, ...]
+    start: float
+    end: float
+    drain_wait: float
+    activation_peak: int
+
+    @property
+    def wall(self) -> float:
+        """Seconds from the first action's start to the end of the final drain."""
+        return self.end - self.start
+
+    @property
+    def busy(self) -> float:
+        """Seconds spent computing: the actions' time less their waits on receives."""
+        return sum(a.end - a.start - a.waited for a in self.actions)
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of `wall` the rank was not busy."""
+        return 1.0 - self.busy / self.wall if self.wall > 0 else 0.0
+
+
+class Timeline:
+    """The `StepTimeline` of every pipeline step run while the block was open.
+
+    Attributes:
+        steps: one entry per step, in the order they ran.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[StepTimeline] = []
+
+    def __repr__(self) -> str:
+        return f"Timeline({len(self.steps)} steps)"
+
+
+@contextlib.contextmanager
+def record_timeline() -> Iterator[Timeline]:
+    """Record the pipeline steps run inside the block (see the module docstring)."""
+    with _TIMELINES.open(Timeline()) as timeline:
+        yield timeline
+
+
+def recording() -> bool:
+    """Whether a `record_timeline` block is open."""
+    return bool(_TIMELINES)
+
+
+class StepRecorder:
+    """Collects one step's `StepTimeline` while it runs; `finish` hands it to the open blocks.
+
+    The runner wraps each action in `action` and the step's saves in `saving`; the transport
+    reports its blocking receives through `waited`.
+    """
+
+    def __init__(self, state: Iterable[torch.Tensor]) -> None:
+        # The step's parameters and buffers are state, not activations, when autograd saves them.
+        self._state_storages = {t.untyped_storage().data_ptr() for t in state}
+        self._actions: list[ActionTime] = []
+        self._live = LiveBytes()
+        self._waited = 0.0
+        self._start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def action(self, kind: str, micro_batch: int, stage: int) -> Iterator[None]:
+        """Time the block as action (kind, micro_batch, stage)."""
+        waited_before, start = self._waited, time.perf_counter()
+        yield
+        self._actions.append(
+            ActionTime(
+                kind, micro_batch, stage, start, time.perf_counter(), self._waited - waited_before
+            )
+        )
+
+    def waited(self, seconds: float) -> None:
+        """Count `seconds` blocked on a receive in the current action."""
+        self._waited += seconds
+
+    def saving(self) -> Any:
+        """A context under which the activations autograd saves are counted."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.untyped_storage().data_ptr() not in self._state_storages:
+            self._live.track(tensor)
+        return tensor
+
+    def finish(self, drain_wait: float) -> None:
+        """Close the step: its timeline goes to every open `record_timeline` block."""
+        start = self._actions[0].start if self._actions else self._start
+        step = StepTimeline(
+            tuple(self._actions), start, time.perf_counter(), drain_wait, self._live.peak
+        )
+        for timeline in _TIMELINES.active():
+            timeline.steps.append(step)
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

@@ -1,0 +1,79 @@
+"""fscale.parallel.pipeline.record_timeline: each rank's actions as they ran, the time they waited,
+the measured bubble and activation peak; recording changes no result."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import fscale as fs
+from fscale.parallel.pipeline import pipeline, record_timeline
+from fscale.testing import assert_trees_equal, run_spmd
+
+MICRO_BATCHES = 4
+
+
+def _step(schedule: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh())
+    _, params, buffers = fs.functionalize(model)
+    step = pipeline(
+        model,
+        lambda out, targets: ((out - targets) ** 2).mean(),
+        fs.optim.sgd(0.1),
+        fs.Mesh(pp=2),
+        micro_batches=MICRO_BATCHES,
+        schedule=schedule,
+        balance=[2, 2],
+        checkpoint="never",
+    )
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g))
+    return step, step.init(params, buffers), batch
+
+
+def _recorded(schedule: str):
+    step, state, batch = _step(schedule)
+    plain, _ = step(state, batch)  # also the first step, whose contract check is not recorded
+    with record_timeline() as outer:
+        with record_timeline() as inner:
+            recorded, _ = step(state, batch)
+        step(state, batch)
+    step(state, batch)  # no block open: recorded nowhere
+    rank = fs.Mesh(pp=2).rank("pp")
+    expected = [(a.kind, a.micro_batch, a.stage) for a in step.plan.schedule.rank_actions(rank)]
+    return plain.params, recorded.params, inner.steps, len(outer.steps), expected
+
+
+def test_each_rank_records_its_actions_and_waits_without_changing_results():
+    for rank, (plain, recorded, steps, outer_count, expected) in enumerate(
+        run_spmd(_recorded, 2, "1f1b")
+    ):
+        assert_trees_equal(recorded, plain)
+        assert len(steps) == 1 and outer_count == 2
+        step = steps[0]
+        assert [(a.kind, a.micro_batch, a.stage) for a in step.actions] == expected
+        starts = [a.start for a in step.actions]
+        assert starts == sorted(starts) and step.start == starts[0]
+        assert all(0.0 <= a.waited <= a.end - a.start for a in step.actions)
+        assert 0.0 < step.busy <= step.wall and 0.0 <= step.bubble < 1.0
+        assert step.activation_peak > 0
+        if rank == 0:  # stage 0 waits for every gradient the last stage sends back
+            assert sum(a.waited for a in step.actions if a.kind == "B") > 0.0
+
+
+def _peaks(schedule: str) -> int:
+    step, state, batch = _step(schedule)
+    step(state, batch)
+    with record_timeline() as timeline:
+        step(state, batch)
+    return timeline.steps[0].activation_peak
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe():
+    gpipe = run_spmd(_peaks, 2, "gpipe")
+    one = run_spmd(_peaks, 2, "1f1b")
+    # Stage 0 of GPipe holds all 4 micro-batches, of 1F1B 2 (P) beside the whole batch's
+    # inputs (one storage); the last stage of GPipe holds 4, of 1F1B one.
+    assert one[0] < gpipe[0]
+    assert one[1] * MICRO_BATCHES <= gpipe[1] * 1.05
