@@ -73,13 +73,17 @@ def test_gain_equals_the_formulas_by_hand(smoothing):
 
 def test_pure_noise_gives_the_full_scale_and_the_state_records_it():
     # Two samples whose gradients cancel: T = 0, so mu^2 = 0 and r = S (the example of the docs).
-    step = fs.adascale(fs.accumulate(fs.train_step(_linear_loss, fs.optim.sgd(LR)), 2), fs.Mesh(dp=1))
+    step = fs.adascale(
+        fs.accumulate(fs.train_step(_linear_loss, fs.optim.sgd(LR)), 2), fs.Mesh(dp=1)
+    )
     state = step.init({"w": torch.zeros(2)})
     batch = (torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([1.0, -1.0]))
     state, metrics = step(state, batch)
     assert float(metrics["gain"]) == 2.0
     assert isinstance(state.opt_state, fs.AdaScaleState)
-    assert float(state.opt_state.stats.scale) == 2.0 and float(state.opt_state.stats.progress) == 2.0
+    assert (
+        float(state.opt_state.stats.scale) == 2.0 and float(state.opt_state.stats.progress) == 2.0
+    )
 
 
 def test_rescale_carries_the_noise_estimate_to_the_new_scale():
@@ -201,3 +205,225 @@ def test_shard_optimizer_and_fully_shard_equal_data_parallel():
             other_gains, other_params, _ = results[name]
             assert other_gains == pytest.approx(gains, rel=1e-6), name
             assert_trees_close(other_params, params, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Changing the scale mid-run: FairScale's set_scale
+
+
+def _one_process_step(apply, micro_batches, **kwargs):
+    inner = fs.accumulate(
+        fs.train_step(_mse_loss(apply), fs.optim.sgd(LR, momentum=0.9)), micro_batches
+    )
+    return fs.adascale(inner, fs.Mesh(dp=1), **kwargs)
+
+
+def test_scale_change_mid_run_matches_fairscale_set_scale():
+    fairscale_optim = pytest.importorskip("fairscale.optim", reason="the reference is FairScale")
+    module = _module()
+    reference = copy.deepcopy(module)
+    apply, params, buffers = fs.functionalize(module)
+    optimizer = fairscale_optim.AdaScale(
+        torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9),
+        world_size=1,
+        num_gradients_to_accumulate=2,
+    )
+    state = _one_process_step(apply, 2).init(params, buffers)
+    ours, theirs = [], []
+    for phase, micro_batches in enumerate((2, 4)):
+        step = _one_process_step(apply, micro_batches)  # the old state carries over
+        if phase:
+            optimizer.set_num_gradients_to_accumulate(micro_batches)
+            optimizer.set_scale(micro_batches)
+        for i in range(3):
+            inputs, targets = _batch(10 * phase + i, 0, 2 * micro_batches)
+            state, metrics = step(state, (inputs, targets))
+            ours.append(float(metrics["gain"]))
+            for j in range(micro_batches):
+                rows = slice(2 * j, 2 * j + 2)
+                loss = ((reference(inputs[rows]) - targets[rows]) ** 2).mean() / micro_batches
+                loss.backward()
+            theirs.append(optimizer.gain())
+            optimizer.step()
+            optimizer.zero_grad()
+    assert float(state.opt_state.stats.scale) == 4.0
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    expected = {n: p.detach() for n, p in reference.named_parameters()}
+    assert_trees_close(state.params, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_an_explicit_scale_and_a_schedule_over_progress():
+    apply, params, buffers = fs.functionalize(_module())
+    seen = []
+
+    def schedule(progress):
+        seen.append(progress)
+        return 0.5
+
+    base = _one_process_step(apply, 2)
+    step = _one_process_step(apply, 2, scale=3.0, schedule=schedule)
+    plain_state = base.init(params, buffers)
+    state = step.init(params, buffers)
+    batch = _batch(0, 0, 4)
+    new_plain, plain_metrics = base(plain_state, batch)
+    new_state, metrics = step(state, batch)
+    gain = float(metrics["gain"])
+    assert seen == [0.0]  # the schedule reads the progress before this step
+    assert 1.0 <= gain <= 3.0 and gain != float(plain_metrics["gain"])
+    # The same gradients, so the update is the plain one rescaled by 0.5 * r / r_plain.
+    ratio = 0.5 * gain / float(plain_metrics["gain"])
+    for name, p in params.items():
+        moved = new_state.params[name] - p
+        assert_trees_close(moved, ratio * (new_plain.params[name] - p), rtol=1e-4, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Adam variant (AdaptDL / Pollux), against a reference computed here
+
+
+def test_adam_variant_preconditions_the_noise_and_scales_lr_by_the_root_of_the_gain():
+    micro_batches, base_lr, beta2, eps = 2, 0.01, 0.99, 1e-8
+    module = _module()
+    reference = copy.deepcopy(module)
+    apply, params, buffers = fs.functionalize(module)
+    inner = fs.accumulate(
+        fs.train_step(_mse_loss(apply), fs.optim.adam(base_lr, betas=(0.9, beta2), eps=eps)),
+        micro_batches,
+    )
+    step = fs.adascale(inner, fs.Mesh(dp=1), rule="adam", beta2=beta2, eps=eps, warmup=2)
+    state = step.init(params, buffers)
+    torch_adam = torch.optim.Adam(
+        reference.parameters(), lr=base_lr, betas=(0.9, beta2), eps=eps, fused=True
+    )
+    leaves = list(reference.parameters())
+    biased_sqr = biased_var = unbias = 0.0
+    smoothing, samples = 1 - micro_batches / 1000, micro_batches
+    ours, expected_gains = [], []
+    for i in range(5):
+        inputs, targets = _batch(i, 0, 2 * micro_batches)
+        state, metrics = step(state, (inputs, targets))
+        ours.append(float(metrics["gain"]))
+        count = int(torch_adam.state[leaves[0]]["step"]) if torch_adam.state else 0
+        if count >= 2:
+            weights = [
+                1 / (torch_adam.state[p]["exp_avg_sq"].sqrt() / (1 - beta2**count) ** 0.5 + eps)
+                for p in leaves
+            ]
+        else:
+            weights = [torch.ones_like(p) for p in leaves]
+        micro_grads = []
+        for j in range(micro_batches):
+            rows = slice(2 * j, 2 * j + 2)
+            loss = ((reference(inputs[rows]) - targets[rows]) ** 2).mean()
+            micro_grads.append(torch.autograd.grad(loss, leaves))
+        mean = [sum(g[k] for g in micro_grads) / micro_batches for k in range(len(leaves))]
+        local = sum(
+            float(((g[k] * weights[k]).double() ** 2).sum())
+            for g in micro_grads
+            for k in range(len(leaves))
+        )
+        total = sum(float(((m * w).double() ** 2).sum()) for m, w in zip(mean, weights))
+        var = samples / (samples - 1) * (local / samples - total)
+        sqr, var = max(total - var / samples, 0.0), max(var, 1e-6)
+        biased_sqr = smoothing * biased_sqr + (1 - smoothing) * sqr
+        biased_var = smoothing * biased_var + (1 - smoothing) * var
+        unbias = smoothing * unbias + (1 - smoothing)
+        v, s = biased_var / unbias, biased_sqr / unbias
+        gain = (v + s) / (v / samples + s)
+        expected_gains.append(gain)
+        for p, m in zip(leaves, mean):
+            p.grad = m
+        torch_adam.param_groups[0]["lr"] = base_lr * gain**0.5
+        torch_adam.step()
+    assert ours == pytest.approx(expected_gains, rel=1e-5)
+    expected = {n: p.detach() for n, p in reference.named_parameters()}
+    assert_trees_close(state.params, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_adam_variant_without_adam_state_or_with_sharded_state_is_refused():
+    apply, params, buffers = fs.functionalize(_module())
+    step = fs.adascale(
+        fs.accumulate(fs.train_step(_mse_loss(apply), fs.optim.sgd(LR)), 2),
+        fs.Mesh(dp=1),
+        rule="adam",
+    )
+    state = step.init(params, buffers)
+    with pytest.raises(ValueError, match="0 AdamState"):
+        step(state, _batch(0, 0, 4))
+    sharded = fs.shard_optimizer(
+        fs.accumulate(fs.train_step(_mse_loss(apply), fs.optim.adam()), 2), fs.Mesh(dp=1)
+    )
+    with pytest.raises(ValueError, match=r"rule=.adam.*shards its optimizer state"):
+        fs.adascale(sharded, fs.Mesh(dp=1), rule="adam")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+def _plain_step():
+    apply, _, _ = fs.functionalize(_module())
+    return fs.train_step(_mse_loss(apply), fs.optim.sgd(LR))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"smoothing": 1.0}, r"`smoothing` must lie in \[0, 1\), got smoothing=1.0"),
+        ({"smoothing": -0.1}, "`smoothing` must be >= 0"),
+        ({"scale": 0.5}, "`scale` must be >= 1"),
+        ({"rule": "lars"}, "`rule` must be one of"),
+        ({"axis": "tp"}, "the mesh has no axis 'tp'"),
+        ({"axis": 3}, "`axis` must be a mesh axis name"),
+        ({"schedule": 0.5}, "`schedule` must be a function"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    step = fs.accumulate(_plain_step(), 2)
+    with pytest.raises((ValueError, TypeError), match=message):
+        fs.adascale(step, fs.Mesh(dp=1), **kwargs)
+
+
+def test_bad_steps_are_refused():
+    with pytest.raises(ValueError, match="one gradient sample"):
+        fs.adascale(_plain_step(), fs.Mesh(dp=1))
+    with pytest.raises(ValueError, match="grad_mode='autograd'"):
+        fs.adascale(fs.accumulate(_plain_step().replace(grad_mode="func"), 2), fs.Mesh(dp=1))
+    once = fs.adascale(fs.accumulate(_plain_step(), 2), fs.Mesh(dp=1))
+    with pytest.raises(ValueError, match="already adascale"):
+        fs.adascale(once, fs.Mesh(dp=1))
+    with pytest.raises(TypeError, match="`step` must be a Step"):
+        fs.adascale(lambda state, batch: state, fs.Mesh(dp=1))
+
+
+def test_a_layer_around_adascale_is_refused_at_the_first_step():
+    _, params, buffers = fs.functionalize(_module())
+    inner = fs.adascale(fs.accumulate(_plain_step(), 2), fs.Mesh(dp=1))
+    wrapped = fs.accumulate(inner, 2)
+    state = wrapped.init(params, buffers)
+    with pytest.raises(ValueError, match="apply adascale last"):
+        wrapped(state, _batch(0, 0, 8))
+
+
+def _axis_the_step_does_not_reduce_over():
+    mesh = fs.Mesh(dp=2)
+    return [
+        _error(fs.adascale, step, mesh, axis="dp")
+        for step in (fs.accumulate(_plain_step(), 2), _plain_step())
+    ]
+
+
+def _error(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_an_axis_the_step_does_not_reduce_over_is_named():
+    for errors in run_spmd(_axis_the_step_does_not_reduce_over, 2):
+        assert len(errors) == 2
+        assert all(
+            "`axis` 'dp' is not an axis the step reduces its gradients over" in e for e in errors
+        )

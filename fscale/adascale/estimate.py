@@ -109,4 +109,6 @@ def rescale(stats: GainStats, scale: float) -> GainStats:
     old = float(stats.scale)
     if old == scale:
         return stats
-    return stats._replace(grad_var=_scalar(float(stats.grad_var) * old / scale), scale=_scalar(scale))
+    return stats._replace(
+        grad_var=_scalar(float(stats.grad_var) * old / scale), scale=_scalar(scale)
+    )

@@ -140,7 +140,9 @@ class AdaScalePlan(Plan):
         inner_aux = aux._replace(carry={k: v for k, v in aux.carry.items() if k != _CARRY})
         inner_state = state._replace(opt_state=opt_state.inner)
         if ctx.skip_update:
-            new_state, metrics = self.inner.apply_gradients(step, inner_state, grads, inner_aux, ctx)
+            new_state, metrics = self.inner.apply_gradients(
+                step, inner_state, grads, inner_aux, ctx
+            )
             return self._finish(new_state, metrics, stats, est.gain(stats))
         grad_sqr, grad_var = est.estimate(local_sqr, total_sqr, self.samples, self.scale)
         stats = est.update(stats, grad_sqr, grad_var, self.smoothing)

@@ -100,7 +100,7 @@ def adascale(
         >>> state = step.init(params)
         >>> state, metrics = step(state, torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
         >>> round(float(metrics["gain"]), 4), round(float(metrics["progress"]), 4)
-        (1.0, 1.0)
+        (2.0, 2.0)
     """
     check_step(step, "adascale")
     axes = _check_axes(step, mesh, axis)
@@ -147,7 +147,7 @@ def adascale(
             f"{type(schedule).__name__}"
         )
     sharding = sharding_layer(step.plan)
-    shard_axis = None if sharding is None else str(getattr(sharding, "axis"))
+    shard_axis = None if sharding is None else str(sharding.axis)  # type: ignore[attr-defined]
     adam = _adam_noise(rule, beta2, eps, warmup, sharding)
     plan = AdaScalePlan(
         step.plan,
