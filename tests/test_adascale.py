@@ -427,3 +427,55 @@ def test_an_axis_the_step_does_not_reduce_over_is_named():
         assert all(
             "`axis` 'dp' is not an axis the step reduces its gradients over" in e for e in errors
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# State in and out, skipped steps
+
+
+def test_consolidate_and_shard_state_keep_the_statistics():
+    apply, params, buffers = fs.functionalize(_module())
+    step = _one_process_step(apply, 2)
+    state = step.init(params, buffers)
+    for i in range(2):
+        state, _ = step(state, _batch(i, 0, 4))
+    full = fs.consolidate(step, state)
+    assert isinstance(full.opt_state, fs.AdaScaleState)
+    again = fs.shard_state(step, full)
+    continued, metrics = step(state, _batch(2, 0, 4))
+    resumed, resumed_metrics = step(again, _batch(2, 0, 4))
+    assert float(resumed_metrics["gain"]) == float(metrics["gain"])
+    assert_trees_close(resumed.params, continued.params, rtol=0, atol=0)
+    assert float(resumed.opt_state.stats.progress) == float(continued.opt_state.stats.progress)
+
+
+def test_a_skipped_step_leaves_the_statistics_as_they_were():
+    apply, params, buffers = fs.functionalize(_module())
+    inner = fs.accumulate(fs.train_step(_mse_loss(apply), fs.optim.sgd(LR), on_nonfinite="skip"), 2)
+    step = fs.adascale(inner, fs.Mesh(dp=1))
+    state, _ = step(step.init(params, buffers), _batch(0, 0, 4))
+    inputs, targets = _batch(1, 0, 4)
+    targets[0, 0] = float("inf")
+    skipped, metrics = step(state, (inputs, targets))
+    assert float(metrics["skipped"]) == 1.0
+    assert skipped.opt_state.stats == state.opt_state.stats
+    assert_trees_close(skipped.params, state.params, rtol=0, atol=0)
+
+
+class _TwiceUsedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks[0](torch.tanh(self.blocks[0](x))))
+
+
+def test_a_unit_called_twice_under_fully_shard_is_refused():
+    apply, params, buffers = fs.functionalize(_TwiceUsedBlock())
+    inner = fs.accumulate(fs.train_step(_mse_loss(apply), fs.optim.sgd(LR)), 2)
+    step = fs.adascale(fs.fully_shard(inner, fs.Mesh(dp=1)), fs.Mesh(dp=1))
+    state = step.init(params, buffers)
+    with pytest.raises(ValueError, match="unit 'blocks.0' was called more than once"):
+        step(state, _batch(0, 0, 4))

@@ -18,8 +18,9 @@ average has accumulated (``biased / unbias``), so the first steps are not pulled
 zero start. FairScale's default is θ = max(1 − n/1000, 0): with many samples a step's estimate
 is good enough alone.
 
-Changing S mid-run (`rescale`) multiplies the noise average by S_old / S_new: σ² is stored as
-the variance of an S-sample mean times S, so it is expressed for the current S.
+Changing S mid-run (`rescale`) multiplies the noise average by S_old / S_new, as FairScale's
+``set_scale`` does: σ̂²/S estimates the noise of the step's whole batch, which the new S does
+not change.
 
 Everything is float64 (the statistics are a handful of scalars; float32 would lose the
 difference L/n − T when the noise is small).

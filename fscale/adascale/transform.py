@@ -17,7 +17,7 @@ Composition: adascale wraps the finished step, any of ``data_parallel``, ``shard
 ``fully_shard`` (HSDP included) with or without ``accumulate``; the statistics are a few
 scalars replicated on every rank, kept in ``state.opt_state`` (`AdaScaleState`). Cost per step:
 one square-sum per parameter in backward, one over the reduced gradients, and one all-reduce of
-two float64 scalars (two under ZeRO or FSDP inside replicas).
+at most two float64 scalars (two all-reduces under ZeRO or FSDP inside replicas).
 
 Changing the scale mid-run (FairScale's ``set_scale``): build the new step (more ranks, more
 micro-batches, or another ``scale=``) and give it the old state; the first step rescales the
@@ -82,7 +82,9 @@ def adascale(
         warmup: updates before the Adam preconditioner is used (``rule="adam"`` only).
 
     Returns:
-        A Step whose metrics add ``gain`` (r of this step) and ``progress`` (Σr so far).
+        A Step whose metrics add ``gain`` (r of this step) and ``progress`` (Σr so far); like
+        every metric they are reduced across ranks in float32, the exact float64 values are
+        ``state.opt_state.stats`` (r is ``fscale.adascale.gain(stats)``, imported with ``from``).
 
     Raises:
         TypeError / ValueError: `step` is not a Step or already adascale; `axis` is not an axis
