@@ -6,6 +6,11 @@ matters to it is that of the preconditioned gradient ``w · g``, with
 updates (AdaptDL's ``AdamGradientNoiseScale``; Pollux, Qiao et al., OSDI 2021). The estimate of
 v is poor for the first few updates, so w = 1 until `warmup` updates have been applied.
 
+What is AdaptDL's here: the preconditioned norms and the learning rate times r^0.5 (its
+``AdamScale`` rule). What is not: the estimator, its smoothing (FairScale's max(1 − n/1000, 0),
+not AdaptDL's 0.999^S) and debiasing are the SGD rule's; there is no differenced estimate for
+one replica without accumulation, and the Adam moments are not rescaled when S changes.
+
 The preconditioner is read from the state's one `fscale.optim.AdamState` (Adam or AdamW, alone
 or at the end of a `fscale.optim.chain`), whose leaves mirror the parameters.
 """
