@@ -179,15 +179,18 @@ def _under_plans(micro_batches, steps):
     rank = dist.get_rank()
     mesh = fs.Mesh(dp=dist.get_world_size())
     results = {}
-    for name in ("data_parallel", "shard_optimizer", "fully_shard"):
+    for name in ("data_parallel", "shard_optimizer", "fully_shard", "hsdp"):
         apply, params, buffers = fs.functionalize(fs.models.mlp([4, 8, 2]))
         torch.manual_seed(0)
         params = {k: torch.randn_like(v) for k, v in params.items()}
         inner = fs.accumulate(
             fs.train_step(_mse_loss(apply), fs.optim.sgd(LR, momentum=0.9)), micro_batches
         )
-        plan = getattr(fs, name)(inner, mesh)
-        step = fs.adascale(plan, mesh)
+        if name == "hsdp":
+            plan, on = _hsdp_plan(inner, mesh)
+            step = fs.adascale(plan, on, axis="replica")
+        else:
+            step = fs.adascale(getattr(fs, name)(inner, mesh), mesh)
         state = step.init(params, buffers)
         gains = []
         for i in range(steps):
@@ -197,11 +200,17 @@ def _under_plans(micro_batches, steps):
     return results
 
 
+def _hsdp_plan(inner, mesh):
+    # Replicas over "replica", shards over "dp" of size 1: the shard and replica reductions.
+    hybrid = fs.Mesh(replica=mesh.size("dp"), dp=1)
+    return fs.fully_shard(inner, hybrid, "dp", replicate_axis="replica"), hybrid
+
+
 def test_shard_optimizer_and_fully_shard_equal_data_parallel():
     for results in run_spmd(_under_plans, 2, 2, 3):
         gains, params, metric = results["data_parallel"]
         assert metric == pytest.approx(gains[-1], rel=1e-6)  # reported as a metric too
-        for name in ("shard_optimizer", "fully_shard"):
+        for name in ("shard_optimizer", "fully_shard", "hsdp"):
             other_gains, other_params, _ = results[name]
             assert other_gains == pytest.approx(gains, rel=1e-6), name
             assert_trees_close(other_params, params, rtol=1e-5, atol=1e-6)
@@ -477,5 +486,5 @@ def test_a_unit_called_twice_under_fully_shard_is_refused():
     inner = fs.accumulate(fs.train_step(_mse_loss(apply), fs.optim.sgd(LR)), 2)
     step = fs.adascale(fs.fully_shard(inner, fs.Mesh(dp=1)), fs.Mesh(dp=1))
     state = step.init(params, buffers)
-    with pytest.raises(ValueError, match="unit 'blocks.0' was called more than once"):
+    with pytest.raises(ValueError, match=r"unit 'blocks\.0' was called more than once"):
         step(state, _batch(0, 0, 4))

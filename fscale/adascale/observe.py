@@ -38,7 +38,6 @@ class Tally:
     """The squared norms of one step's local gradients, summed as backward produces them.
 
     Attributes:
-        local_sqr: Σ over observed gradients of ``Σ (w · g)²`` (float64), this rank only.
         loss_calls: how many times the loss function ran (one per micro-batch).
         unit_calls: per unit name, the differentiated calls in the current loss call.
         repeated: the name of a unit called more than once in one forward, or None.
@@ -46,7 +45,7 @@ class Tally:
     """
 
     def __init__(self, weights: Weights = None) -> None:
-        self.local_sqr = torch.zeros((), dtype=torch.float64)
+        self._sums: list[torch.Tensor] = []
         self.loss_calls = 0
         self.unit_calls: dict[str, int] = {}
         self.repeated: str | None = None
@@ -55,7 +54,15 @@ class Tally:
     def add(self, grad: torch.Tensor, weight: torch.Tensor | None) -> None:
         if weight is not None:
             grad = grad * weight
-        self.local_sqr += grad.detach().square().sum(dtype=torch.float64).cpu()
+        # Kept on the gradient's device: a copy to the host here would wait for the device
+        # once per parameter, in the middle of backward.
+        self._sums.append(grad.detach().square().sum(dtype=torch.float64))
+
+    def local_sqr(self, device: torch.device) -> torch.Tensor:
+        """Σ over the observed gradients of ``Σ (w · g)²`` (float64, on `device`), this rank."""
+        if not self._sums:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack([s.to(device) for s in self._sums]).sum()
 
     def observe(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.requires_grad:

@@ -123,8 +123,8 @@ class AdaScalePlan(Plan):
             grads, aux = self.inner.gradients(step, inner_state, batch, ctx)
         self._check_tally(tally)
         with torch.no_grad():
-            local = tally.local_sqr * float(self.micro_batches**2)
             total = _squared_norm(grads, weights)
+            local = tally.local_sqr(total.device) * float(self.micro_batches**2)
             norms = self._complete(local, total)
         return grads, aux._replace(carry={**aux.carry, _CARRY: norms})
 
@@ -216,13 +216,16 @@ class AdaScalePlan(Plan):
 
 
 def _squared_norm(grads: PyTree, weights: dict[str, torch.Tensor] | None) -> torch.Tensor:
-    """``Σ (w · g)²`` over the leaves of `grads`, in float64."""
-    total = torch.zeros((), dtype=torch.float64)
-    for path, grad in zip(*tree.flatten_with_paths(grads)[:2]):
+    """``Σ (w · g)²`` over the leaves of `grads`, in float64, on the first leaf's device."""
+    paths, leaves, _ = tree.flatten_with_paths(grads)
+    if not leaves:
+        return torch.zeros((), dtype=torch.float64)
+    sums = []
+    for path, grad in zip(paths, leaves):
         if weights is not None:
             grad = grad * weights[path]
-        total += grad.square().sum(dtype=torch.float64).cpu()
-    return total
+        sums.append(grad.square().sum(dtype=torch.float64).to(leaves[0].device))
+    return torch.stack(sums).sum()
 
 
 def _scale_update(

@@ -184,7 +184,7 @@ def _check_axes(step: Step, mesh: Mesh, axis: str | tuple[str, ...]) -> tuple[st
                 f"fscale.data_parallel(step, mesh, {name!r}) (or shard it over {name!r}) first, "
                 "or pass the axis it does reduce over"
             )
-    missing = tuple(a for a in reduced if a not in axes)
+    missing = tuple(a for a in reduced if a not in axes and mesh.size(a) > 1)
     if missing:
         raise ValueError(
             f"adascale: the step also averages gradients over {missing}; its replicas there are "
