@@ -488,3 +488,17 @@ def test_a_unit_called_twice_under_fully_shard_is_refused():
     state = step.init(params, buffers)
     with pytest.raises(ValueError, match=r"unit 'blocks\.0' was called more than once"):
         step(state, _batch(0, 0, 4))
+
+
+def _loss_reporting_gain(params, buffers, batch, key):
+    return _linear_loss(params, buffers, batch, key), buffers, {"gain": torch.tensor(1.0)}
+
+
+def test_a_loss_metric_named_like_adascale_s_is_refused():
+    step = fs.adascale(
+        fs.accumulate(fs.train_step(_loss_reporting_gain, fs.optim.sgd(LR)), 2), fs.Mesh(dp=1)
+    )
+    state = step.init({"w": torch.zeros(2)})
+    batch = (torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([1.0, -1.0]))
+    with pytest.raises(ValueError, match="metric named 'gain'"):
+        step(state, batch)

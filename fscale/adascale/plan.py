@@ -161,6 +161,12 @@ class AdaScalePlan(Plan):
     def _finish(
         self, state: TrainState, metrics: dict[str, Any], stats: est.GainStats, gain: float
     ) -> tuple[TrainState, dict[str, Any]]:
+        clash = sorted({"gain", "progress"} & set(metrics))
+        if clash:
+            raise ValueError(
+                f"adascale: the loss function returned a metric named {clash[0]!r}, which "
+                f"adascale reports itself; rename it, e.g. 'my_{clash[0]}'"
+            )
         metrics = {
             **metrics,
             "gain": torch.tensor(gain, dtype=torch.float64),
