@@ -14,6 +14,8 @@ from fscale import remat as remat
 from fscale import spmd as spmd
 from fscale import tracking as tracking
 from fscale import tree as tree
+from fscale.adascale import AdaScaleState as AdaScaleState
+from fscale.adascale import adascale as adascale
 from fscale.distributed import Mesh as Mesh
 from fscale.distributed import init as init
 from fscale.distributed import launch as launch
@@ -49,8 +51,6 @@ from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step
 from fscale.train import value_and_grad as value_and_grad
-from fscale.adascale import AdaScaleState as AdaScaleState
-from fscale.adascale import adascale as adascale
 
 __version__ = "0.1.0"
 
