@@ -14,8 +14,8 @@ from fscale import remat as remat
 from fscale import spmd as spmd
 from fscale import tracking as tracking
 from fscale import tree as tree
-from fscale.adascale import AdaScaleState as AdaScaleState
-from fscale.adascale import adascale as adascale
+from fscale.gain import AdaScaleState as AdaScaleState
+from fscale.gain import adascale as adascale
 from fscale.distributed import Mesh as Mesh
 from fscale.distributed import init as init
 from fscale.distributed import launch as launch

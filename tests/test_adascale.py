@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import fscale as fs
-from fscale.adascale import estimate as est
+from fscale.gain import estimate as est
 from fscale.testing import assert_trees_close, run_spmd
 
 STEPS = 4

@@ -1,6 +1,6 @@
 """The layer of `adascale`: per-replica and averaged gradient norms in, a scaled update out.
 
-Gradient phase: the layer opens a `fscale.adascale.observe.Tally` and runs the plan inside it,
+Gradient phase: the layer opens a `fscale.gain.observe.Tally` and runs the plan inside it,
 whose (wrapped) loss function reports each rank's squared norm of every micro-batch gradient
 before any reduction. Then, from the gradients the plan returns (reduced: full under
 `data_parallel`, one shard per rank under `shard_optimizer` and `fully_shard`):
@@ -11,7 +11,7 @@ before any reduction. Then, from the gradients the plan returns (reduced: full u
 (c micro-batches per step: each micro-batch's loss is weighted 1/c, so its gradient is c times
 too small, as with FairScale's ``is_scaled_loss``). Both are carried to the update phase.
 
-Update phase: the estimates and the gain r of `fscale.adascale.estimate`; the plan's own update
+Update phase: the estimates and the gain r of `fscale.gain.estimate`; the plan's own update
 runs with the optimizer's learning rate, and the layer then moves each parameter by
 ``factor`` times that update, ``p ← p + factor · (p' − p)``, with ``factor = r^power ·
 schedule(progress)``. For every fscale optimizer the update is proportional to the learning
@@ -31,9 +31,9 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale import spmd, tree
-from fscale.adascale import estimate as est
-from fscale.adascale.observe import Tally, observing
-from fscale.adascale.precondition import adam_weights
+from fscale.gain import estimate as est
+from fscale.gain.observe import Tally, observing
+from fscale.gain.precondition import adam_weights
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.plan import Context, Plan, TrainState
@@ -49,7 +49,7 @@ class AdaScaleState(NamedTuple):
 
     Attributes:
         inner: the wrapped plan's optimizer state.
-        stats: the gain's running estimates and the progress (`fscale.adascale.GainStats`).
+        stats: the gain's running estimates and the progress (`fscale.gain.GainStats`).
     """
 
     inner: Any

@@ -3,8 +3,8 @@
 Batch S times larger than the base batch, learning rate multiplied by the gain ratio r ∈ [1, S]
 (Johnson et al., "AdaScale SGD: A User-Friendly Algorithm for Distributed Training", ICML 2020),
 estimated every step from the per-replica and averaged gradient norms (the algorithm is in
-`fscale.adascale.estimate`, where the norms come from in `fscale.adascale.observe`, the layer in
-`fscale.adascale.plan`). The estimator, its smoothing and debiasing, the default scale
+`fscale.gain.estimate`, where the norms come from in `fscale.gain.observe`, the layer in
+`fscale.gain.plan`). The estimator, its smoothing and debiasing, the default scale
 (replicas × micro-batches) and the scale change are FairScale 0.4.13's ``AdaScale``; the numbers
 equal FairScale + torch DDP on the same model and data to float32 round-off (tested).
 
@@ -30,9 +30,9 @@ import math
 from collections.abc import Callable
 
 from fscale import spmd
-from fscale.adascale import estimate as est
-from fscale.adascale.observe import ObservedLoss
-from fscale.adascale.plan import AdamNoise, AdaScalePlan
+from fscale.gain import estimate as est
+from fscale.gain.observe import ObservedLoss
+from fscale.gain.plan import AdamNoise, AdaScalePlan
 from fscale.distributed.mesh import Mesh
 from fscale.optim.hyper import check_non_negative, check_unit_interval
 from fscale.parallel.layers import check_step, sharding_layer
@@ -76,7 +76,7 @@ def adascale(
             None: 1.
         rule: ``"sgd"`` (AdaScale: the gain of the raw gradients, learning rate × r) or
             ``"adam"`` (AdaptDL / Pollux: the gain of the Adam-preconditioned gradients,
-            learning rate × r^0.5; `fscale.adascale.precondition`). ``"adam"`` reads the full
+            learning rate × r^0.5; `fscale.gain.precondition`). ``"adam"`` reads the full
             second moment, so it runs under data parallelism (no optimizer sharding).
         beta2, eps: the Adam optimizer's (``rule="adam"`` only).
         warmup: updates before the Adam preconditioner is used (``rule="adam"`` only).
@@ -84,7 +84,7 @@ def adascale(
     Returns:
         A Step whose metrics add ``gain`` (r of this step) and ``progress`` (Σr so far); like
         every metric they are reduced across ranks in float32, the exact float64 values are
-        ``state.opt_state.stats`` (r is ``fscale.adascale.gain(stats)``, imported with ``from``).
+        ``state.opt_state.stats`` (r is ``fscale.gain.gain(stats)``, imported with ``from``).
 
     Raises:
         TypeError / ValueError: `step` is not a Step or already adascale; `axis` is not an axis
