@@ -14,14 +14,14 @@ from fscale import remat as remat
 from fscale import spmd as spmd
 from fscale import tracking as tracking
 from fscale import tree as tree
-from fscale.gain import AdaScaleState as AdaScaleState
-from fscale.gain import adascale as adascale
 from fscale.distributed import Mesh as Mesh
 from fscale.distributed import init as init
 from fscale.distributed import launch as launch
 from fscale.distributed import shutdown as shutdown
 from fscale.functional import FunctionalModule as FunctionalModule
 from fscale.functional import functionalize as functionalize
+from fscale.gain import AdaScaleState as AdaScaleState
+from fscale.gain import adascale as adascale
 from fscale.nonfinite import NonFiniteGradientError as NonFiniteGradientError
 from fscale.offload import offload_optimizer as offload_optimizer
 from fscale.offload import offload_params as offload_params

@@ -31,11 +31,11 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale import spmd, tree
+from fscale.distributed import collectives
+from fscale.distributed.mesh import Mesh
 from fscale.gain import estimate as est
 from fscale.gain.observe import Tally, observing
 from fscale.gain.precondition import adam_weights
-from fscale.distributed import collectives
-from fscale.distributed.mesh import Mesh
 from fscale.plan import Context, Plan, TrainState
 
 __all__ = ["AdaScalePlan", "AdaScaleState"]

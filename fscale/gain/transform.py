@@ -30,10 +30,10 @@ import math
 from collections.abc import Callable
 
 from fscale import spmd
+from fscale.distributed.mesh import Mesh
 from fscale.gain import estimate as est
 from fscale.gain.observe import ObservedLoss
 from fscale.gain.plan import AdamNoise, AdaScalePlan
-from fscale.distributed.mesh import Mesh
 from fscale.optim.hyper import check_non_negative, check_unit_interval
 from fscale.parallel.layers import check_step, sharding_layer
 from fscale.train import Step
