@@ -185,7 +185,7 @@ def _kernel_calls(monkeypatch, name: str) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "factory, kernel", [(optim.adam, "_fused_adam_"), (optim.adamw, "_fused_adamw_")]
+    ("factory", "kernel"), [(optim.adam, "_fused_adam_"), (optim.adamw, "_fused_adamw_")]
 )
 @pytest.mark.parametrize("donate", [False, True])
 def test_non_exact_adam_runs_one_kernel_call_per_flat_buffer(monkeypatch, factory, kernel, donate):
