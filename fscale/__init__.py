@@ -49,6 +49,8 @@ from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step
 from fscale.train import value_and_grad as value_and_grad
+from fscale.loss_scaling import LossScaleState as LossScaleState
+from fscale.loss_scaling import loss_scale as loss_scale
 
 __version__ = "0.1.0"
 
