@@ -20,6 +20,8 @@ from fscale.distributed import launch as launch
 from fscale.distributed import shutdown as shutdown
 from fscale.functional import FunctionalModule as FunctionalModule
 from fscale.functional import functionalize as functionalize
+from fscale.loss_scaling import LossScaleState as LossScaleState
+from fscale.loss_scaling import loss_scale as loss_scale
 from fscale.nonfinite import NonFiniteGradientError as NonFiniteGradientError
 from fscale.offload import offload_optimizer as offload_optimizer
 from fscale.offload import offload_params as offload_params
@@ -49,8 +51,6 @@ from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step
 from fscale.train import value_and_grad as value_and_grad
-from fscale.loss_scaling import LossScaleState as LossScaleState
-from fscale.loss_scaling import loss_scale as loss_scale
 
 __version__ = "0.1.0"
 

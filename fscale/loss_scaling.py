@@ -292,7 +292,8 @@ def loss_scale(
     backoff_factor = _number("backoff_factor", backoff_factor)
     if not 0 < backoff_factor < 1:
         raise ValueError(
-            f"loss_scale: `backoff_factor` must lie in (0, 1), got backoff_factor={backoff_factor!r}"
+            "loss_scale: `backoff_factor` must lie in (0, 1), got "
+            f"backoff_factor={backoff_factor!r}"
         )
     if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
         raise TypeError(

@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel
 
 import fscale as fs
-from fscale import loss_scaling
-from fscale import models
+from fscale import loss_scaling, models
 from fscale.testing import assert_trees_equal, run_spmd
 
 STEPS = 6
@@ -127,7 +126,7 @@ def test_float16_training_equals_grad_scaler_with_clipping():
     with growth every 2 steps it overflows again; fscale skips, scales and updates as torch."""
     steps = 14
     module = models.mlp([6, 8, 3], seed=0)
-    apply, params, buffers = fs.functionalize(models.mlp([6, 8, 3], seed=0))
+    _, params, buffers = fs.functionalize(models.mlp([6, 8, 3], seed=0))
     reference = {n: torch.nn.Parameter(p.detach().clone()) for n, p in module.named_parameters()}
     torch_opt = torch.optim.AdamW(list(reference.values()), lr=1e-2, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=2)
