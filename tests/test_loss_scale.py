@@ -160,10 +160,14 @@ def test_float16_training_equals_grad_scaler_with_clipping():
     assert int(state.opt_state.growth_tracker) == int(scaler._growth_tracker)
 
 
-def test_finite_run_equals_the_run_without_scaling_and_the_loss_is_unscaled():
+@pytest.mark.parametrize(
+    "options", [{}, {"donate": True}, {"grad_mode": "func"}], ids=["pure", "donate", "func"]
+)
+def test_finite_run_equals_the_run_without_scaling_and_the_loss_is_unscaled(options):
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randn(3, generator=gen) for _ in range(4)]
-    plain, scaled = _step(), fs.loss_scale(_step(), init=2.0**10, growth_interval=3)
+    plain = _step(**options)
+    scaled = fs.loss_scale(_step(**options), init=2.0**10, growth_interval=3)
     a, b = plain.init({"w": torch.ones(3)}), scaled.init({"w": torch.ones(3)})
     for batch in batches:
         a, ma = plain(a, batch)
