@@ -304,3 +304,38 @@ def test_two_ranks_skip_and_scale_as_grad_scaler_with_ddp(injections, inject_ran
             assert_trees_equal(full.params, torch_params, msg=strategy)
             assert float(full.opt_state.scale) == torch_scale
             assert int(full.opt_state.growth_tracker) == torch_tracker
+
+
+def _skips_on_a_mesh_with_another_axis(inject_rank):
+    # data_parallel over "dp" only: the ranks along "other" are separate replica groups, which
+    # the skip decision must reach too, as every rank of a job steps together.
+    mesh = fs.Mesh(dp=2, other=2)
+    apply, params, buffers = fs.functionalize(models.mlp([6, 8, 3], seed=0))
+    first = next(iter(params))
+    step = fs.loss_scale(
+        fs.data_parallel(
+            fs.train_step(
+                lambda p, b, batch, key: _loss_with_injection(
+                    apply(p, b, batch[0])[0], batch[1], p[first], batch[2]
+                ),
+                fs.optim.sgd(0.1),
+            ),
+            mesh,
+            "dp",
+        ),
+        init=INIT,
+    )
+    state = step.init(params, buffers)
+    skipped = []
+    for i in range(2):
+        state, metrics = step(
+            state, _batch(i, dist.get_rank(), i == 1 and dist.get_rank() == inject_rank)
+        )
+        skipped.append(float(metrics["skipped"]))
+    return skipped, metrics["loss_scale"]
+
+
+def test_every_axis_of_the_mesh_skips_together():
+    for skipped, scale in run_spmd(_skips_on_a_mesh_with_another_axis, 4, 3):
+        assert skipped == [0.0, 1.0]
+        assert scale == INIT / 2
