@@ -339,3 +339,24 @@ def test_every_axis_of_the_mesh_skips_together():
     for skipped, scale in run_spmd(_skips_on_a_mesh_with_another_axis, 4, 3):
         assert skipped == [0.0, 1.0]
         assert scale == INIT / 2
+
+
+def _save_or_load(strategy, root, save):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    apply, params, buffers = fs.functionalize(models.mlp([6, 8, 3], seed=0))
+    step = _fscale_step(apply, next(iter(params)), strategy, fs.Mesh(dp=world))
+    state = step.init(params, buffers)
+    if save:
+        for i in range(3):
+            state, _ = step(state, _batch(i, rank, i == 1 and rank == 1))
+        fs.save(root, state, step=step)
+    else:
+        state = fs.load(root, state, step=step)
+    return fs.consolidate(step, state)
+
+
+def test_scale_saves_under_one_plan_and_loads_under_another(tmp_path):
+    saved = run_spmd(_save_or_load, 2, "shard_optimizer", str(tmp_path), True)[0]
+    assert float(saved.opt_state.scale) == INIT / 2
+    for loaded in run_spmd(_save_or_load, 2, "fully_shard", str(tmp_path), False):
+        assert_trees_equal(loaded, saved)
