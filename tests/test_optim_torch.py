@@ -201,6 +201,11 @@ def test_non_exact_adam_runs_one_kernel_call_per_flat_buffer(monkeypatch, factor
     # Gradients in separate tensors keep the per-leaf call (tree order: a, b, c).
     optim.step(opt, {k: v.clone() for k, v in grads.items()}, state, new_params, donate=donate)
     assert calls[-1] == [15, 7, 4]
+    if donate:  # with separate gradients no one-call update can follow: no copy either
+        separate = {k: v.clone() for k, v in params.items()}
+        apart = {k: g.clone() for k, g in grads.items()}
+        updated, _ = optim.step(opt, apart, opt.init(separate), separate, donate=True)
+        assert all(updated[k] is separate[k] for k in separate)
     # The default path always gives the kernel the per-leaf views.
     exact = factory(1e-2)
     optim.step(exact, grads, exact.init(params), params, donate=donate)

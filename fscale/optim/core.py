@@ -238,7 +238,9 @@ def step_inputs(
     names both structures. The leaves of the fields in `param_shaped` (default: every field)
     must have their parameter's shape, dtype and device: a state from other params (a layer
     widened, params cast) would otherwise reach the fused kernels, which do not check.
-    `packed`: the writable leaves are packed even when donated (see `writable`).
+    `packed`: when the gradients are packed (one buffer per device and dtype), the writable
+    leaves are packed even when donated (see `writable`), so that update math can run on whole
+    buffers; with gradients in separate tensors that copy would buy nothing.
     """
     if params is None:
         raise ValueError(
@@ -250,6 +252,7 @@ def step_inputs(
         name, "grads", grad_leaves, param_leaves, params, "each gradient must match its parameter"
     )
     grad_leaves = _contiguous(grad_leaves)
+    packed = packed and _is_packed(grad_leaves)
     state_leaves: dict[str, list[torch.Tensor] | None] = {}
     for field, state_tree in states.items():
         if state_tree is None:

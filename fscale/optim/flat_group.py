@@ -8,14 +8,14 @@ of last-bit differences from torch.optim on the elements that torch would have s
 leaf's tail (and so also between a sharded and an unsharded run, whose leaves are cut
 differently).
 
-A group is flattened when its params and every state buffer are consecutive views of one
-allocation each. The optimizers that use this path ask `fscale.optim.core` to make them so
-(``packed=True``): copies are packed anyway, and donated leaves that are not yet packed (the
-caller's own tensors, at the first step) are copied once into one buffer, which later steps
-update in place. The gradients must be one span too (a flat gradient buffer in the params'
-order); gradients in separate tensors keep the per-leaf call, since packing them takes a fresh
-buffer every step, and on CPU that allocation and copy cost more than the one call saves
-(measured: ``bench/optim.py``).
+A group is flattened when its params, its gradients and every state buffer are consecutive
+views of one allocation each. The gradients are the caller's: a flat gradient buffer in the
+params' order is one span; gradients in separate tensors (what autograd returns) keep the
+per-leaf call, since packing them takes a fresh buffer every step, and on CPU that allocation
+and copy cost more than the one call saves (measured: ``bench/optim.py``). Params and state
+are made one span by `fscale.optim.core` (``packed=True``): copies are packed anyway, and
+when the gradients are packed, donated leaves that are not yet packed (the caller's own
+tensors, at the first step) are copied once into one buffer, which later steps update in place.
 """
 
 from __future__ import annotations
