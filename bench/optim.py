@@ -2,8 +2,9 @@
 
 Usage: ``python bench/optim.py [--quick] [--threads N]``
 
-Two parameter sets: (a) 200 tensors of 100 x 250 (5.0M params); (b) a GPT-style model (d=256,
-8 blocks of attention and MLP linears with layer norms, an 8192 x 256 embedding). Variants:
+Three parameter sets: (a) 200 tensors of 100 x 250 (5.0M params); (b) a GPT-style model (d=256,
+8 blocks of attention and MLP linears with layer norms, an 8192 x 256 embedding); (c) 2000
+tensors of 1000 (2.0M params), where a kernel's per-tensor cost shows. Variants:
 torch.optim with ``foreach=True`` and with ``fused=True`` (grads attached to ``.grad``), and
 fscale's `step` with ``donate=True`` (params and state are the flat-buffer views its previous
 step returned, updated in place) and with ``donate=False`` (pure: fresh params and state); for
@@ -31,6 +32,10 @@ import fscale.optim as optim
 
 def tensors_200() -> dict[str, torch.Tensor]:
     return {f"w{i:03d}": torch.randn(100, 250) for i in range(200)}
+
+
+def tensors_2000() -> dict[str, torch.Tensor]:
+    return {f"v{i:04d}": torch.randn(1000) for i in range(2000)}
 
 
 def gpt_like(d: int = 256, blocks: int = 8, vocab: int = 8192) -> dict[str, torch.Tensor]:
@@ -133,7 +138,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rounds = 5 if args.quick else 30
-    param_sets = {"200 tensors (5.0M)": tensors_200(), "GPT-like d=256": gpt_like()}
+    param_sets = {
+        "200 tensors (5.0M)": tensors_200(),
+        "GPT-like d=256": gpt_like(),
+        "2000 tensors (2.0M)": tensors_2000(),
+    }
     results = []
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), {rounds} rounds, medians in ms; "
