@@ -167,7 +167,7 @@ class LossScalePlan(Plan):
         torch._amp_update_scale_(
             scale,
             tracker,
-            torch.tensor(float(found)),
+            torch.tensor(float(found), device=scale.device),
             self.growth_factor,
             self.backoff_factor,
             self.growth_interval,
