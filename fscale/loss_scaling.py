@@ -100,8 +100,8 @@ class LossScalePlan(Plan):
 
     def describe(self) -> str:
         return (
-            f"loss_scale(init={self.init_scale:g}, growth_factor={self.growth_factor:g}, "
-            f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval})"
+            f"loss_scale(init={self.init_scale!r}, growth_factor={self.growth_factor!r}, "
+            f"backoff_factor={self.backoff_factor!r}, growth_interval={self.growth_interval})"
         )
 
     def init(self, step, params, buffers, key, ctx):

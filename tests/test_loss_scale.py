@@ -78,8 +78,9 @@ def test_a_state_without_the_scaler_is_refused():
 
 def test_plan_is_described():
     step = fs.loss_scale(_step(), init=1024.0, growth_interval=5)
-    assert "loss_scale(init=1024, growth_factor=2, backoff_factor=0.5, growth_interval=5)" in repr(
-        step
+    assert (
+        "loss_scale(init=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=5)"
+        in repr(step)
     )
 
 
