@@ -2,11 +2,16 @@
 
 Usage: ``python bench/optim.py [--quick] [--threads N]``
 
-Two parameter sets: (a) 200 tensors of 100 x 250 (5.0M params); (b) a GPT-style model (d=256,
-8 blocks of attention and MLP linears with layer norms, an 8192 x 256 embedding). Variants:
+Three parameter sets: (a) 200 tensors of 100 x 250 (5.0M params); (b) a GPT-style model (d=256,
+8 blocks of attention and MLP linears with layer norms, an 8192 x 256 embedding); (c) 2000
+tensors of 1000 (2.0M params), where a kernel's per-tensor cost shows. Variants:
 torch.optim with ``foreach=True`` and with ``fused=True`` (grads attached to ``.grad``), and
 fscale's `step` with ``donate=True`` (params and state are the flat-buffer views its previous
-step returned, updated in place) and with ``donate=False`` (pure: fresh params and state).
+step returned, updated in place) and with ``donate=False`` (pure: fresh params and state); for
+Adam and AdamW also with ``exact=False`` (one fused call per flat buffer instead of the list of
+per-tensor views: not bit-identical to torch, see `fscale.optim.flat_group`), given the gradients
+as separate tensors (that path then keeps the per-tensor call) and as views of one flat buffer
+("flat-g", as a bucketed reducer could hand them over).
 Variants are interleaved round by round; medians are reported with the ratio to torch's fused
 optimizer, printed as a table and written to ``bench/results/optim.json``.
 """
@@ -27,6 +32,10 @@ import fscale.optim as optim
 
 def tensors_200() -> dict[str, torch.Tensor]:
     return {f"w{i:03d}": torch.randn(100, 250) for i in range(200)}
+
+
+def tensors_2000() -> dict[str, torch.Tensor]:
+    return {f"v{i:04d}": torch.randn(1000) for i in range(2000)}
 
 
 def gpt_like(d: int = 256, blocks: int = 8, vocab: int = 8192) -> dict[str, torch.Tensor]:
@@ -52,37 +61,60 @@ def gpt_like(d: int = 256, blocks: int = 8, vocab: int = 8192) -> dict[str, torc
 
 
 OPTIMIZERS = {
-    "adam": (lambda: optim.adam(1e-3), lambda ps, **kw: torch.optim.Adam(ps, lr=1e-3, **kw)),
-    "adamw": (lambda: optim.adamw(1e-3), lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, **kw)),
+    "adam": (
+        lambda **kw: optim.adam(1e-3, **kw),
+        lambda ps, **kw: torch.optim.Adam(ps, lr=1e-3, **kw),
+    ),
+    "adamw": (
+        lambda **kw: optim.adamw(1e-3, **kw),
+        lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, **kw),
+    ),
     "sgd-momentum": (
-        lambda: optim.sgd(1e-2, momentum=0.9),
+        lambda **kw: optim.sgd(1e-2, momentum=0.9, **kw),
         lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, **kw),
     ),
 }
+# Optimizers with an opt-in non-exact path (``exact=False``), benchmarked beside the exact one.
+NON_EXACT = ("adam", "adamw")
+
+
+def flat_views(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same values as views of one buffer, in order (a flat gradient buffer)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors.values()])
+    views = flat.split([t.numel() for t in tensors.values()])
+    return {k: v.view(t.shape) for (k, t), v in zip(tensors.items(), views)}
 
 
 def make_variants(name: str, params: dict[str, torch.Tensor]) -> dict:
     """Each variant is a zero-argument callable running one optimizer step."""
     make_fscale, make_torch = OPTIMIZERS[name]
     grads = {k: torch.randn_like(v) * 1e-3 for k, v in params.items()}
+    flat_grads = flat_views(grads)
     variants = {}
     for kind in ("foreach", "fused"):
         torch_params = [torch.nn.Parameter(v.clone()) for v in params.values()]
         for p, g in zip(torch_params, grads.values()):
             p.grad = g.clone()
         variants[f"torch {kind}"] = make_torch(torch_params, **{kind: True}).step
-    for donate in (True, False):
-        opt = make_fscale()
-        box = {"state": opt.init(params)}
-        # one warm-up step: params and state are then the flat-buffer views fscale produces
-        box["params"], box["state"] = optim.step(opt, grads, box["state"], params)
+    paths = [("", {}, grads)]
+    if name in NON_EXACT:
+        paths += [
+            (" exact=False", {"exact": False}, grads),
+            (" exact=False flat-g", {"exact": False}, flat_grads),
+        ]
+    for suffix, options, given in paths:
+        for donate in (True, False):
+            opt = make_fscale(**options)
+            box = {"state": opt.init(params)}
+            # one warm-up step: params and state are then the flat-buffer views fscale produces
+            box["params"], box["state"] = optim.step(opt, given, box["state"], params)
 
-        def run(opt=opt, box=box, donate=donate) -> None:
-            box["params"], box["state"] = optim.step(
-                opt, grads, box["state"], box["params"], donate=donate
-            )
+            def run(opt=opt, box=box, donate=donate, given=given) -> None:
+                box["params"], box["state"] = optim.step(
+                    opt, given, box["state"], box["params"], donate=donate
+                )
 
-        variants[f"fscale donate={donate}"] = run
+            variants[f"fscale donate={donate}{suffix}"] = run
     return variants
 
 
@@ -106,13 +138,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rounds = 5 if args.quick else 30
-    param_sets = {"200 tensors (5.0M)": tensors_200(), "GPT-like d=256": gpt_like()}
+    param_sets = {
+        "200 tensors (5.0M)": tensors_200(),
+        "GPT-like d=256": gpt_like(),
+        "2000 tensors (2.0M)": tensors_2000(),
+    }
     results = []
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), {rounds} rounds, medians in ms; "
         "fscale donate=True: params/state are its own previous outputs, updated in place"
     )
-    header = f"{'params':<20} {'optimizer':<13} {'variant':<20} {'ms':>8} {'vs fused':>9}"
+    header = f"{'params':<20} {'optimizer':<13} {'variant':<38} {'ms':>8} {'vs fused':>9}"
     print(header)
     print("-" * len(header))
     for set_name, params in param_sets.items():
@@ -121,7 +157,7 @@ def main() -> None:
             medians = measure(make_variants(opt_name, params), rounds)
             fused = medians["torch fused"]
             for label, ms in medians.items():
-                print(f"{set_name:<20} {opt_name:<13} {label:<20} {ms:8.2f} {ms / fused:8.2f}x")
+                print(f"{set_name:<20} {opt_name:<13} {label:<38} {ms:8.2f} {ms / fused:8.2f}x")
                 results.append(
                     {
                         "params": set_name,

@@ -22,6 +22,8 @@ from fscale.functional import FunctionalModule as FunctionalModule
 from fscale.functional import functionalize as functionalize
 from fscale.gain import AdaScaleState as AdaScaleState
 from fscale.gain import adascale as adascale
+from fscale.loss_scaling import LossScaleState as LossScaleState
+from fscale.loss_scaling import loss_scale as loss_scale
 from fscale.nonfinite import NonFiniteGradientError as NonFiniteGradientError
 from fscale.offload import offload_optimizer as offload_optimizer
 from fscale.offload import offload_params as offload_params

@@ -18,9 +18,10 @@ The local check is one sum per contiguous run of gradient memory (a reduction as
 copy); a non-finite sum is confirmed leaf by leaf with ``isfinite``, so a sum of finite values
 that overflows is never taken for a NaN.
 
-Loss scaling reuses the mechanism: `agree` is "all ranks agreed this step's gradients are (not)
-finite", and a layer that decides to skip passes ``ctx.replace(skip_update=True)`` inward; the
-innermost layer then returns the state unchanged but for its step counter (`skipped_state`).
+Loss scaling (`fscale.loss_scaling`) reuses the mechanism: `agree` is "all ranks agreed this
+step's gradients are (not) finite", and a layer that decides to skip passes
+``ctx.replace(skip_update=True)`` inward; the innermost layer then returns the state unchanged
+but for its step counter (`skipped_state`).
 """
 
 from __future__ import annotations

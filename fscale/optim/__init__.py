@@ -2,7 +2,9 @@
 
 ``opt = adamw(3e-4)``; ``state = opt.init(params)``;
 ``params, state = step(opt, grads, state, params)``. See `fscale.optim.base` for the
-`Optimizer` contract and the `Sharding` hook that sharded wrappers use.
+`Optimizer` contract and the `Sharding` hook that sharded wrappers use. ``adam`` and ``adamw``
+take ``exact=False`` for one fused call per flat buffer, within rounding of torch.optim instead
+of equal to it (`fscale.optim.flat_group`).
 """
 
 from fscale.optim import schedules as schedules

@@ -149,15 +149,25 @@ def packed_copy(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def writable(leaves: list[torch.Tensor], donate: bool) -> list[torch.Tensor]:
+def writable(
+    leaves: list[torch.Tensor], donate: bool, *, packed: bool = False
+) -> list[torch.Tensor]:
     """Tensors with the values of `leaves` that the step may update in place.
 
     With `donate`, the caller gave its tensors up, so they are used as they are (a non-contiguous
     leaf is replaced by a contiguous copy, which kernels need); otherwise they are copied.
+    `packed` asks for one buffer per (device, dtype) also when donating: donated leaves that are
+    not consecutive pieces of one are then copied once (the step returns them packed).
     Copies are made without autograd: an optimizer step is not differentiated, and leaves that
     require grad (``nn.Parameter``, ``dict(model.named_parameters())``) must give plain values.
     """
-    return _contiguous(leaves) if donate else packed_copy(leaves)
+    if not donate or (packed and not _is_packed(leaves)):
+        return packed_copy(leaves)
+    return _contiguous(leaves)
+
+
+def _is_packed(leaves: list[torch.Tensor]) -> bool:
+    return all(span([leaves[i] for i in group]) is not None for group in device_groups(leaves))
 
 
 def _contiguous(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -219,6 +229,7 @@ def step_inputs(
     donate: bool,
     copy_params: bool = True,
     param_shaped: Collection[str] | None = None,
+    packed: bool = False,
 ) -> StepInputs:
     """Flatten and check one step's inputs; params (if `copy_params`) and states made writable.
 
@@ -227,6 +238,9 @@ def step_inputs(
     names both structures. The leaves of the fields in `param_shaped` (default: every field)
     must have their parameter's shape, dtype and device: a state from other params (a layer
     widened, params cast) would otherwise reach the fused kernels, which do not check.
+    `packed`: when the gradients are packed (one buffer per device and dtype), the writable
+    leaves are packed even when donated (see `writable`), so that update math can run on whole
+    buffers; with gradients in separate tensors that copy would buy nothing.
     """
     if params is None:
         raise ValueError(
@@ -238,6 +252,7 @@ def step_inputs(
         name, "grads", grad_leaves, param_leaves, params, "each gradient must match its parameter"
     )
     grad_leaves = _contiguous(grad_leaves)
+    packed = packed and _is_packed(grad_leaves)
     state_leaves: dict[str, list[torch.Tensor] | None] = {}
     for field, state_tree in states.items():
         if state_tree is None:
@@ -246,9 +261,9 @@ def step_inputs(
         leaves = _leaves_like(name, f"state.{field}", state_tree, treedef)
         if param_shaped is None or field in param_shaped:
             _check_like_params(name, f"state.{field}", leaves, param_leaves, params)
-        state_leaves[field] = writable(leaves, donate)
+        state_leaves[field] = writable(leaves, donate, packed=packed)
     if copy_params:
-        param_leaves = writable(param_leaves, donate)
+        param_leaves = writable(param_leaves, donate, packed=packed)
     return StepInputs(treedef, grad_leaves, param_leaves, state_leaves)
 
 
@@ -373,6 +388,7 @@ def pointwise_optimizer(
     *,
     lr: Callable[[int], float],
     fill: float = 0.0,
+    packed: bool = False,
 ) -> Optimizer:
     """A pointwise `Optimizer` whose step runs `update_group` on each (device, dtype) group.
 
@@ -390,6 +406,8 @@ def pointwise_optimizer(
             device and dtype per call); it updates ``group.params`` and ``group.buffers`` in place.
         lr: the checked learning-rate schedule (see `learning_rate`), read at ``count``.
         fill: the initial value of every buffer.
+        packed: keep params and buffers in one buffer per device and dtype also when donated
+            (for update math that runs on whole buffers, `fscale.optim.flat_group`).
 
     Returns:
         The `Optimizer`, with `update` derived from the exact `apply`.
@@ -418,6 +436,7 @@ def pointwise_optimizer(
             params,
             {field: getattr(state, field) if field in buffers else None for field in fields},
             donate=donate,
+            packed=packed,
         )
         lr_now = lr(count)
         with torch.no_grad():

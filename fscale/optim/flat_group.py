@@ -1,0 +1,48 @@
+"""A group's leaves as one flat tensor each: the opt-in, not bit-exact, one-call update path.
+
+torch's fused CPU kernels run a vectorised body and a scalar tail over every tensor they are
+given, and the two round differently (the body uses FMA). The exact path therefore gives them
+the list of per-leaf views, which costs one tail per leaf. Given one flat span per buffer
+instead, the kernel runs one body over the whole group: fewer tails and one call, at the price
+of last-bit differences from torch.optim on the elements that torch would have sent through a
+leaf's tail (and so also between a sharded and an unsharded run, whose leaves are cut
+differently).
+
+A group is flattened when its params, its gradients and every state buffer are consecutive
+views of one allocation each. The gradients are the caller's: a flat gradient buffer in the
+params' order is one span; gradients in separate tensors (what autograd returns) keep the
+per-leaf call, since packing them takes a fresh buffer every step, and on CPU that allocation
+and copy cost more than the one call saves (measured: ``bench/optim.py``). Params and state
+are made one span by `fscale.optim.core` (``packed=True``): copies are packed anyway, and
+when the gradients are packed, donated leaves that are not yet packed (the caller's own
+tensors, at the first step) are copied once into one buffer, which later steps update in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fscale.optim.core import Group, span
+
+__all__ = ["flattened"]
+
+
+def flattened(group: Group) -> Group | None:
+    """`group` with each of its params, grads and buffers as one 1-D span, or None.
+
+    None when the params, the grads or a state buffer are not consecutive pieces of one
+    allocation (or the group holds no elements); the caller then runs the per-leaf update.
+    """
+    params = span(group.params)
+    if params is None:
+        return None
+    buffers: dict[str, list[torch.Tensor]] = {}
+    for field, leaves in group.buffers.items():
+        whole = span(leaves)
+        if whole is None or whole.numel() != params.numel():
+            return None
+        buffers[field] = [whole]
+    grads = span(group.grads)
+    if grads is None or grads.numel() != params.numel():
+        return None
+    return Group([params], [grads], buffers, group.step, group.lr)
