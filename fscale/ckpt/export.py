@@ -22,8 +22,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from fscale.ckpt import directory as dirs
 from fscale.ckpt.manifest import CheckpointError, Manifest, dtype_of, read_manifest
-from fscale.ckpt.pieces import Piece
-from fscale.ckpt.planner import PieceLoadPlanner, numel_of
+from fscale.ckpt.boxes import whole_piece
+from fscale.ckpt.planner import PieceLoadPlanner, numel_of, piece_name
 from fscale.ckpt.save import FAILURES, single_process_quiet
 
 __all__ = ["bytes_per_rank", "describe", "export", "read_leaves"]
@@ -49,15 +49,15 @@ def read_leaves(
     pieces = []
     for key in wanted:
         shape, dtype = manifest.leaves[key]
-        values = torch.zeros(numel_of(shape), dtype=dtype_of(dtype))
-        pieces.append(Piece(key, shape, values.dtype, 0, values))
-    state_dict = {p.key: p.values for p in pieces if p.values.numel()}
+        pieces.append(whole_piece(key, torch.zeros(shape, dtype=dtype_of(dtype))))
+    state_dict = {piece_name(p): p.values for p in pieces if p.values.numel()}
+    planner = PieceLoadPlanner(pieces)
     with single_process_quiet():
         try:
             dcp.load(
                 state_dict,
                 storage_reader=FileSystemReader(directory),
-                planner=PieceLoadPlanner(pieces),
+                planner=planner,
                 no_dist=True,
             )
         except FAILURES as error:
@@ -65,7 +65,8 @@ def read_leaves(
                 f"the checkpoint {str(directory)!r} could not be read (truncated or damaged "
                 f"files?): {error}"
             ) from None
-    return manifest, {p.key: p.values.view(p.shape) for p in pieces}
+    planner.finish()
+    return manifest, {p.key: p.values for p in pieces}
 
 
 def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

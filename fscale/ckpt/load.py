@@ -13,19 +13,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from fscale.ckpt import directory as dirs
+from fscale.ckpt.boxes import Piece
 from fscale.ckpt.manifest import (
     CheckpointError,
+    Leaves,
     Manifest,
     check_matches,
     dtype_of,
+    join_leaves,
+    leaves_of,
     read_manifest,
 )
 from fscale.ckpt.pieces import pieces_into
-from fscale.ckpt.planner import PieceLoadPlanner
+from fscale.ckpt.placement import tensor_parallel_of
+from fscale.ckpt.planner import PieceLoadPlanner, piece_name
+from fscale.functional import FunctionalModule
+from fscale.parallel.tensor.apply import shard_like
 from fscale.ckpt.save import (
     FAILURES,
     agree,
@@ -40,7 +48,11 @@ __all__ = ["load"]
 
 
 def load(
-    path: str | os.PathLike[str], like: TrainState | Step, *, step: Step | None = None
+    path: str | os.PathLike[str],
+    like: TrainState | Step,
+    *,
+    step: Step | None = None,
+    model: Any = None,
 ) -> TrainState:
     """The state `step` continues from on this rank, read from the checkpoint at `path`.
 
@@ -58,6 +70,8 @@ def load(
             state is then initialised from the checkpoint's shapes (``step.init`` on empty
             tensors, on the CPU) and filled.
         step: the step that will run on the result (when `like` is a state).
+        model: the module the state's parameters belong to, when it is a `tensor_parallel`
+            one (or its FunctionalModule): its splits say which shard each rank reads.
 
     Returns:
         The loaded TrainState (step count and key included).
@@ -83,11 +97,16 @@ def load(
     directory = dirs.resolve(path, "load")
     manifest = read_manifest(directory)
     if target is None:
-        target = step.init(*_empty_model(manifest, directory))
-    _, pieces, assemble = pieces_into(step, target)
-    check_matches(manifest, pieces, str(directory))
+        params, buffers = _empty_model(manifest, directory)
+        tp = tensor_parallel_of(model)
+        if tp is not None:
+            params = shard_like(params, model.module if isinstance(model, FunctionalModule) else model)
+        target = step.init(params, buffers)
+    _, pieces, assemble = pieces_into(step, target, model)
+    wanted = _leaves_of_ranks(pieces, group)
+    check_matches(manifest, wanted, str(directory))
     planner = PieceLoadPlanner(pieces)
-    values = {p.key: p.values for p in pieces if p.values.numel()}
+    values = {piece_name(p): p.values for p in pieces if p.values.numel()}
     error = None
     try:
         with single_process_quiet():
@@ -101,7 +120,18 @@ def load(
     except FAILURES as failure:  # reported on every rank below
         error = f"{type(failure).__name__}: {failure}"
     _agree_read(error, group, directory)
+    planner.finish()
     return assemble()
+
+
+def _leaves_of_ranks(pieces: list[Piece], group: Any) -> Leaves:
+    """The full leaves all ranks load into (a rank of a pipeline holds only its stages')."""
+    mine = leaves_of(pieces)
+    if group is None:
+        return mine
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return join_leaves(everyone, "load")
 
 
 def _empty_model(manifest: Manifest, directory: Path) -> tuple[dict, dict]:
