@@ -82,7 +82,7 @@ def load(
             newer format, or one of another model (the differing leaves are listed).
     """
     target: TrainState | None = None
-    if isinstance(like, Step) and step is None:
+    if isinstance(like, Step) and step in (None, like):
         step = like
     elif isinstance(like, TrainState):
         target = like
