@@ -8,6 +8,7 @@ plans that hold their states differently are compared on the same full state.
 """
 
 import dataclasses
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -16,13 +17,16 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 
 import fscale as fs
 from fscale.ckpt.export import bytes_per_rank, read_leaves
-from fscale.ckpt.pieces import layout_kind
+from fscale.ckpt.manifest import Manifest, write_manifest
+from fscale.ckpt.pieces import layout_kind, pieces_of
 from fscale.models import GPT, GPTConfig, lm_loss
 from fscale.parallel import tensor as tpl
 from fscale.parallel.pipeline import pipeline
@@ -242,6 +246,40 @@ def test_each_plan_writes_only_its_own_pieces(tmp_path):
     assert sorted(written) == [0, 1, 2, 3]
     assert max(n.data for n in written.values()) < 0.3 * total
     assert sum(n.data for n in written.values()) == total  # each box once
+
+
+def _write_version_1(root):
+    """A checkpoint as format version 1 wrote it: every leaf as its 1-D flattening."""
+    built = _build("local")
+    state = _train(built, built.state, 0, SAVED_AT)
+    layout, pieces = pieces_of(built.step, state)
+    directory = Path(root) / f"step_{SAVED_AT:010d}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {p.key: p.values.reshape(-1) for p in pieces},
+            storage_writer=FileSystemWriter(directory),
+            no_dist=True,
+        )
+    leaves = {p.key: (p.shape, str(p.dtype).removeprefix("torch.")) for p in pieces}
+    manifest = Manifest(SAVED_AT, 1, repr(built.step.plan), layout.kind, leaves, version=1)
+    write_manifest(directory, manifest)
+    return {p.key: p.values for p in pieces}
+
+
+def _load_version_1(plan, root):
+    built = _build(plan)
+    state = fs.ckpt.load(root, built.state, step=built.step, model=built.model)
+    _save(built, state, f"{root}/loaded")
+
+
+def test_a_version_1_checkpoint_loads_under_any_plan():
+    with tempfile.TemporaryDirectory() as root:
+        saved = _write_version_1(root)
+        for plan, world in [("tp", 2), ("fsdp", 2)]:
+            run_spmd(_load_version_1, world, plan, root)
+            assert_trees_equal(_leaves(f"{root}/loaded"), saved)
+            shutil.rmtree(f"{root}/loaded")
 
 
 def _zero_count():

@@ -233,16 +233,17 @@ def _save_a_tensor_parallel_state(root):
 
     step = fs.train_step(loss_fn, fs.optim.sgd(0.1))
     try:
-        fs.save(root, step.init(params, buffers), step=step)
+        fs.save(root, step.init(params, buffers), step=step)  # not told of the model
     except fs.CheckpointError as error:
         return str(error), fs.latest(root)
     return None, fs.latest(root)
 
 
-def test_per_rank_shards_under_dense_names_are_refused_not_saved_as_one_ranks(tmp_path):
-    # DCP writes a leaf that every rank holds whole once: tensor-parallel shards would be
-    # stored as rank 0's, silently. The ranks compare what they hold and refuse together.
+def test_per_rank_shards_the_save_is_not_told_of_are_refused_not_saved_as_one_ranks(tmp_path):
+    # DCP writes a box that several ranks hold once: tensor-parallel shards under the dense
+    # names, saved without `model=`, would be stored as rank 0's, silently. The ranks compare
+    # what they hold and refuse together.
     for message, latest in run_spmd(_save_a_tensor_parallel_state, 2, str(tmp_path)):
-        assert message is not None and "different values for the whole leaf" in message
-        assert "tensor-parallel" in message
+        assert message is not None and "different values for the box at [0, 0]" in message
+        assert "tensor-parallel model: pass model=" in message
         assert latest is None
