@@ -68,7 +68,9 @@ TP_PLAN = {
 def _sequential():
     cfg = GPTConfig(VOCAB, SEQ_LEN, d_model=16, n_heads=4, n_layers=2, tie_embeddings=False)
     gpt = GPT(cfg, seed=3)
-    return nn.Sequential(gpt.embed, *gpt.blocks, nn.Sequential(gpt.final_norm, gpt.lm_head)).double()
+    return nn.Sequential(
+        gpt.embed, *gpt.blocks, nn.Sequential(gpt.final_norm, gpt.lm_head)
+    ).double()
 
 
 def _train_step(model, optimizer):

@@ -144,7 +144,9 @@ def test_an_expert_parallel_state_saves_its_slices_and_loads_under_other_plans()
         assert saved["params/blocks.1.mlp.experts.w_in"].shape == (4, 16, 16)  # every expert
         # The same plan and world size resume bit for bit.
         run_spmd(_moe_resume_run, 4, root, "ep_fsdp")
-        assert_trees_equal(read_leaves(f"{root}/resumed")[1], read_leaves(f"{root}/uninterrupted")[1])
+        assert_trees_equal(
+            read_leaves(f"{root}/resumed")[1], read_leaves(f"{root}/uninterrupted")[1]
+        )
         # Another world size and plan, and one process with every expert, read the same state.
         run_spmd(_moe_resume_run, 2, root, "ep")
         _moe_resume_run(root, "local")

@@ -17,7 +17,6 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-
 from typing import Any, NamedTuple
 
 import torch
@@ -26,8 +25,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from fscale.ckpt import directory as dirs
-from fscale.ckpt.manifest import CheckpointError, Manifest, dtype_of, read_manifest
 from fscale.ckpt.boxes import whole_piece
+from fscale.ckpt.manifest import CheckpointError, Manifest, dtype_of, read_manifest
 from fscale.ckpt.planner import PieceLoadPlanner, numel_of, piece_name
 from fscale.ckpt.save import FAILURES, single_process_quiet
 
@@ -127,7 +126,7 @@ def bytes_per_rank(directory: Path) -> dict[int, RankBytes]:
         for chunk in stored.chunks:
             info = storage.get(MetadataIndex(key, chunk.offsets))
             rank = _rank_of(info)
-            if rank is not None:
+            if info is not None and rank is not None:
                 data[rank] += numel_of(chunk.sizes) * itemsize
                 written[rank] += int(info.length)
                 chunks[rank] += 1

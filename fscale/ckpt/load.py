@@ -32,8 +32,6 @@ from fscale.ckpt.manifest import (
 from fscale.ckpt.pieces import pieces_into
 from fscale.ckpt.placement import tensor_parallel_of
 from fscale.ckpt.planner import PieceLoadPlanner, piece_name
-from fscale.functional import FunctionalModule
-from fscale.parallel.tensor.apply import shard_like
 from fscale.ckpt.save import (
     FAILURES,
     agree,
@@ -41,6 +39,8 @@ from fscale.ckpt.save import (
     single_process_quiet,
     wait_saves,
 )
+from fscale.functional import FunctionalModule
+from fscale.parallel.tensor.apply import shard_like
 from fscale.plan import TrainState
 from fscale.train import Step
 
@@ -98,9 +98,9 @@ def load(
     manifest = read_manifest(directory)
     if target is None:
         params, buffers = _empty_model(manifest, directory)
-        tp = tensor_parallel_of(model)
-        if tp is not None:
-            params = shard_like(params, model.module if isinstance(model, FunctionalModule) else model)
+        if tensor_parallel_of(model) is not None:
+            module = model.module if isinstance(model, FunctionalModule) else model
+            params = shard_like(params, module)
         target = step.init(params, buffers)
     _, pieces, assemble = pieces_into(step, target, model)
     wanted = _leaves_of_ranks(pieces, group)

@@ -163,9 +163,7 @@ def pieces_into(
 
         # The parameters of a ZeRO state view full bucket buffers (the all-gather writes there).
         def assemble() -> TrainState:
-            buckets, treedef = layout_of(
-                fresh.params, plan.bucket_bytes, plan.mesh.size(plan.axis)
-            )
+            buckets, treedef = layout_of(fresh.params, plan.bucket_bytes, plan.mesh.size(plan.axis))
             flats = buckets.pack(tree.leaves(fresh.params))
             return fresh._replace(params=tree.unflatten(treedef, buckets.leaf_views(flats)))
 

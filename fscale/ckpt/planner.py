@@ -60,9 +60,7 @@ def _name(key: str, offsets: Sequence[int]) -> str:
 
 
 def _chunk(piece: Piece) -> ChunkStorageMetadata:
-    return ChunkStorageMetadata(
-        offsets=torch.Size(piece.offsets), sizes=torch.Size(piece.sizes)
-    )
+    return ChunkStorageMetadata(offsets=torch.Size(piece.offsets), sizes=torch.Size(piece.sizes))
 
 
 class PieceSavePlanner(DefaultSavePlanner):

@@ -142,7 +142,9 @@ def describe_ranks(pieces: list[Piece], group: Any) -> Leaves:
     leaves = join_leaves([leaves for leaves, _ in everyone], "save")
     boxes = set().union(*(rank_sums for _, rank_sums in everyone))
     for index in sorted(boxes):
-        held = {r: rank_sums[index] for r, (_, rank_sums) in enumerate(everyone) if index in rank_sums}
+        held = {
+            r: rank_sums[index] for r, (_, rank_sums) in enumerate(everyone) if index in rank_sums
+        }
         if len(set(held.values())) > 1:
             key, offsets = index
             raise CheckpointError(
