@@ -305,6 +305,8 @@ def test_bad_arguments_are_named(tmp_path, saved):
         fs.load(root, like.params, step=step)
     with pytest.raises(TypeError, match="`model`"):
         fs.save(tmp_path, like, step=step, model="gpt")
+    with pytest.raises(TypeError, match="`model`"):
+        fs.load(root, like, step=step, model="gpt")
 
 
 def _save_a_tensor_parallel_state(root):
@@ -320,18 +322,27 @@ def _save_a_tensor_parallel_state(root):
         return lm_loss(logits, tokens[:, 1:]), buffers
 
     step = fs.train_step(loss_fn, fs.optim.sgd(0.1))
+    state = step.init(params, buffers)
     try:
-        fs.save(root, step.init(params, buffers), step=step)  # not told of the model
+        fs.save(root, state, step=step)  # not told of the model
     except fs.CheckpointError as error:
-        return str(error), fs.latest(root)
-    return None, fs.latest(root)
+        refused = str(error), fs.latest(root)
+    fs.save(root, state, step=step, model=model)
+    try:
+        fs.load(root, state, step=step)  # not told of the model
+    except fs.CheckpointError as error:
+        return refused, str(error)
+    return refused, None
 
 
 def test_per_rank_shards_the_save_is_not_told_of_are_refused_not_saved_as_one_ranks(tmp_path):
     # DCP writes a box that several ranks hold once: tensor-parallel shards under the dense
     # names, saved without `model=`, would be stored as rank 0's, silently. The ranks compare
     # what they hold and refuse together.
-    for message, latest in run_spmd(_save_a_tensor_parallel_state, 2, str(tmp_path)):
-        assert message is not None and "different values for the box at [0, 0]" in message
+    for (message, latest), load_error in run_spmd(_save_a_tensor_parallel_state, 2, str(tmp_path)):
+        assert "different values for the box at [0, 0]" in message
         assert "tensor-parallel model: pass model=" in message
         assert latest is None
+        # Told of it, the save goes through; a load that is not told of it is refused.
+        assert load_error is not None and "another model" in load_error
+        assert "for a tensor-parallel model, pass model=" in load_error

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from fscale.ckpt import directory as dirs
@@ -92,19 +93,33 @@ def load(
         )
     if not isinstance(step, Step):
         raise TypeError(f"load: `step` must be a Step, got {type(step).__name__}")
+    if model is not None and not isinstance(model, (nn.Module, FunctionalModule)):
+        raise TypeError(
+            "load: `model` must be the nn.Module (or its FunctionalModule) the state's "
+            f"parameters belong to, or None; got {type(model).__name__}"
+        )
     wait_saves()
     group = checkpoint_group()
     directory = dirs.resolve(path, "load")
     manifest = read_manifest(directory)
     if target is None:
         params, buffers = _empty_model(manifest, directory)
-        if tensor_parallel_of(model) is not None:
-            module = model.module if isinstance(model, FunctionalModule) else model
+        module = model.module if isinstance(model, FunctionalModule) else model
+        if isinstance(module, nn.Module) and tensor_parallel_of(module) is not None:
             params = shard_like(params, module)
         target = step.init(params, buffers)
     _, pieces, assemble = pieces_into(step, target, model)
     wanted = _leaves_of_ranks(pieces, group)
-    check_matches(manifest, wanted, str(directory))
+    try:
+        check_matches(manifest, wanted, str(directory))
+    except CheckpointError as error:
+        if tensor_parallel_of(model) is None and _looks_split(manifest.leaves, wanted):
+            raise CheckpointError(
+                f"{error}\nSome leaves are a whole fraction of the checkpoint's along one "
+                "dimension: for a tensor-parallel model, pass model=, the module "
+                "fscale.tensor_parallel returned"
+            ) from None
+        raise
     planner = PieceLoadPlanner(pieces)
     values = {piece_name(p): p.values for p in pieces if p.values.numel()}
     error = None
@@ -122,6 +137,20 @@ def load(
     _agree_read(error, group, directory)
     planner.finish()
     return assemble()
+
+
+def _looks_split(saved: Leaves, wanted: Leaves) -> bool:
+    """Whether some wanted leaf is the saved one cut into equal chunks along one dimension."""
+    for key, (shape, _) in wanted.items():
+        full = saved.get(key, (shape, ""))[0]
+        differing = [(a, b) for a, b in zip(full, shape) if a != b]
+        if (
+            len(full) == len(shape)
+            and len(differing) == 1
+            and differing[0][0] % differing[0][1] == 0
+        ):
+            return True
+    return False
 
 
 def _leaves_of_ranks(pieces: list[Piece], group: Any) -> Leaves:

@@ -1,8 +1,11 @@
 """`save` and `wait_saves`: every rank writes its own pieces, and the ranks commit together.
 
-A save has three phases, each ending in an agreement among all ranks (an all-gather of every
-rank's error, or None), so that one rank's failure makes every rank raise the same
-`CheckpointError` and no rank waits in a collective the others never reach:
+First the ranks describe their pieces to each other (`describe_ranks`): the manifest lists the
+leaves of all of them (a pipeline rank holds only its stages'), and a box that several ranks
+hold must hold the same values on all of them. Then a save has three phases, each ending in an
+agreement among all ranks (an all-gather of every rank's error, or None), so that one rank's
+failure makes every rank raise the same `CheckpointError` and no rank waits in a collective
+the others never reach:
 
 1. *prepare*: rank 0 removes what killed saves left (``.tmp-*``) and creates
    ``root/.tmp-step_<n>``; agreement.
@@ -14,8 +17,8 @@ rank's error, or None), so that one rank's failure makes every rank raise the sa
 With ``async_=True`` the caller returns once every rank has copied its pieces (so later steps,
 which may update the state's buffers in place, never change what is written); DCP's
 `async_save` writes the copies in a thread and a second thread commits (in one process, that
-second thread writes as well). Both use a process group of
-their own, so their collectives never interleave with the training step's. Saves run one at a
+second thread writes as well). Both use a process group of their own, so their collectives
+never interleave with the training step's. Saves run one at a
 time: a save first waits for the previous one; `wait_saves` waits for all.
 """
 
