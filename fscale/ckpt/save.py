@@ -132,14 +132,9 @@ def describe_ranks(pieces: list[Piece], group: Any) -> Leaves:
     `expert_parallel`) would otherwise be saved as one rank's shard, silently.
     """
     mine = leaves_of(pieces)
-    sums = {}
-    with torch.no_grad():
-        for piece in pieces:
-            wide = piece.values.detach().to(torch.float64)
-            # As text, so that equal non-finite sums compare equal.
-            sums[piece.index] = (repr(float(wide.sum())), repr(float(wide.abs().sum())))
     if group is None:
         return dict(sorted(mine.items()))
+    sums = _checksums(pieces)
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (mine, sums), group=group)
     leaves = join_leaves([leaves for leaves, _ in everyone], "save")
@@ -158,6 +153,22 @@ def describe_ranks(pieces: list[Piece], group: Any) -> Leaves:
                 "returned), or the replicas have diverged."
             )
     return leaves
+
+
+def _checksums(pieces: list[Piece]) -> dict[Any, tuple[str, str]]:
+    """``(sum, sum of magnitudes)`` of each piece, in float64, read back once per device."""
+    by_device: dict[torch.device, list[tuple[Any, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for piece in pieces:
+            wide = piece.values.detach().to(torch.float64)
+            pair = torch.stack([wide.sum(), wide.abs().sum()])
+            by_device.setdefault(pair.device, []).append((piece.index, pair))
+    sums = {}
+    for items in by_device.values():
+        values = torch.stack([pair for _, pair in items]).tolist()
+        # As text, so that equal non-finite sums compare equal.
+        sums.update((index, (repr(a), repr(b))) for (index, _), (a, b) in zip(items, values))
+    return sums
 
 
 def save(
