@@ -1,11 +1,13 @@
 """`fscale consolidate` and `fscale inspect`: a sharded checkpoint as one plain state_dict."""
 
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import fscale as fs
 import fscale.testing.strategies as fst
@@ -151,6 +153,12 @@ def test_consolidate_gathers_tensor_parallel_shards_and_inspect_shows_them(
     # Saved at initialisation: every shard back in its place gives the dense model exactly.
     assert_trees_equal(tensors, {k: v.detach() for k, v in dense.state_dict().items()})
     dense.load_state_dict(tensors, strict=True)
+    # Every leaf is stored with its full shape, so plain DCP reads one as a full tensor too.
+    qkv = {"params/1.attn.qkv.weight": torch.zeros(48, 16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's notice that it runs in one process
+        dcp.load(qkv, checkpoint_id=str(fs.latest(tmp_path)), no_dist=True)
+    assert torch.equal(qkv["params/1.attn.qkv.weight"], dense.state_dict()["1.attn.qkv.weight"])
 
     capsys.readouterr()
     assert main(["inspect", str(tmp_path)]) == 0
