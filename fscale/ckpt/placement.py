@@ -37,6 +37,7 @@ from fscale.parallel.tensor.layers import TensorAxis
 
 __all__ = [
     "PLACING_LAYERS",
+    "describe",
     "place_experts",
     "place_layer",
     "place_stages",
@@ -141,7 +142,9 @@ def tensor_parallel_of(model: Any) -> tuple[dict[str, Any], TensorAxis] | None:
     return splits, tp
 
 
-def place_tensor_parallel(splits: dict[str, Any], tp: TensorAxis, pieces: list[Piece]) -> list:
+def place_tensor_parallel(
+    splits: dict[str, Any], tp: TensorAxis, pieces: list[Piece]
+) -> list[Piece]:
     """Pieces of this rank's shards (under the dense names) as pieces of the dense leaves."""
     out = []
     for piece in pieces:
