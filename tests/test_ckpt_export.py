@@ -1,11 +1,13 @@
 """`fscale consolidate` and `fscale inspect`: a sharded checkpoint as one plain state_dict."""
 
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import fscale as fs
 import fscale.testing.strategies as fst
@@ -98,3 +100,73 @@ def test_a_hugging_face_model_reloads_with_from_pretrained(tmp_path):
     _, reloaded_params, _ = fs.functionalize(reloaded)
     assert_trees_equal(reloaded_params, state.params)
     assert reloaded.lm_head.weight.data_ptr() == reloaded.transformer.wte.weight.data_ptr()
+
+
+# ---- tensor-parallel shards ---------------------------------------------------------------
+
+
+def _dense_sequential():
+    from fscale.models import GPT, GPTConfig
+
+    cfg = GPTConfig(32, 8, d_model=16, n_heads=4, n_layers=2, tie_embeddings=False)
+    gpt = GPT(cfg, seed=7)
+    return torch.nn.Sequential(
+        gpt.embed, *gpt.blocks, torch.nn.Sequential(gpt.final_norm, gpt.lm_head)
+    )
+
+
+def _save_tensor_parallel(root, pipelined):
+    from fscale.parallel import tensor as tpl
+    from fscale.parallel.pipeline import pipeline
+
+    plan = {
+        "0.token": "vocab",
+        "*.attn": (tpl.Heads("n_heads"), tpl.Input("replicated")),
+        "*.attn.qkv": tpl.Colwise(parts=3),
+        "*.attn.proj": "rowwise",
+        "*.mlp": tpl.Input("replicated"),
+        "*.mlp.fc_in": "colwise",
+        "*.mlp.fc_out": "rowwise",
+        "3.1": tpl.Colwise(gather_output=True),
+    }
+    mesh = fs.Mesh(pp=2, tp=2) if pipelined else fs.Mesh(dp=2, tp=2)
+    model = tpl.tensor_parallel(_dense_sequential(), mesh, "tp", plan)
+    _, params, buffers = fs.functionalize(model)
+    if pipelined:
+        step = pipeline(
+            model, lambda y, t: y.sum(), fs.optim.adam(1e-2), mesh, micro_batches=1, balance=[2, 2]
+        )
+    else:
+        step = fs.fully_shard(fs.train_step(lambda *a: None, fs.optim.adam(1e-2)), mesh, "dp")
+    fs.save(root, step.init(params, buffers), step=step, model=model)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["tp_fsdp", "pp_tp"])
+def test_consolidate_gathers_tensor_parallel_shards_and_inspect_shows_them(
+    tmp_path, capsys, pipelined
+):
+    run_spmd(_save_tensor_parallel, 4, str(tmp_path), pipelined)
+    out = tmp_path / "model.safetensors"
+    assert main(["consolidate", str(tmp_path), str(out)]) == 0
+    dense = _dense_sequential()
+    tensors = safetensors.load_file(str(out))
+    # Saved at initialisation: every shard back in its place gives the dense model exactly.
+    assert_trees_equal(tensors, {k: v.detach() for k, v in dense.state_dict().items()})
+    dense.load_state_dict(tensors, strict=True)
+    # Every leaf is stored with its full shape, so plain DCP reads one as a full tensor too.
+    qkv = {"params/1.attn.qkv.weight": torch.zeros(48, 16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's notice that it runs in one process
+        dcp.load(qkv, checkpoint_id=str(fs.latest(tmp_path)), no_dist=True)
+    assert torch.equal(qkv["params/1.attn.qkv.weight"], dense.state_dict()["1.attn.qkv.weight"])
+
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "placement   tensor_parallel over 'tp': 2 shards" in printed
+    assert ("placement   pipeline over 'pp': 2 stages on 2 ranks" in printed) == pipelined
+    if pipelined:  # each rank writes its stage's tp shard: a q/k/v weight in 3 x 2 boxes
+        assert "params/1.attn.qkv.weight  [48, 16]  float32  6 x 1" in printed
+        assert "params/1.attn.proj.weight  [16, 16]  float32  1 x 2" in printed
+    assert "params/3.0.weight  [16]  float32  whole" in printed
+    assert all(f"rank {rank}:" in printed for rank in range(4))

@@ -1,10 +1,14 @@
 """Checkpoint files under faults: killed ranks, failing disks, and bad input."""
 
+import importlib
 import json
 import os
+import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -36,62 +40,146 @@ def _train(case, step, state, count):
     return state
 
 
-# ---- a rank killed mid-save ---------------------------------------------------------------
+# ---- a rank killed at each phase of a save ------------------------------------------------
+
+# Where a rank is SIGKILLed, which rank, and what the killed save leaves under its .tmp- name.
+KILL_POINTS = {
+    "write": 1,  # while writing its data: its file torn, no DCP metadata
+    "metadata": 0,  # after every rank's data, before DCP's metadata
+    "manifest": 0,  # after DCP's metadata, before fscale's manifest
+    "rename": 0,  # after the manifest, before the directory is renamed into place
+    "prune": 0,  # during retention cleanup, after the new checkpoint is committed
+    "async": 1,  # while an asynchronous save writes and training continues
+}
+KEEP_LAST = {"prune": 1}
+# The module, which `fscale.ckpt.save` (the function) hides.
+save_module = importlib.import_module("fscale.ckpt.save")
+
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(where, root):
+    """Make this rank die at `where` (only in this process: patched here, after the first save)."""
+    if where == "write":
+        write_data = FileSystemWriter.write_data
+
+        def write_torn_then_die(self, plan, planner):
+            write_data(self, plan, planner).wait()
+            for data in Path(self.path).glob("__1_*.distcp"):  # half of it reached the disk
+                data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+            _die()
+
+        FileSystemWriter.write_data = write_torn_then_die
+    elif where == "metadata":
+        FileSystemWriter.finish = lambda self, metadata, results: _die()
+    elif where == "manifest":
+        save_module.write_manifest = lambda tmp, manifest: _die()
+    elif where == "rename":
+        directory.commit = lambda tmp, final: _die()
+    elif where == "prune":
+        rmtree = shutil.rmtree
+
+        def die_while_deleting(path, ignore_errors=False):
+            if Path(path).name.startswith(".tmp-pruned-"):
+                next(p for p in Path(path).iterdir() if p.is_file()).unlink()
+                _die()
+            rmtree(path, ignore_errors=ignore_errors)
+
+        directory.shutil = SimpleNamespace(rmtree=die_while_deleting)
+    elif where == "async":
+        trained = Path(root, "trained-on-rank-1")
+
+        def write_while_training_then_die(self, plan, planner):
+            deadline = time.monotonic() + 60
+            while not trained.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)  # the training steps after the save run meanwhile
+            _die()
+
+        FileSystemWriter.write_data = write_while_training_then_die
 
 
 def _save_then_die_while_saving_again(root, where):
     case, step, state = _build()
     state = _train(case, step, state, 2)
-    fs.save(root, state, step=step)
+    keep_last = KEEP_LAST.get(where)
+    fs.save(root, state, step=step, keep_last=keep_last)
     state = _train(case, step, state, 2)
-    if where == "write" and dist.get_rank() == 1:
-        write_data = FileSystemWriter.write_data
-
-        def write_then_die(self, plan, planner):
-            write_data(self, plan, planner).wait()  # this rank's file is on disk, no metadata
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        FileSystemWriter.write_data = write_then_die
-    if where == "commit" and dist.get_rank() == 0:
-
-        def die_before_rename(tmp, final):  # every file and the manifest are written
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        directory.commit = die_before_rename
-    fs.save(root, state, step=step)
+    if dist.get_rank() == KILL_POINTS[where]:
+        _arm(where, root)
+    if where == "async":
+        fs.save(root, state, step=step, async_=True)
+        state = _train(case, step, state, 2)
+        Path(root, f"trained-on-rank-{dist.get_rank()}").touch()
+        fs.wait_saves()
+    else:
+        fs.save(root, state, step=step, keep_last=keep_last)
 
 
-def _resume(root):
-    case, step, like = _build()
-    latest = fs.latest(root)
-    state = fs.load(root, like, step=step)
-    resumed_at = int(state.step)
-    state = _train(case, step, state, 2)
-    fs.save(root, state, step=step)  # removes what the killed save left
-    uninterrupted = _train(case, step, like, 4)
-    return (
-        str(latest),
-        resumed_at,
-        fs.consolidate(step, state),
-        fs.consolidate(step, uninterrupted),
-        sorted(p.name for p in Path(root).iterdir()),
-    )
+def _resume_all(roots):
+    """Resume each root from its latest checkpoint, train 2 steps and save again."""
+    out = []
+    for root in roots:
+        case, step, like = _build()
+        latest = fs.latest(root)
+        state = fs.load(root, like, step=step)
+        resumed_at = int(state.step)
+        state = _train(case, step, state, 2)
+        fs.save(root, state, step=step)  # removes what the killed save left
+        uninterrupted = _train(case, step, like, resumed_at + 2)
+        entries = sorted(p.name for p in Path(root).iterdir() if p.is_dir())
+        out.append(
+            (
+                str(latest),
+                resumed_at,
+                fs.consolidate(step, state),
+                fs.consolidate(step, uninterrupted),
+                entries,
+            )
+        )
+    return out
 
 
-@pytest.mark.parametrize("where", ["write", "commit"])
-def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_a_fresh_launch_resumes(where):
-    with tempfile.TemporaryDirectory() as root:
-        with pytest.raises(fs.distributed.RankError):
-            fs.launch(_save_then_die_while_saving_again, 2, root, where, timeout=120, pg_timeout=30)
-        partial = Path(root) / f".tmp-step_{4:010d}"
-        assert partial.is_dir() and list(partial.glob("*.distcp"))
-        assert (partial / "fscale.json").exists() == (where == "commit")
-        assert fs.latest(root) == Path(root) / f"step_{2:010d}"
-        for latest, resumed_at, state, uninterrupted, entries in fs.launch(_resume, 2, root):
-            assert latest.endswith(f"step_{2:010d}")
-            assert resumed_at == 2
+def _what_the_killed_save_left(root, where):
+    partial = Path(root) / f".tmp-step_{4:010d}"
+    if where == "prune":
+        # The new checkpoint was committed; the pruned one was renamed aside, half deleted.
+        assert not partial.exists()
+        assert (Path(root) / f".tmp-pruned-step_{2:010d}").is_dir()
+        assert fs.latest(root) == Path(root) / f"step_{4:010d}"
+        return 4
+    assert partial.is_dir()
+    assert (partial / ".metadata").exists() == (where in ("manifest", "rename"))
+    assert (partial / "fscale.json").exists() == (where == "rename")
+    if where in ("write", "metadata"):
+        assert list(partial.glob("*.distcp"))
+    if where == "async":
+        assert Path(root, "trained-on-rank-1").exists()  # training went on during the write
+    assert fs.latest(root) == Path(root) / f"step_{2:010d}"
+    return 2
+
+
+def test_a_rank_killed_at_any_phase_of_a_save_leaves_a_loadable_checkpoint_and_resumes():
+    with tempfile.TemporaryDirectory() as base:
+        roots, expected = [], []
+        for where in KILL_POINTS:
+            root = os.path.join(base, where)
+            with pytest.raises(fs.distributed.RankError):
+                fs.launch(_save_then_die_while_saving_again, 2, root, where, timeout=120)
+            expected.append(_what_the_killed_save_left(root, where))
+            roots.append(root)
+        # A fresh set of processes resumes every run from its latest complete checkpoint.
+        results = run_spmd(_resume_all, 2, roots, timeout=300)
+    for rank_results in results:
+        for where, resumed, (latest, resumed_at, state, uninterrupted, entries) in zip(
+            KILL_POINTS, expected, rank_results
+        ):
+            assert latest.endswith(f"step_{resumed:010d}"), where
+            assert resumed_at == resumed, where
             assert_trees_equal(state, uninterrupted)
-            assert entries == [f"step_{2:010d}", f"step_{4:010d}"]
+            # The next save cleaned the partial directory up.
+            assert entries == sorted({f"step_{resumed:010d}", f"step_{resumed + 2:010d}"}), where
 
 
 # ---- one rank's disk error ----------------------------------------------------------------
@@ -217,6 +305,8 @@ def test_bad_arguments_are_named(tmp_path, saved):
         fs.load(root, like.params, step=step)
     with pytest.raises(TypeError, match="`model`"):
         fs.save(tmp_path, like, step=step, model="gpt")
+    with pytest.raises(TypeError, match="`model`"):
+        fs.load(root, like, step=step, model="gpt")
 
 
 def _save_a_tensor_parallel_state(root):
@@ -232,17 +322,27 @@ def _save_a_tensor_parallel_state(root):
         return lm_loss(logits, tokens[:, 1:]), buffers
 
     step = fs.train_step(loss_fn, fs.optim.sgd(0.1))
+    state = step.init(params, buffers)
     try:
-        fs.save(root, step.init(params, buffers), step=step)
+        fs.save(root, state, step=step)  # not told of the model
     except fs.CheckpointError as error:
-        return str(error), fs.latest(root)
-    return None, fs.latest(root)
+        refused = str(error), fs.latest(root)
+    fs.save(root, state, step=step, model=model)
+    try:
+        fs.load(root, state, step=step)  # not told of the model
+    except fs.CheckpointError as error:
+        return refused, str(error)
+    return refused, None
 
 
-def test_per_rank_shards_under_dense_names_are_refused_not_saved_as_one_ranks(tmp_path):
-    # DCP writes a leaf that every rank holds whole once: tensor-parallel shards would be
-    # stored as rank 0's, silently. The ranks compare what they hold and refuse together.
-    for message, latest in run_spmd(_save_a_tensor_parallel_state, 2, str(tmp_path)):
-        assert message is not None and "different values for the whole leaf" in message
-        assert "tensor-parallel" in message
+def test_per_rank_shards_the_save_is_not_told_of_are_refused_not_saved_as_one_ranks(tmp_path):
+    # DCP writes a box that several ranks hold once: tensor-parallel shards under the dense
+    # names, saved without `model=`, would be stored as rank 0's, silently. The ranks compare
+    # what they hold and refuse together.
+    for (message, latest), load_error in run_spmd(_save_a_tensor_parallel_state, 2, str(tmp_path)):
+        assert "different values for the box at [0, 0]" in message
+        assert "tensor-parallel model: pass model=" in message
         assert latest is None
+        # Told of it, the save goes through; a load that is not told of it is refused.
+        assert load_error is not None and "another model" in load_error
+        assert "for a tensor-parallel model, pass model=" in load_error

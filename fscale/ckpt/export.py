@@ -5,7 +5,9 @@ size and plan wrote them (DCP reads the chunks; no process group is needed). `ex
 the model's ``state_dict`` from them as one safetensors file: every key of the module's
 ``state_dict``, tied weights under each of their names (as separate tensors, since
 safetensors stores no aliases), in the dtype the state holds its parameters in (the full
-precision master copy). `describe` is what ``fscale inspect`` prints.
+precision master copy). Tensor-parallel shards, pipeline stages and expert slices are boxes of
+those full leaves like any others, so the export gathers them too. `describe` is what
+``fscale inspect`` prints, the boxes each leaf was saved in among it.
 """
 
 from __future__ import annotations
@@ -15,18 +17,20 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from fscale.ckpt import directory as dirs
+from fscale.ckpt.boxes import whole_piece
 from fscale.ckpt.manifest import CheckpointError, Manifest, dtype_of, read_manifest
-from fscale.ckpt.pieces import Piece
-from fscale.ckpt.planner import PieceLoadPlanner, numel_of
+from fscale.ckpt.planner import PieceLoadPlanner, numel_of, piece_name
 from fscale.ckpt.save import FAILURES, single_process_quiet
 
-__all__ = ["bytes_per_rank", "describe", "export", "read_leaves"]
+__all__ = ["RankBytes", "bytes_per_rank", "chunk_grids", "describe", "export", "read_leaves"]
 
 _DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
@@ -49,15 +53,15 @@ def read_leaves(
     pieces = []
     for key in wanted:
         shape, dtype = manifest.leaves[key]
-        values = torch.zeros(numel_of(shape), dtype=dtype_of(dtype))
-        pieces.append(Piece(key, shape, values.dtype, 0, values))
-    state_dict = {p.key: p.values for p in pieces if p.values.numel()}
+        pieces.append(whole_piece(key, torch.zeros(shape, dtype=dtype_of(dtype))))
+    state_dict = {piece_name(p): p.values for p in pieces if p.values.numel()}
+    planner = PieceLoadPlanner(pieces)
     with single_process_quiet():
         try:
             dcp.load(
                 state_dict,
                 storage_reader=FileSystemReader(directory),
-                planner=PieceLoadPlanner(pieces),
+                planner=planner,
                 no_dist=True,
             )
         except FAILURES as error:
@@ -65,7 +69,8 @@ def read_leaves(
                 f"the checkpoint {str(directory)!r} could not be read (truncated or damaged "
                 f"files?): {error}"
             ) from None
-    return manifest, {p.key: p.values.view(p.shape) for p in pieces}
+    planner.finish()
+    return manifest, {p.key: p.values for p in pieces}
 
 
 def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -99,20 +104,56 @@ def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[st
     return tensors
 
 
-def bytes_per_rank(directory: Path) -> dict[int, int]:
-    """Bytes each rank wrote into its data files (from DCP's metadata)."""
-    reader = FileSystemReader(directory)
-    metadata = reader.read_metadata()
+class RankBytes(NamedTuple):
+    """What one rank wrote: its tensor data, the bytes of its files, and its chunks."""
+
+    data: int
+    written: int
+    chunks: int
+
+
+def bytes_per_rank(directory: Path) -> dict[int, RankBytes]:
+    """What each rank wrote into its data files (from DCP's metadata)."""
+    metadata = FileSystemReader(directory).read_metadata()
+    storage = metadata.storage_data or {}
+    data: collections.Counter[int] = collections.Counter()
     written: collections.Counter[int] = collections.Counter()
-    for info in (metadata.storage_data or {}).values():
-        match = _DCP_FILE.fullmatch(Path(str(info.relative_path)).name)
-        if match:
-            written[int(match.group(1))] += int(info.length)
-    return dict(sorted(written.items()))
+    chunks: collections.Counter[int] = collections.Counter()
+    for key, stored in metadata.state_dict_metadata.items():
+        if not isinstance(stored, TensorStorageMetadata):
+            continue
+        itemsize = stored.properties.dtype.itemsize
+        for chunk in stored.chunks:
+            info = storage.get(MetadataIndex(key, chunk.offsets))
+            rank = _rank_of(info)
+            if info is not None and rank is not None:
+                data[rank] += numel_of(chunk.sizes) * itemsize
+                written[rank] += int(info.length)
+                chunks[rank] += 1
+    return {rank: RankBytes(data[rank], written[rank], chunks[rank]) for rank in sorted(data)}
+
+
+def _rank_of(info: Any) -> int | None:
+    match = _DCP_FILE.fullmatch(Path(str(getattr(info, "relative_path", ""))).name)
+    return int(match.group(1)) if match else None
+
+
+def chunk_grids(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Per leaf, how many distinct boxes along each dimension its saved chunks form."""
+    metadata = FileSystemReader(directory).read_metadata()
+    grids = {}
+    for key, stored in metadata.state_dict_metadata.items():
+        if isinstance(stored, TensorStorageMetadata):
+            grids[key] = tuple(
+                len({chunk.offsets[dim] for chunk in stored.chunks})
+                for dim in range(len(stored.size))
+            )
+    return grids
 
 
 def describe(path: str | os.PathLike[str], *, leaves: bool = True) -> str:
-    """What the checkpoint at `path` holds: plan, world size, step, leaves, bytes per rank."""
+    """What the checkpoint at `path` holds: plan, placements, world size, step, leaves (with
+    the boxes they were saved in), and bytes per rank."""
     directory = dirs.resolve(path, "inspect")
     manifest = read_manifest(directory)
     total = sum(numel_of(s) * dtype_of(d).itemsize for s, d in manifest.leaves.values())
@@ -122,16 +163,22 @@ def describe(path: str | os.PathLike[str], *, leaves: bool = True) -> str:
         f"step        {manifest.step}",
         f"plan        {manifest.plan}",
         f"world size  {manifest.world_size} (layout: {manifest.layout})",
+        *[f"placement   {line}" for line in manifest.placements],
         f"leaves      {len(manifest.leaves)}, {_size(total)} in full",
         f"model       {manifest.model['module'] if manifest.model else '(names not saved)'}",
-        "bytes per rank (as written, DCP's framing of each piece included):",
+        "bytes per rank (tensor data; as written, with DCP's framing of each chunk):",
     ]
-    lines += [f"  rank {rank}: {_size(n)}" for rank, n in bytes_per_rank(directory).items()]
+    lines += [
+        f"  rank {rank}: {_size(n.data)} in {n.chunks} chunks ({_size(n.written)} written)"
+        for rank, n in bytes_per_rank(directory).items()
+    ]
     if leaves:
-        lines.append("leaves:")
-        lines += [
-            f"  {key}  {list(shape)}  {dtype}" for key, (shape, dtype) in manifest.leaves.items()
-        ]
+        grids = chunk_grids(directory)
+        lines.append("leaves (boxes saved along each dimension):")
+        for key, (shape, dtype) in manifest.leaves.items():
+            grid = grids.get(key, ())
+            split = " x ".join(map(str, grid)) if any(n > 1 for n in grid) else "whole"
+            lines.append(f"  {key}  {list(shape)}  {dtype}  {split}")
     return "\n".join(lines)
 
 

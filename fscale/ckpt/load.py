@@ -13,19 +13,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from fscale.ckpt import directory as dirs
+from fscale.ckpt.boxes import Piece
 from fscale.ckpt.manifest import (
     CheckpointError,
+    Leaves,
     Manifest,
     check_matches,
     dtype_of,
+    join_leaves,
+    leaves_of,
     read_manifest,
 )
 from fscale.ckpt.pieces import pieces_into
-from fscale.ckpt.planner import PieceLoadPlanner
+from fscale.ckpt.placement import tensor_parallel_of
+from fscale.ckpt.planner import PieceLoadPlanner, piece_name
 from fscale.ckpt.save import (
     FAILURES,
     agree,
@@ -33,6 +40,8 @@ from fscale.ckpt.save import (
     single_process_quiet,
     wait_saves,
 )
+from fscale.functional import FunctionalModule
+from fscale.parallel.tensor.apply import shard_like
 from fscale.plan import TrainState
 from fscale.train import Step
 
@@ -40,7 +49,11 @@ __all__ = ["load"]
 
 
 def load(
-    path: str | os.PathLike[str], like: TrainState | Step, *, step: Step | None = None
+    path: str | os.PathLike[str],
+    like: TrainState | Step,
+    *,
+    step: Step | None = None,
+    model: Any = None,
 ) -> TrainState:
     """The state `step` continues from on this rank, read from the checkpoint at `path`.
 
@@ -58,6 +71,8 @@ def load(
             state is then initialised from the checkpoint's shapes (``step.init`` on empty
             tensors, on the CPU) and filled.
         step: the step that will run on the result (when `like` is a state).
+        model: the module the state's parameters belong to, when it is a `tensor_parallel`
+            one (or its FunctionalModule): its splits say which shard each rank reads.
 
     Returns:
         The loaded TrainState (step count and key included).
@@ -68,7 +83,7 @@ def load(
             newer format, or one of another model (the differing leaves are listed).
     """
     target: TrainState | None = None
-    if isinstance(like, Step) and step is None:
+    if isinstance(like, Step) and step in (None, like):
         step = like
     elif isinstance(like, TrainState):
         target = like
@@ -78,16 +93,35 @@ def load(
         )
     if not isinstance(step, Step):
         raise TypeError(f"load: `step` must be a Step, got {type(step).__name__}")
+    if model is not None and not isinstance(model, (nn.Module, FunctionalModule)):
+        raise TypeError(
+            "load: `model` must be the nn.Module (or its FunctionalModule) the state's "
+            f"parameters belong to, or None; got {type(model).__name__}"
+        )
     wait_saves()
     group = checkpoint_group()
     directory = dirs.resolve(path, "load")
     manifest = read_manifest(directory)
     if target is None:
-        target = step.init(*_empty_model(manifest, directory))
-    _, pieces, assemble = pieces_into(step, target)
-    check_matches(manifest, pieces, str(directory))
+        params, buffers = _empty_model(manifest, directory)
+        module = model.module if isinstance(model, FunctionalModule) else model
+        if isinstance(module, nn.Module) and tensor_parallel_of(module) is not None:
+            params = shard_like(params, module)
+        target = step.init(params, buffers)
+    _, pieces, assemble = pieces_into(step, target, model)
+    wanted = _leaves_of_ranks(pieces, group)
+    try:
+        check_matches(manifest, wanted, str(directory))
+    except CheckpointError as error:
+        if tensor_parallel_of(model) is None and _looks_split(manifest.leaves, wanted):
+            raise CheckpointError(
+                f"{error}\nSome leaves are a whole fraction of the checkpoint's along one "
+                "dimension: for a tensor-parallel model, pass model=, the module "
+                "fscale.tensor_parallel returned"
+            ) from None
+        raise
     planner = PieceLoadPlanner(pieces)
-    values = {p.key: p.values for p in pieces if p.values.numel()}
+    values = {piece_name(p): p.values for p in pieces if p.values.numel()}
     error = None
     try:
         with single_process_quiet():
@@ -101,7 +135,32 @@ def load(
     except FAILURES as failure:  # reported on every rank below
         error = f"{type(failure).__name__}: {failure}"
     _agree_read(error, group, directory)
+    planner.finish()
     return assemble()
+
+
+def _looks_split(saved: Leaves, wanted: Leaves) -> bool:
+    """Whether some wanted leaf is the saved one cut into equal chunks along one dimension."""
+    for key, (shape, _) in wanted.items():
+        full = saved.get(key, (shape, ""))[0]
+        differing = [(a, b) for a, b in zip(full, shape) if a != b]
+        if (
+            len(full) == len(shape)
+            and len(differing) == 1
+            and differing[0][0] % differing[0][1] == 0
+        ):
+            return True
+    return False
+
+
+def _leaves_of_ranks(pieces: list[Piece], group: Any) -> Leaves:
+    """The full leaves all ranks load into (a rank of a pipeline holds only its stages')."""
+    mine = leaves_of(pieces)
+    if group is None:
+        return mine
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return join_leaves(everyone, "load")
 
 
 def _empty_model(manifest: Manifest, directory: Path) -> tuple[dict, dict]:

@@ -3,7 +3,8 @@
 DCP's ``.metadata`` says which bytes of which file hold which chunk of which 1-D leaf. The
 manifest (``fscale.json``, written by rank 0 after every rank's data and DCP's metadata, just
 before the directory is renamed into place) says what those leaves are: the format version,
-the step count, the plan and world size that wrote it, each leaf's full shape and dtype, and,
+the step count, the plan and world size that wrote it, how its ranks placed their pieces
+(pipeline stages, expert slices, tensor-parallel shards), each leaf's full shape and dtype, and,
 when the model was given to `fscale.save`, how the module's ``state_dict`` keys map to the
 leaves (tied weights included), which is what an export needs.
 """
@@ -20,24 +21,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from fscale.ckpt.pieces import Piece
+from fscale.ckpt.boxes import Piece
 from fscale.functional import FunctionalModule, functionalize
 
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
     "CheckpointError",
+    "Leaves",
     "Manifest",
     "check_matches",
     "dtype_name",
     "dtype_of",
+    "join_leaves",
+    "leaves_of",
     "model_entry",
     "read_manifest",
     "write_manifest",
 ]
 
 MANIFEST = "fscale.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: every leaf stored with its full shape (1: as its row-major flattening; still read)."""
 _FORMAT = "fscale-checkpoint"
 
 
@@ -57,6 +62,8 @@ class Manifest:
         leaves: ``{leaf key: (full shape, dtype name)}``.
         model: ``{"state_dict": {state_dict key: leaf key}, "module": class name}`` or None.
         version: the format version.
+        placements: how the plan placed the ranks' pieces in the full model, one line each
+            (`fscale.ckpt.placement.describe`).
     """
 
     step: int
@@ -66,20 +73,7 @@ class Manifest:
     leaves: dict[str, tuple[tuple[int, ...], str]]
     model: dict[str, Any] | None = None
     version: int = FORMAT_VERSION
-
-    @classmethod
-    def of(
-        cls,
-        pieces: Sequence[Piece],
-        *,
-        step: int,
-        world_size: int,
-        plan: str,
-        layout: str,
-        model: dict[str, Any] | None,
-    ) -> Manifest:
-        leaves = {p.key: (tuple(p.shape), dtype_name(p.dtype)) for p in pieces}
-        return cls(step, world_size, plan, layout, dict(sorted(leaves.items())), model)
+    placements: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         body = dataclasses.asdict(self)
@@ -147,6 +141,7 @@ def read_manifest(directory: Path) -> Manifest:
             leaves=leaves,
             model=body.get("model"),
             version=version,
+            placements=tuple(str(line) for line in body.get("placements", ())),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(
@@ -154,12 +149,38 @@ def read_manifest(directory: Path) -> Manifest:
         ) from None
 
 
-def check_matches(manifest: Manifest, pieces: Sequence[Piece], where: str) -> None:
-    """Raise a CheckpointError listing every leaf in which `manifest` and `pieces` differ.
+Leaves = dict[str, tuple[tuple[int, ...], str]]
+"""``{leaf key: (full shape, dtype name)}``."""
 
-    `pieces` describe the state that will be loaded into (its full leaves).
+
+def leaves_of(pieces: Sequence[Piece]) -> Leaves:
+    """The full leaves `pieces` are boxes of."""
+    return {p.key: (tuple(p.shape), dtype_name(p.dtype)) for p in pieces}
+
+
+def join_leaves(per_rank: Sequence[Leaves], caller: str) -> Leaves:
+    """The leaves of all ranks, sorted by key.
+
+    Raises:
+        CheckpointError: two ranks give one leaf different shapes or dtypes.
     """
-    wanted = {p.key: (tuple(p.shape), dtype_name(p.dtype)) for p in pieces}
+    joined: Leaves = {}
+    for rank, leaves in enumerate(per_rank):
+        for key, entry in leaves.items():
+            if joined.setdefault(key, entry) != entry:
+                raise CheckpointError(
+                    f"{caller}: the ranks disagree on the full leaf {key!r}: "
+                    f"{list(joined[key][0])} {joined[key][1]} and, on rank {rank}, "
+                    f"{list(entry[0])} {entry[1]}; every rank must describe the same model"
+                )
+    return dict(sorted(joined.items()))
+
+
+def check_matches(manifest: Manifest, wanted: Leaves, where: str) -> None:
+    """Raise a CheckpointError listing every leaf in which `manifest` and `wanted` differ.
+
+    `wanted` are the full leaves of the state that will be loaded into (of all ranks).
+    """
     saved = manifest.leaves
     lines = []
     # The model's leaves first: an optimizer state differs wherever its parameters do.

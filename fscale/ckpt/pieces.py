@@ -1,10 +1,11 @@
-"""Which piece of each leaf of the full TrainState this rank holds, for any plan.
+"""Which boxes of each leaf of the full TrainState this rank holds, for any plan.
 
 A checkpoint stores the *full* state, the one a single-process `train_step` takes: leaves
-``params/<path>``, ``buffers/<path>``, ``opt_state/<path>``, ``step`` and ``key``, each as the
-row-major flattening of the full tensor. Under the built-in plans no rank builds that state:
-each describes what it holds as `Piece`s, elements ``[start, start + numel)`` of a full leaf's
-flattening as a 1-D view into its own state. Three layouts cover the built-in plans:
+``params/<path>``, ``buffers/<path>``, ``opt_state/<path>``, ``step`` and ``key``, each a tensor
+of its full shape. Under the built-in plans no rank builds that state: each describes what it
+holds as `Piece`s, boxes of full leaves (`fscale.ckpt.boxes`) viewing its own tensors. The plan
+is read from the inside out. The innermost sharding layer gives the pieces of the full state of
+the model this rank trains; three layouts cover the built-in plans:
 
 - **full** (``train_step``, ``data_parallel``, ``accumulate``): every leaf whole on every rank;
   identical pieces of replicated leaves are written once (DCP deduplicates them).
@@ -12,13 +13,17 @@ flattening as a 1-D view into its own state. Three layouts cover the built-in pl
   optimizer state leaf is this rank's fragment, at the offset the ranks before it hold
   (`fscale.parallel.opt_state.StateMap`, the rule `consolidate` follows).
 - **fully_shard** (ZeRO-3, and HSDP inside ``data_parallel``): each parameter is the fragment
-  of it in this rank's unit shards (`fscale.flat.Fragment`: a 1-D slice of its flattening),
+  of it in this rank's unit shards (`fscale.flat.Fragment`: a range of its flattening),
   and the optimizer state is cut by the same `StateMap` rule.
 
+Then every ``pipeline`` and ``expert_parallel`` layer around it, innermost first, and a
+`tensor_parallel` model, place those pieces in the bigger model (`fscale.ckpt.placement`).
+
 Any other plan (a user layer that wraps the optimizer state, a stateful reduction hook) is
-**consolidated**: ``fscale.consolidate`` builds the full state on every rank, whose leaves are
-then whole pieces; loading cuts it with ``fscale.shard_state``. Every layout reshards into
-every other, since all of them describe the same full leaves.
+**consolidated**: ``fscale.consolidate`` builds the step's full state on every rank, whose
+leaves are then whole pieces (placed by a `tensor_parallel` model still); loading cuts it with
+``fscale.shard_state``. Every layout reshards into every other, since all of them describe
+boxes of the same full leaves.
 
 `pieces_of` describes a state for saving (views of its tensors); `pieces_into` makes fresh
 tensors laid out like a state, whose pieces a load fills, and the function that assembles the
@@ -30,9 +35,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from fscale import tree
+from fscale.ckpt.boxes import Piece, range_pieces, whole_piece
+from fscale.ckpt.placement import (
+    PLACING_LAYERS,
+    describe,
+    place_layer,
+    place_tensor_parallel,
+    tensor_parallel_of,
+)
 from fscale.parallel import HookState, ShardedOptState, consolidate, shard_state
 from fscale.parallel.bucket_layout import layout_of
 from fscale.parallel.opt_state import StateMap, plan_state_init, state_spec
@@ -42,9 +56,10 @@ from fscale.train import Step
 __all__ = [
     "CONSOLIDATED",
     "FULL",
-    "Piece",
+    "Layout",
     "fsdp_state_map",
     "layout_kind",
+    "layout_of_step",
     "pieces_into",
     "pieces_of",
     "zero_state_map",
@@ -59,33 +74,49 @@ _SHARDING_LAYERS = ("shard_optimizer", "fully_shard")
 _PASS_THROUGH = ("accumulate", "local")
 
 
-class Piece(NamedTuple):
-    """Elements ``[start, start + values.numel())`` of the full leaf `key`, held by this rank.
+class Layout(NamedTuple):
+    """How a step holds its state, for a checkpoint.
 
-    `shape` and `dtype` are the full leaf's; `values` is 1-D.
+    Attributes:
+        kind: ``"full"``, ``"shard_optimizer"``, ``"fully_shard"`` or ``"consolidated"``.
+        placing: the ``pipeline`` / ``expert_parallel`` layers around the sharding layer that
+            place its pieces, innermost first (none for a consolidated layout).
+        placements: one line per placement (those layers', then a tensor-parallel model's).
     """
 
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    start: int
-    values: torch.Tensor
+    kind: str
+    placing: tuple[Plan, ...]
+    placements: tuple[str, ...]
 
 
 def layout_kind(step: Step, state: TrainState) -> str:
     """How `step` holds `state`: ``"full"``, ``"shard_optimizer"``, ``"fully_shard"`` or
     ``"consolidated"`` (see the module docstring)."""
+    return layout_of_step(step, state).kind
+
+
+def layout_of_step(step: Step, state: TrainState, model: Any = None) -> Layout:
+    """The `Layout` of `state` under `step`, its parameters split as `model` splits them
+    (a `tensor_parallel` module, or None)."""
+    tp = tensor_parallel_of(model)
+    model_lines = (describe(tp[1]),) if tp is not None and tp[1].size > 1 else ()
+    consolidated = Layout(CONSOLIDATED, (), model_lines)
     if isinstance(state.opt_state, HookState):
-        return CONSOLIDATED
-    sharding = [layer for layer in step.plan.layers() if layer.name in _SHARDING_LAYERS]
+        return consolidated
+    layers = list(step.plan.layers())
+    sharding = [i for i, layer in enumerate(layers) if layer.name in _SHARDING_LAYERS]
+    placing = [i for i, layer in enumerate(layers) if layer.name in PLACING_LAYERS]
     others = [
         layer
-        for layer in step.plan.layers()
-        if layer.name not in _SHARDING_LAYERS and not _passes_state_through(layer)
+        for layer in layers
+        if layer.name not in _SHARDING_LAYERS + PLACING_LAYERS and not _passes_state_through(layer)
     ]
-    if others or len(sharding) > 1:
-        return CONSOLIDATED
-    return sharding[0].name if sharding else FULL
+    if others or len(sharding) > 1 or (sharding and any(i > sharding[0] for i in placing)):
+        return consolidated
+    kind = layers[sharding[0]].name if sharding else FULL
+    outside_in = tuple(layers[i] for i in placing)
+    lines = tuple(describe(layer) for layer in reversed(outside_in)) + model_lines
+    return Layout(kind, tuple(reversed(outside_in)), lines)
 
 
 def _passes_state_through(layer: Plan) -> bool:
@@ -99,75 +130,84 @@ def _passes_state_through(layer: Plan) -> bool:
     return kind.consolidate is Plan.consolidate and kind.shard_state is Plan.shard_state
 
 
-def pieces_of(step: Step, state: TrainState) -> tuple[str, list[Piece]]:
-    """``(layout kind, this rank's pieces of the full state)``; the values are views of `state`.
+def pieces_of(step: Step, state: TrainState, model: Any = None) -> tuple[Layout, list[Piece]]:
+    """``(layout, this rank's pieces of the full state)``; the values are views of `state`.
 
-    For a consolidated layout every rank must call this (``fscale.consolidate`` communicates).
+    `model` is the module the state's parameters belong to, when it is a `tensor_parallel`
+    one. For a consolidated layout every rank must call this (``fscale.consolidate``
+    communicates).
     """
-    kind = layout_kind(step, state)
-    if kind == CONSOLIDATED:
-        return kind, _whole(consolidate(step, state))
-    if kind == FULL:
-        return kind, _whole(state)
-    plan = step.plan.find(kind)
-    assert plan is not None
-    return kind, _sharded_pieces(kind, plan, step, state)
+    layout = layout_of_step(step, state, model)
+    if layout.kind == CONSOLIDATED:
+        return layout, _placed(layout, model, _whole(consolidate(step, state)))
+    return layout, _placed(layout, model, _held(layout.kind, step, state))
 
 
-def pieces_into(step: Step, like: TrainState) -> tuple[str, list[Piece], Callable[[], TrainState]]:
+def pieces_into(
+    step: Step, like: TrainState, model: Any = None
+) -> tuple[Layout, list[Piece], Callable[[], TrainState]]:
     """Fresh tensors laid out as `like`, their pieces, and the state assembled from them.
 
     Fill the pieces' values (a load does), then call the third item: it returns the state
     `step` continues from on this rank. `like` itself is not modified.
     """
-    kind = layout_kind(step, like)
-    if kind == CONSOLIDATED:
+    layout = layout_of_step(step, like, model)
+    if layout.kind == CONSOLIDATED:
         full = _fresh(consolidate(step, like))
-        return kind, _whole(full), lambda: shard_state(step, full)
+        pieces = _placed(layout, model, _whole(full))
+        return layout, pieces, lambda: shard_state(step, full)
     fresh = _fresh(like)
-    if kind == FULL:
-        return kind, _whole(fresh), lambda: fresh
-    plan: Any = step.plan.find(kind)
-    assert plan is not None
-    pieces = _sharded_pieces(kind, plan, step, fresh)
-    if kind == "shard_optimizer":
+    pieces = _placed(layout, model, _held(layout.kind, step, fresh))
+    if layout.kind == "shard_optimizer":
+        plan: Any = step.plan.find("shard_optimizer")
+
         # The parameters of a ZeRO state view full bucket buffers (the all-gather writes there).
         def assemble() -> TrainState:
-            layout, treedef = layout_of(fresh.params, plan.bucket_bytes, plan.mesh.size(plan.axis))
-            flats = layout.pack(tree.leaves(fresh.params))
-            return fresh._replace(params=tree.unflatten(treedef, layout.leaf_views(flats)))
+            buckets, treedef = layout_of(fresh.params, plan.bucket_bytes, plan.mesh.size(plan.axis))
+            flats = buckets.pack(tree.leaves(fresh.params))
+            return fresh._replace(params=tree.unflatten(treedef, buckets.leaf_views(flats)))
 
-        return kind, pieces, assemble
-    return kind, pieces, lambda: fresh
+        return layout, pieces, assemble
+    return layout, pieces, lambda: fresh
+
+
+def _placed(layout: Layout, model: Any, pieces: list[Piece]) -> list[Piece]:
+    for layer in layout.placing:
+        pieces = place_layer(layer, pieces)
+    tp = tensor_parallel_of(model)
+    if tp is not None:
+        pieces = place_tensor_parallel(*tp, pieces)
+    return pieces
 
 
 # ---- the layouts --------------------------------------------------------------------------
 
 
-def _sharded_pieces(kind: str, plan: Any, step: Step, state: TrainState) -> list[Piece]:
+def _held(kind: str, step: Step, state: TrainState) -> list[Piece]:
+    if kind == FULL:
+        return _whole(state)
+    plan: Any = step.plan.find(kind)
+    assert plan is not None
     rank = plan.mesh.rank(plan.axis)
     if kind == "shard_optimizer":
-        params = _whole_group("params", state.params)
+        params = _whole_group("params", state.params, mirrored=True)
         opt_state = state.opt_state
         assert isinstance(opt_state, ShardedOptState)
         state_map = zero_state_map(plan, step, state.params)
-        opt = _fragment_pieces("opt_state", opt_state.shard, state_map, rank)
+        buckets, treedef = layout_of(state.params, plan.bucket_bytes, plan.mesh.size(plan.axis))
+        full_params = tree.unflatten(treedef, buckets.stand_ins(None))
+        opt = _fragment_pieces(opt_state.shard, state_map, rank, full_params)
     else:
         layout = plan.layout
         fragments = layout.fragments(rank)
         views = layout.fragment_views(state.params, rank)
-        params = [
-            Piece(
-                f"params/{name}",
-                tuple(fragments[name].shape),
-                views[name].dtype,
-                fragments[name].start,
-                views[name],
-            )
-            for name in sorted(layout.param_order)
-        ]
+        params = []
+        for name in sorted(layout.param_order):
+            key = f"params/{name}"
+            shape = tuple(fragments[name].shape)
+            params += range_pieces(key, shape, fragments[name].start, views[name], key)
         state_map = fsdp_state_map(plan, step, state.params)
-        opt = _fragment_pieces("opt_state", state.opt_state, state_map, rank)
+        opt = _fragment_pieces(state.opt_state, state_map, rank, layout.meta_params())
     rest = _whole(state._replace(params={}, opt_state={}))
     return params + opt + rest
 
@@ -214,42 +254,81 @@ def fsdp_state_map(plan: Any, step: Step, shards: dict[str, torch.Tensor]) -> St
     return StateMap(full, ranks)
 
 
-def _fragment_pieces(group: str, local: PyTree, state_map: StateMap, rank: int) -> list[Piece]:
+def _fragment_pieces(
+    local: PyTree, state_map: StateMap, rank: int, full_params: PyTree
+) -> list[Piece]:
     paths, leaves, _ = tree.flatten_with_paths(local)
+    full_opt = tree.unflatten(
+        state_map.full.treedef,
+        [torch.empty(shape, device="meta") for shape in state_map.full.shapes],
+    )
+    mirrors = mirrored_leaves(full_params, full_opt)
     fragment_leaves = set(state_map.fragment_leaves)
     pieces = []
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
+        key = f"opt_state/{path}"
         if i not in fragment_leaves:
-            pieces.append(_whole_piece(f"{group}/{path}", leaf))
+            pieces.append(_whole_piece(key, leaf, mirrors.get(path)))
             continue
         start = sum(spec.shapes[i].numel() for spec in state_map.ranks[:rank])
         full_shape = tuple(state_map.full.shapes[i])
-        pieces.append(Piece(f"{group}/{path}", full_shape, leaf.dtype, start, leaf.reshape(-1)))
+        pieces += range_pieces(key, full_shape, start, leaf.reshape(-1), mirrors.get(path))
     return pieces
 
 
+def mirrored_leaves(params: PyTree, opt_state: PyTree) -> dict[str, str]:
+    """``{optimizer state path: params/ key}`` of the optimizer state leaves that mirror a
+    parameter: inside a subtree with the params' structure, of that parameter's shape."""
+    params_def = tree.structure(params)
+    param_paths, param_leaves, _ = tree.flatten_with_paths(params)
+
+    def is_params(node: Any) -> bool:
+        return tree.structure(node) == params_def
+
+    raw_paths, items, _ = optree.tree_flatten_with_path(
+        opt_state, is_leaf=is_params, none_is_leaf=False
+    )
+    found = {}
+    for outer, item in zip(raw_paths, items):
+        if not is_params(item):
+            continue
+        inner_paths, leaves, _ = optree.tree_flatten_with_path(item, none_is_leaf=False)
+        for inner, leaf, name, param in zip(inner_paths, leaves, param_paths, param_leaves):
+            if isinstance(leaf, torch.Tensor) and tuple(leaf.shape) == tuple(param.shape):
+                found[tree.path_str((*outer, *inner))] = f"params/{name}"
+    return found
+
+
 def _whole(state: TrainState) -> list[Piece]:
+    mirrors = mirrored_leaves(state.params, state.opt_state)
+    paths, leaves, _ = tree.flatten_with_paths(state.opt_state)
     return [
-        *_whole_group("params", state.params),
+        *_whole_group("params", state.params, mirrored=True),
         *_whole_group("buffers", state.buffers),
-        *_whole_group("opt_state", state.opt_state),
+        *[
+            _whole_piece(f"opt_state/{path}", leaf, mirrors.get(path))
+            for path, leaf in zip(paths, leaves)
+        ],
         _whole_piece("step", state.step),
         _whole_piece("key", state.key),
     ]
 
 
-def _whole_group(group: str, values: PyTree) -> list[Piece]:
+def _whole_group(group: str, values: PyTree, *, mirrored: bool = False) -> list[Piece]:
     paths, leaves, _ = tree.flatten_with_paths(values)
-    return [_whole_piece(f"{group}/{path}", leaf) for path, leaf in zip(paths, leaves)]
+    return [
+        _whole_piece(f"{group}/{path}", leaf, f"{group}/{path}" if mirrored else None)
+        for path, leaf in zip(paths, leaves)
+    ]
 
 
-def _whole_piece(key: str, leaf: Any) -> Piece:
+def _whole_piece(key: str, leaf: Any, mirrors: str | None = None) -> Piece:
     if not isinstance(leaf, torch.Tensor):
         raise TypeError(
             f"checkpoint files hold tensors, but the state's leaf {key!r} is a "
             f"{type(leaf).__name__}; keep it as a tensor in the state"
         )
-    return Piece(key, tuple(leaf.shape), leaf.dtype, 0, leaf.detach().reshape(-1))
+    return whole_piece(key, leaf, mirrors)
 
 
 def _fresh(state: TrainState) -> TrainState:

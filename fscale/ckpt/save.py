@@ -1,8 +1,11 @@
 """`save` and `wait_saves`: every rank writes its own pieces, and the ranks commit together.
 
-A save has three phases, each ending in an agreement among all ranks (an all-gather of every
-rank's error, or None), so that one rank's failure makes every rank raise the same
-`CheckpointError` and no rank waits in a collective the others never reach:
+First the ranks describe their pieces to each other (`describe_ranks`): the manifest lists the
+leaves of all of them (a pipeline rank holds only its stages'), and a box that several ranks
+hold must hold the same values on all of them. Then a save has three phases, each ending in an
+agreement among all ranks (an all-gather of every rank's error, or None), so that one rank's
+failure makes every rank raise the same `CheckpointError` and no rank waits in a collective
+the others never reach:
 
 1. *prepare*: rank 0 removes what killed saves left (``.tmp-*``) and creates
    ``root/.tmp-step_<n>``; agreement.
@@ -14,8 +17,8 @@ rank's error, or None), so that one rank's failure makes every rank raise the sa
 With ``async_=True`` the caller returns once every rank has copied its pieces (so later steps,
 which may update the state's buffers in place, never change what is written); DCP's
 `async_save` writes the copies in a thread and a second thread commits (in one process, that
-second thread writes as well). Both use a process group of
-their own, so their collectives never interleave with the training step's. Saves run one at a
+second thread writes as well). Both use a process group of their own, so their collectives
+never interleave with the training step's. Saves run one at a
 time: a save first waits for the previous one; `wait_saves` waits for all.
 """
 
@@ -40,9 +43,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from fscale.ckpt import directory as dirs
-from fscale.ckpt.manifest import CheckpointError, Manifest, model_entry, write_manifest
+from fscale.ckpt.boxes import Piece
+from fscale.ckpt.manifest import (
+    CheckpointError,
+    Leaves,
+    Manifest,
+    join_leaves,
+    leaves_of,
+    model_entry,
+    write_manifest,
+)
 from fscale.ckpt.pieces import pieces_of
-from fscale.ckpt.planner import PieceSavePlanner
+from fscale.ckpt.planner import PieceSavePlanner, piece_name
 from fscale.plan import TrainState
 from fscale.train import Step
 
@@ -51,6 +63,7 @@ __all__ = [
     "AlreadyStaged",
     "agree",
     "checkpoint_group",
+    "describe_ranks",
     "distributed",
     "save",
     "single_process_quiet",
@@ -109,40 +122,53 @@ def agree(error: str | None, group: Any, phase: str, caller: str = "save") -> No
         raise CheckpointError(f"{caller}: {phase} failed on {len(failed)} rank(s): {detail}")
 
 
-def _check_replicas(pieces: list[Any], group: Any) -> None:
-    """Raise on every rank if ranks hold different values for the same whole leaf.
+def describe_ranks(pieces: list[Piece], group: Any) -> Leaves:
+    """The full leaves of every rank's `pieces` (a collective over `group`).
 
-    DCP writes a piece that several ranks hold once, so they must be equal. A model whose
-    parameters are per-rank shards under the dense names (tensor parallelism; expert slices
-    outside `expert_parallel`) would otherwise be saved as one rank's shard, silently.
+    Raises, on every rank, a CheckpointError if two ranks disagree on a leaf's shape, or hold
+    different values for the same box: DCP writes a box that several ranks hold once, so they
+    must be equal. A model whose parameters are per-rank shards the checkpoint is not told of
+    (a `tensor_parallel` model saved without ``model=``; expert slices outside
+    `expert_parallel`) would otherwise be saved as one rank's shard, silently.
     """
+    mine = leaves_of(pieces)
     if group is None:
-        return
-    mine = {}
+        return dict(sorted(mine.items()))
+    sums = _checksums(pieces)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (mine, sums), group=group)
+    leaves = join_leaves([leaves for leaves, _ in everyone], "save")
+    boxes = set().union(*(rank_sums for _, rank_sums in everyone))
+    for index in sorted(boxes):
+        held = {
+            r: rank_sums[index] for r, (_, rank_sums) in enumerate(everyone) if index in rank_sums
+        }
+        if len(set(held.values())) > 1:
+            key, offsets = index
+            raise CheckpointError(
+                f"save: the ranks hold different values for the box at {list(offsets)} of "
+                f"{key!r} (sum, |sum| per rank: {held}); a checkpoint stores one copy of it. "
+                "Its values are per-rank shards the checkpoint was not told of (a "
+                "tensor-parallel model: pass model=, the module fscale.tensor_parallel "
+                "returned), or the replicas have diverged."
+            )
+    return leaves
+
+
+def _checksums(pieces: list[Piece]) -> dict[Any, tuple[str, str]]:
+    """``(sum, sum of magnitudes)`` of each piece, in float64, read back once per device."""
+    by_device: dict[torch.device, list[tuple[Any, torch.Tensor]]] = {}
     with torch.no_grad():
         for piece in pieces:
-            if piece.start == 0 and piece.values.numel() == _numel(piece.shape):
-                wide = piece.values.detach().to(torch.float64)
-                mine[piece.key] = (float(wide.sum()), float(wide.abs().sum()))
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    for key in sorted(mine.keys() | set().union(*everyone)):
-        held = {rank: values[key] for rank, values in enumerate(everyone) if key in values}
-        if len(set(held.values())) > 1:
-            raise CheckpointError(
-                f"save: the ranks hold different values for the whole leaf {key!r} "
-                f"(sum, |sum| per rank: {held}); a checkpoint stores one copy of it. Its "
-                "values are per-rank shards the step does not know of (a tensor-parallel "
-                "model: checkpoint files do not gather tensor-parallel shards yet), or the "
-                "replicas have diverged."
-            )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+            wide = piece.values.detach().to(torch.float64)
+            pair = torch.stack([wide.sum(), wide.abs().sum()])
+            by_device.setdefault(pair.device, []).append((piece.index, pair))
+    sums = {}
+    for items in by_device.values():
+        values = torch.stack([pair for _, pair in items]).tolist()
+        # As text, so that equal non-finite sums compare equal.
+        sums.update((index, (repr(a), repr(b))) for (index, _), (a, b) in zip(items, values))
+    return sums
 
 
 def save(
@@ -164,7 +190,8 @@ def save(
         state: this rank's state.
         step: the step that made `state` (its plan says how the state is sharded).
         model: the `FunctionalModule` from `fscale.functionalize` (or the ``nn.Module``), to
-            record its ``state_dict`` names for ``fscale consolidate``; optional.
+            record its ``state_dict`` names for ``fscale consolidate``; optional, except for a
+            `tensor_parallel` model, whose splits say where each rank's shards go.
         keep_last: keep only the newest this many checkpoints under `path` (None: all).
         async_: return as soon as the pieces are staged; the write and commit continue in the
             background (`wait_saves` waits for them).
@@ -184,17 +211,18 @@ def save(
     rank = dist.get_rank() if distributed() else 0
     root = Path(path)
     number = int(state.step)
-    layout, pieces = pieces_of(step, state)
-    params = {p.key.removeprefix("params/") for p in pieces if p.key.startswith("params/")}
-    manifest = Manifest.of(
-        pieces,
+    layout, pieces = pieces_of(step, state, model)
+    leaves = describe_ranks(pieces, group)
+    params = {key.removeprefix("params/") for key in leaves if key.startswith("params/")}
+    manifest = Manifest(
         step=number,
         world_size=world_size,
         plan=repr(step.plan),
-        layout=layout,
+        layout=layout.kind,
+        leaves=leaves,
         model=model_entry(model, params),
+        placements=layout.placements,
     )
-    _check_replicas(pieces, group)
     tmp = root / f"{dirs.TMP_PREFIX}{dirs.step_name(number)}"
     final = root / dirs.step_name(number)
 
@@ -203,7 +231,7 @@ def save(
         error = _attempt(lambda: _prepare(root, tmp))
     agree(error, group, "prepare")
 
-    values = {p.key: p.values for p in pieces if p.values.numel()}
+    values = {piece_name(p): p.values for p in pieces if p.values.numel()}
     writer = FileSystemWriter(tmp, overwrite=True)
     planner = PieceSavePlanner(pieces)
     if not async_:

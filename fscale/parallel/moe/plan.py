@@ -51,7 +51,7 @@ from fscale.parallel import layers
 from fscale.plan import Plan
 from fscale.train import Step
 
-__all__ = ["ExpertParallelPlan", "expert_parallel", "is_expert_name"]
+__all__ = ["ExpertParallelPlan", "expert_parallel", "is_expert_name", "is_expert_state"]
 
 Tensor = torch.Tensor
 LeafMap = Callable[[str, Tensor], Tensor]
@@ -60,6 +60,18 @@ LeafMap = Callable[[str, Tensor], Tensor]
 def is_expert_name(name: str) -> bool:
     """The default `experts` predicate: ``name`` has a component ``experts``."""
     return "experts" in name.split(".")
+
+
+def is_expert_state(
+    path: str, shape: tuple[int, ...], names: list[str], shapes: list[tuple[int, ...]]
+) -> bool:
+    """Whether the leaf at `path` of `shape` (of the params or the optimizer state) is, or is
+    the state of, one of the expert leaves `names` of `shapes`: its path ends with the expert
+    leaf's name and it has that leaf's shape."""
+    for name, expert_shape in zip(names, shapes):
+        if (path == name or path.endswith("." + name)) and tuple(shape) == tuple(expert_shape):
+            return True
+    return False
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -160,14 +172,14 @@ class ExpertParallelPlan(Plan):
 
     def consolidate(self, step, state):
         state = self.inner.consolidate(self._step(step), state)
-        names, locals_ = self._expert_shapes(state.params)
+        names, locals_ = self.expert_shapes(state.params)
         return state._replace(
             params=self._map_experts(state.params, names, locals_, self._gather),
             opt_state=self._map_experts(state.opt_state, names, locals_, self._gather),
         )
 
     def shard_state(self, step, full_state):
-        names, fulls = self._expert_shapes(full_state.params)
+        names, fulls = self.expert_shapes(full_state.params)
         state = full_state._replace(
             params=self._map_experts(full_state.params, names, fulls, self._slice),
             opt_state=self._map_experts(full_state.opt_state, names, fulls, self._slice),
@@ -185,7 +197,7 @@ class ExpertParallelPlan(Plan):
         with torch.no_grad():
             return collectives.all_gather(leaf.contiguous(), self.axis, dim=0, mesh=self.mesh)
 
-    def _expert_shapes(self, params: Any) -> tuple[list[str], list[tuple[int, ...]]]:
+    def expert_shapes(self, params: Any) -> tuple[list[str], list[tuple[int, ...]]]:
         """The paths and shapes of the expert leaves of `params`."""
         paths, leaves, _ = tree.flatten_with_paths(params)
         pairs = [(p, tuple(leaf.shape)) for p, leaf in zip(paths, leaves) if self.experts(p)]
@@ -202,17 +214,14 @@ class ExpertParallelPlan(Plan):
         (its path ends with an expert leaf's name and it has that leaf's shape)."""
 
         def visit(path: str, leaf: Any) -> Any:
-            if not isinstance(leaf, Tensor):
-                return leaf
-            for name, shape in zip(names, shapes):
-                if (path == name or path.endswith("." + name)) and tuple(leaf.shape) == shape:
-                    return fn(leaf)
+            if isinstance(leaf, Tensor) and is_expert_state(path, leaf.shape, names, shapes):
+                return fn(leaf)
             return leaf
 
         return tree.map_with_path(visit, values)
 
     def _slice_params(self, params: Any) -> Any:
-        names, shapes = self._expert_shapes(params)
+        names, shapes = self.expert_shapes(params)
         ranks = self.mesh.size(self.axis)
         if not names:
             raise ValueError(
