@@ -9,6 +9,7 @@ from fscale import memory as memory
 from fscale import offload as offload
 from fscale import optim as optim
 from fscale import parallel as parallel
+from fscale import precision as precision
 from fscale import random as random
 from fscale import remat as remat
 from fscale import spmd as spmd
@@ -49,6 +50,8 @@ from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step
 from fscale.train import value_and_grad as value_and_grad
+from fscale.precision import Policy as PrecisionPolicy
+from fscale.precision import mixed_precision as mixed_precision
 
 __version__ = "0.1.0"
 
