@@ -1,8 +1,10 @@
 """The casts a mixed-precision step makes around the user's loss function.
 
 `policy_loss_fn` wraps ``loss_fn(params, buffers, batch, key)`` so that it sees the
-parameters in ``param_dtype`` (unless a `fully_shard` layer already gathers them in it) and the
-buffers in ``buffer_dtype``, and returns its loss in ``output_dtype``. The casts are
+parameters in ``param_dtype`` (unless a `fully_shard` layer already gathers them in it), the
+batch's floating-point leaves in ``param_dtype`` too (as torch FSDP2's
+``cast_forward_inputs``; integer leaves such as token ids stay as they are), and the buffers in
+``buffer_dtype``, and returns its loss in ``output_dtype``. The casts are
 differentiable: the backward of the parameter cast turns each ``param_dtype`` gradient into
 the master dtype at the state's leaf, where the plan's reducers find it. The cast copy is a
 working buffer: it lives from the forward until the backward has used it, and the state keeps
@@ -69,6 +71,7 @@ def policy_loss_fn(
     def loss_under_policy(params: PyTree, buffers: PyTree, batch: Any, key: Any) -> Any:
         if cast_params:
             params = cast_floating(params, policy.param_dtype)
+        batch = cast_floating(batch, policy.param_dtype)
         seen = buffers if policy.buffer_dtype is None else cast_floating(buffers, policy.buffer_dtype)
         out = normalize_loss_output(loss_fn(params, seen, batch, key), seen)
         new_buffers = out.buffers if seen is buffers else _restore(buffers, seen, out.buffers)

@@ -39,8 +39,8 @@ def check_plan(plan: Plan, policy: Policy, caller: str) -> None:
         raise ValueError(
             f"{caller}: the step is pipelined; a mixed-precision policy over a pipeline would "
             "cast the schedule's inputs rather than each stage's parameters, which is not "
-            "supported. Cast inside each stage's module (e.g. module.to(torch.bfloat16) with "
-            "float32 master weights kept by the optimizer), or train the stages in float32"
+            "supported: train the pipeline without a policy (a policy per stage is not "
+            "available yet)"
         )
     policies = [layer for layer in layers if layer.own_precision() is not None]
     if len(policies) > 1:

@@ -10,7 +10,8 @@ where                  dtype
 state.params           ``master_dtype`` (full, or sharded as the plan shards them)
 optimizer state        ``master_dtype`` (Adam: two moments, 8 bytes per fp32 param)
 forward / backward     ``param_dtype``: a working copy, cast at the start of the forward
-                       and freed once the backward has used it (never in the state)
+                       and freed once the backward has used it (never in the state); the
+                       batch's floating-point leaves are cast to it as well
 fully_shard gathers    ``param_dtype``: each shard is cast *before* its all-gather
 gradient reductions    ``reduce_dtype`` (fully_shard casts each unit's gradient to it before
                        the reduce-scatter; other reducers receive master-dtype gradients)
@@ -79,8 +80,8 @@ def mixed_precision(
         >>> step = fs.mixed_precision(fs.train_step(loss_fn, fs.optim.sgd(0.1)))
         >>> state = step.init({"w": torch.ones(3)})
         >>> state, metrics = step(state, torch.ones(3))
-        >>> metrics["loss"].dtype, state.params["w"].dtype
-        (torch.bfloat16, torch.float32)
+        >>> metrics["loss"].dtype, state.params["w"].dtype, state.params["w"][0].item()
+        (torch.bfloat16, torch.float32, 0.3999999761581421)
     """
     layers.check_step(step, "mixed_precision")
     policy = make_policy(param_dtype, reduce_dtype, master_dtype, buffer_dtype, output_dtype)
