@@ -45,13 +45,12 @@ from fscale.parallel.pipeline import pipeline as pipeline
 from fscale.plan import Context as Context
 from fscale.plan import GradAux as GradAux
 from fscale.plan import Plan as Plan
+from fscale.precision import mixed_precision as mixed_precision
 from fscale.remat import checkpoint as checkpoint
 from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState
 from fscale.train import train_step as train_step
 from fscale.train import value_and_grad as value_and_grad
-from fscale.precision import Policy as PrecisionPolicy
-from fscale.precision import mixed_precision as mixed_precision
 
 __version__ = "0.1.0"
 

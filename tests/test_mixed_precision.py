@@ -157,7 +157,7 @@ def test_bf16_training_equals_the_reference_bit_for_bit(micro_batches):
     state = step.init(params, buffers)
     for i in range(3):
         state, metrics = step(state, case.batch(8, seed=i))
-    expected, losses = _reference(case, params, buffers, apply, 3, BF16, micro_batches)
+    expected, _ = _reference(case, params, buffers, apply, 3, BF16, micro_batches)
     assert_trees_equal(state.params, expected)
     assert metrics["loss"].dtype == BF16
     assert all(p.dtype == FP32 for p in state.params.values())
@@ -166,10 +166,11 @@ def test_bf16_training_equals_the_reference_bit_for_bit(micro_batches):
 def test_a_float32_policy_changes_nothing():
     case = _case()
     step, params, buffers, _ = _step(case)
-    plain, policed = step.init(params, buffers), fs.mixed_precision(step, FP32).init(params, buffers)
+    fp32 = fs.mixed_precision(step, FP32)
+    plain, policed = step.init(params, buffers), fp32.init(params, buffers)
     for i in range(2):
         plain, _ = step(plain, case.batch(8, seed=i))
-        policed, _ = fs.mixed_precision(step, FP32)(policed, case.batch(8, seed=i))
+        policed, _ = fp32(policed, case.batch(8, seed=i))
     assert_trees_equal(policed.params, plain.params)
     assert_trees_equal(policed.opt_state, plain.opt_state)
 
@@ -239,7 +240,8 @@ def test_print_step_shows_each_collectives_dtype():
     mesh = fs.Mesh(replica=1, dp=1)
     hsdp = fs.mixed_precision(fs.fully_shard(step, mesh, "dp", replicate_axis="replica"))
     text = repr(hsdp)
-    assert "mixed_precision(param_dtype=bfloat16, reduce_dtype=float32, master_dtype=float32)" in text
+    policy = "param_dtype=bfloat16, reduce_dtype=float32, master_dtype=float32"
+    assert f"mixed_precision({policy})" in text
     assert "data_parallel[replica]: all_reduce grads float32" in text
     assert "fully_shard[dp]: all_gather params bfloat16, reduce_scatter grads float32" in text
     zero = repr(fs.shard_optimizer(fs.mixed_precision(step), fs.Mesh(dp=1)))

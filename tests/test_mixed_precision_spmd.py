@@ -237,9 +237,7 @@ def test_fully_shard_matches_torch_fsdp2_mixed_precision():
     pytest.importorskip("torch.distributed.fsdp", reason="torch FSDP2 is not available")
     results = run_spmd(_ours_and_fsdp2, 2, timeout=120)
     # FSDP2's loss is each rank's; ours is their mean over the ranks (computed in bf16).
-    their_means = [
-        sum(r[3][i].float() for r in results) / len(results) for i in range(STEPS)
-    ]
+    their_means = [sum(r[3][i].float() for r in results) / len(results) for i in range(STEPS)]
     for ours, theirs, losses, _ in results:
         assert set(ours) == set(theirs)
         assert_trees_close(ours, theirs, rtol=1e-5, atol=1e-6)

@@ -72,7 +72,9 @@ def policy_loss_fn(
         if cast_params:
             params = cast_floating(params, policy.param_dtype)
         batch = cast_floating(batch, policy.param_dtype)
-        seen = buffers if policy.buffer_dtype is None else cast_floating(buffers, policy.buffer_dtype)
+        seen = buffers
+        if policy.buffer_dtype is not None:
+            seen = cast_floating(buffers, policy.buffer_dtype)
         out = normalize_loss_output(loss_fn(params, seen, batch, key), seen)
         new_buffers = out.buffers if seen is buffers else _restore(buffers, seen, out.buffers)
         loss = out.loss if policy.output_dtype is None else out.loss.to(policy.output_dtype)

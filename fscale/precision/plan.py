@@ -64,15 +64,15 @@ def check_master_params(params: Any, policy: Policy, caller: str) -> None:
     """Raise unless every floating-point leaf of `params` is in the master dtype."""
     paths, leaves, _ = tree.flatten_with_paths(params)
     for path, leaf in zip(paths, leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            if leaf.dtype != policy.master_dtype:
-                raise ValueError(
-                    f"{caller}: params leaf `{path}` is {dtype_name(leaf.dtype)}, but the state "
-                    f"keeps master weights in `master_dtype`={dtype_name(policy.master_dtype)}; "
-                    f"pass {dtype_name(policy.master_dtype)} params (e.g. "
-                    f"model.to({policy.master_dtype})): the forward sees "
-                    f"{dtype_name(policy.param_dtype)} casts of them"
-                )
+        floating = isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+        if floating and leaf.dtype != policy.master_dtype:
+            raise ValueError(
+                f"{caller}: params leaf `{path}` is {dtype_name(leaf.dtype)}, but the state "
+                f"keeps master weights in `master_dtype`={dtype_name(policy.master_dtype)}; "
+                f"pass {dtype_name(policy.master_dtype)} params (e.g. "
+                f"model.to({policy.master_dtype})): the forward sees "
+                f"{dtype_name(policy.param_dtype)} casts of them"
+            )
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

@@ -96,9 +96,7 @@ class Policy:
 
     def describe_collectives(self, plan: Any) -> str:
         """The dtype each gradient and parameter collective of `plan`'s layers runs in."""
-        return "collectives: " + (
-            "; ".join(collective_dtypes(plan, self)) or "none (one process)"
-        )
+        return "collectives: " + ("; ".join(collective_dtypes(plan, self)) or "none (one process)")
 
 
 def _dtype(caller: str, argument: str, value: Any, allowed: tuple[torch.dtype, ...]) -> Any:
@@ -135,8 +133,11 @@ def make_policy(
     param = _dtype(caller, "param_dtype", param_dtype, PARAM_DTYPES)
     reduce = _dtype(caller, "reduce_dtype", reduce_dtype, REDUCE_DTYPES)
     master = _dtype(caller, "master_dtype", master_dtype, MASTER_DTYPES)
-    buffer = None if buffer_dtype is None else _dtype(caller, "buffer_dtype", buffer_dtype, CAST_DTYPES)
-    output = None if output_dtype is None else _dtype(caller, "output_dtype", output_dtype, CAST_DTYPES)
+    buffer = output = None
+    if buffer_dtype is not None:
+        buffer = _dtype(caller, "buffer_dtype", buffer_dtype, CAST_DTYPES)
+    if output_dtype is not None:
+        output = _dtype(caller, "output_dtype", output_dtype, CAST_DTYPES)
     if not narrower_or_equal(param, reduce):
         raise ValueError(
             f"{caller}: `reduce_dtype`={dtype_name(reduce)} cannot hold the gradients the backward "

@@ -30,8 +30,9 @@ def _name(dtype: Any) -> str:
 def collective_dtypes(plan: Any, policy: Policy) -> list[str]:
     """One entry per layer with data axes, outermost first, e.g.
     ``fully_shard[dp]: all_gather params bfloat16, reduce_scatter grads float32``."""
-    param, reduce, master = (_name(d) for d in (policy.param_dtype, policy.reduce_dtype,
-                                                policy.master_dtype))
+    param, reduce, master = (
+        _name(d) for d in (policy.param_dtype, policy.reduce_dtype, policy.master_dtype)
+    )
     entries = []
     for layer in plan.layers():
         axes = ",".join(layer.own_data_axes())

@@ -75,7 +75,9 @@ class FsdpOptimizer:
 class GatherAtUse:
     """The parameter map of a fully sharded step: shards in, `UnitParams` out (one per call)."""
 
-    def __init__(self, plan: FullyShardPlan, reshard: str, precision: Precision | None = None) -> None:
+    def __init__(
+        self, plan: FullyShardPlan, reshard: str, precision: Precision | None = None
+    ) -> None:
         self.plan = plan
         self.reshard = reshard
         self.precision = precision
