@@ -147,19 +147,21 @@ def _reference(case, params, buffers, apply, steps, dtype, micro_batches=1):
     return {k: v.detach() for k, v in master.items()}, losses
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_bf16_training_equals_the_reference_bit_for_bit(micro_batches):
+@pytest.mark.parametrize(("dtype", "micro_batches"), [(BF16, 1), (BF16, 2), (FP16, 1)])
+def test_low_precision_training_equals_the_reference_bit_for_bit(dtype, micro_batches):
     case = _case()
     step, params, buffers, apply = _step(case)
-    step = fs.mixed_precision(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # float16 without a loss scale
+        step = fs.mixed_precision(step, param_dtype=dtype)
     if micro_batches > 1:
         step = fs.accumulate(step, micro_batches)
     state = step.init(params, buffers)
     for i in range(3):
         state, metrics = step(state, case.batch(8, seed=i))
-    expected, _ = _reference(case, params, buffers, apply, 3, BF16, micro_batches)
+    expected, _ = _reference(case, params, buffers, apply, 3, dtype, micro_batches)
     assert_trees_equal(state.params, expected)
-    assert metrics["loss"].dtype == BF16
+    assert metrics["loss"].dtype == dtype
     assert all(p.dtype == FP32 for p in state.params.values())
 
 

@@ -25,10 +25,10 @@ def _local(step_index, rank, world):
     return fs.data.split_batch(CASE.batch(BATCH, seed=step_index), rank, world)
 
 
-def _reference(params, buffers, apply, rank, world, micro_batches, reduce_each_micro):
-    """fp32 master weights, a bf16 cast of them before each forward, fp32 gradients averaged
-    over the ranks (per micro-batch when `reduce_each_micro`, as fully_shard's reduce-scatter
-    does), torch.optim.Adam on the master weights."""
+def _reference(params, buffers, apply, rank, world, micro_batches, reduce_each_micro, reduce=FP32):
+    """fp32 master weights, a bf16 cast of them before each forward, gradients averaged over
+    the ranks in `reduce` (per micro-batch when `reduce_each_micro`, as fully_shard's
+    reduce-scatter does) then fp32, torch.optim.Adam on the master weights."""
     master = {k: nn.Parameter(v.detach().clone()) for k, v in params.items()}
     optimizer = torch.optim.Adam(master.values(), lr=1e-2, fused=True)
     loss_fn = CASE.loss_fn(apply)
@@ -47,9 +47,12 @@ def _reference(params, buffers, apply, rank, world, micro_batches, reduce_each_m
             micro = fs.data.split_batch(batch, m, micro_batches)
             low = {k: v.to(BF16) for k, v in master.items()}
             loss, _ = loss_fn(low, buffers, micro, fs.random.key(0))
-            grads = list(torch.autograd.grad(loss * (1.0 / micro_batches), list(master.values())))
+            # The gradients of the bf16 casts, or (through the casts) of the fp32 masters.
+            wrt = list((low if reduce == BF16 else master).values())
+            grads = list(torch.autograd.grad(loss * (1.0 / micro_batches), wrt))
             if reduce_each_micro:
                 grads = averaged(grads)
+            grads = [g.float() for g in grads]
             total = grads if total is None else [a + b for a, b in zip(total, grads)]
         assert total is not None
         if not reduce_each_micro:
@@ -60,7 +63,7 @@ def _reference(params, buffers, apply, rank, world, micro_batches, reduce_each_m
     return {k: v.detach() for k, v in master.items()}
 
 
-# (plan, micro-batches, reduced per micro-batch in the reference)
+# (plan, micro-batches, reduced per micro-batch in the reference[, reduce dtype])
 VARIANTS = {
     "data_parallel": ("dp", 1, False),
     "data_parallel+accumulate": ("dp", 2, False),
@@ -70,6 +73,8 @@ VARIANTS = {
     "fully_shard remat": ("fsdp-remat", 1, True),
     "fully_shard func": ("fsdp-func", 1, True),
     "fully_shard+accumulate": ("fsdp", 2, True),
+    "HSDP": ("hsdp", 1, False),
+    "fully_shard reduce_dtype=bf16": ("fsdp-reduce-bf16", 1, True, BF16),
 }
 
 
@@ -82,8 +87,13 @@ def _build(kind, micro_batches, mesh, apply):
         step = fs.mixed_precision(fs.shard_optimizer(step, mesh))
     elif kind == "fsdp-keep":
         step = fs.mixed_precision(fs.fully_shard(step, mesh, reshard_after_forward=False))
+    elif kind == "hsdp":  # ZeRO-3 over a 1-rank axis, replicas averaged over the ranks
+        hybrid = fs.Mesh(replica=mesh.size("dp"), dp=1)
+        step = fs.mixed_precision(fs.fully_shard(step, hybrid, "dp", replicate_axis="replica"))
     elif kind == "fsdp-remat" or kind == "fsdp-func":
         step = fs.fully_shard(fs.mixed_precision(step), mesh, reshard_after_forward="remat")
+    elif kind == "fsdp-reduce-bf16":
+        step = fs.fully_shard(fs.mixed_precision(step, reduce_dtype=BF16), mesh)
     else:
         step = fs.fully_shard(fs.mixed_precision(step), mesh)
     return fs.accumulate(step, micro_batches) if micro_batches > 1 else step
@@ -96,13 +106,15 @@ def _every_plan_and_its_reference(names, world=None):
     apply, params, buffers = fs.functionalize(CASE.module())
     results = {}
     for name in names:
-        kind, micro_batches, reduce_each_micro = VARIANTS[name]
+        kind, micro_batches, reduce_each_micro, *reduce = VARIANTS[name]
         step = _build(kind, micro_batches, mesh, apply)
         state = step.init(params, buffers)
         for i in range(STEPS):
             state, _ = step(state, _local(i, rank, world))
         full = consolidate(step, state).params
-        expected = _reference(params, buffers, apply, rank, world, micro_batches, reduce_each_micro)
+        expected = _reference(
+            params, buffers, apply, rank, world, micro_batches, reduce_each_micro, *reduce
+        )
         results[name] = (full, expected)
     return results
 
