@@ -234,6 +234,17 @@ def test_state_and_working_copy_bytes_are_exactly_the_policys():
     assert moments == 8 * psi
 
 
+def test_the_ledger_selects_records_by_dtype():
+    ledger = fs.distributed.CommLedger()
+    ledger.records.append(fs.distributed.CommRecord("all_gather", "dp", BF16, 8, 8.0, 2))
+    ledger.records.append(fs.distributed.CommRecord("all_gather", "dp", FP32, 8, 16.0, 2))
+    assert ledger.count(dtype=BF16) == 1
+    assert ledger.total_bytes("all_gather", "dp", FP32) == 16.0
+    assert ledger.total_elements(dtype=BF16) == 4.0
+    with pytest.raises(TypeError, match="`dtype`"):
+        ledger.count(dtype="bf16")
+
+
 # ---- description ------------------------------------------------------------------------------
 
 

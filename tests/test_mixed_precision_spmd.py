@@ -146,12 +146,18 @@ def _fsdp_traffic_and_bytes(reshard):
         state, _ = step(state, _local(0, rank, world))
     layout = step.plan.find("fully_shard").layout  # type: ignore[union-attr]
     records = [(r.op, r.dtype, r.numel, r.bytes) for r in ledger.records if r.op != "all_reduce"]
+    by_dtype = {
+        (op, dtype): ledger.total_bytes(op, "dp", dtype)
+        for op in ("all_gather", "reduce_scatter")
+        for dtype in (BF16, FP32)
+    }
     fragments = sum(f.numel for f in layout.fragments(rank).values())
     shards = sum(unit.shard_size for unit in layout.units)
     units = {u.name: u.numel for u in layout.units}
     moments = tree_bytes((state.opt_state.exp_avg, state.opt_state.exp_avg_sq))
     return (
         records,
+        by_dtype,
         units,
         (tree_bytes(state.params), shards, moments, fragments),
         (gathers.peak_units, gathers.peak_bytes),
@@ -164,7 +170,8 @@ def test_fully_shard_gathers_bf16_and_reduces_fp32_with_the_policys_bytes(reshar
     on the wire), the reduce-scatters 4Ψ(N−1)/N (fp32); the state holds 4 bytes per shard
     element and Adam 8 per fragment element; a gathered unit costs 2 bytes per element."""
     world = 2
-    for records, units, state_bytes, peak in run_spmd(_fsdp_traffic_and_bytes, world, reshard):
+    results = run_spmd(_fsdp_traffic_and_bytes, world, reshard)
+    for records, by_dtype, units, state_bytes, peak in results:
         psi = sum(units.values())
         blocks = [numel for name, numel in units.items() if name != "<root>"]
         gathers = [r for r in records if r[0] == "all_gather"]
@@ -175,6 +182,12 @@ def test_fully_shard_gathers_bf16_and_reduces_fp32_with_the_policys_bytes(reshar
         gathered = psi + (sum(blocks) if reshard else 0)
         assert sum(r[3] for r in gathers) == 2 * gathered * (world - 1) / world
         assert sum(r[3] for r in scatters) == 4 * psi * (world - 1) / world
+        assert by_dtype == {
+            ("all_gather", BF16): 2 * gathered * (world - 1) / world,
+            ("all_gather", FP32): 0,
+            ("reduce_scatter", BF16): 0,
+            ("reduce_scatter", FP32): 4 * psi * (world - 1) / world,
+        }
         params_bytes, shards, moments, fragments = state_bytes
         assert params_bytes == 4 * shards
         assert moments == 8 * fragments
