@@ -134,16 +134,20 @@ def test_every_plan_under_bf16_equals_the_reference_bit_for_bit(world):
                 raise AssertionError(f"{name} on {world} ranks: {error}") from None
 
 
+DEEP = fst.ModelCase("gpt", width=8, depth=4, seed=5)
+
+
 def _fsdp_traffic_and_bytes(reshard):
     rank, world = dist.get_rank(), dist.get_world_size()
-    apply, params, buffers = fs.functionalize(CASE.module())
-    step = fs.train_step(CASE.loss_fn(apply), fs.optim.adam(1e-2))
+    apply, params, buffers = fs.functionalize(DEEP.module())
+    step = fs.train_step(DEEP.loss_fn(apply), fs.optim.adam(1e-2))
     step = fs.mixed_precision(
         fs.fully_shard(step, fs.Mesh(dp=world), reshard_after_forward=reshard, prefetch=0)
     )
     state = step.init(params, buffers)
+    batch = fs.data.split_batch(DEEP.batch(BATCH, seed=0), rank, world)
     with fs.distributed.comm_ledger() as ledger, track_gathers() as gathers:
-        state, _ = step(state, _local(0, rank, world))
+        state, _ = step(state, batch)
     layout = step.plan.find("fully_shard").layout  # type: ignore[union-attr]
     records = [(r.op, r.dtype, r.numel, r.bytes) for r in ledger.records if r.op != "all_reduce"]
     by_dtype = {
@@ -168,7 +172,8 @@ def _fsdp_traffic_and_bytes(reshard):
 def test_fully_shard_gathers_bf16_and_reduces_fp32_with_the_policys_bytes(reshard):
     """Ψ the padded unit elements, N = 2: the forward's all-gathers move 2Ψ(N−1)/N bytes (bf16
     on the wire), the reduce-scatters 4Ψ(N−1)/N (fp32); the state holds 4 bytes per shard
-    element and Adam 8 per fragment element; a gathered unit costs 2 bytes per element."""
+    element and Adam 8 per fragment element; a gathered unit costs 2 bytes per element, and a
+    resharded one is freed after its forward (its saved bf16 views are re-gathered)."""
     world = 2
     results = run_spmd(_fsdp_traffic_and_bytes, world, reshard)
     for records, by_dtype, units, state_bytes, peak in results:
@@ -192,8 +197,11 @@ def test_fully_shard_gathers_bf16_and_reduces_fp32_with_the_policys_bytes(reshar
         assert params_bytes == 4 * shards
         assert moments == 8 * fragments
         peak_units, peak_bytes = peak
-        assert len(set(blocks)) == 1 and peak_units >= 1
+        assert len(set(blocks)) == 1
         assert peak_bytes == peak_units * 2 * blocks[0]
+        # One unit computing, + 1 while gloo drops a finished buffer (see test_fully_shard);
+        # kept units stay gathered until backward: all four blocks.
+        assert 1 <= peak_units <= 2 if reshard else peak_units == len(blocks) == 4
 
 
 def _data_parallel_dtypes():
