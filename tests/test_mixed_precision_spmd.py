@@ -276,3 +276,40 @@ def test_fully_shard_matches_torch_fsdp2_mixed_precision():
         assert_trees_close(ours, theirs, rtol=1e-5, atol=1e-6)
         # Within two bf16 ulps: the losses are rounded to 8 bits of mantissa.
         assert_trees_close([x.float() for x in losses], their_means, rtol=2**-7, atol=0.0)
+
+
+def _tensor_parallel_under_the_policy():
+    from fscale.models import GPT, GPTConfig, lm_loss
+    from fscale.parallel import tensor as tpl
+
+    mesh = fs.Mesh(tp=dist.get_world_size())
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2)
+    model = tpl.tensor_parallel(GPT(cfg, seed=1), mesh, "tp", tpl.gpt_plan())
+    apply, params, buffers = fs.functionalize(model)
+
+    def loss_fn(p, b, tokens, key):
+        logits, b = apply(p, b, tokens[:, :-1], key=key)
+        return lm_loss(logits, tokens[:, 1:]), b
+
+    step = fs.mixed_precision(fs.train_step(loss_fn, fs.optim.sgd(0.1)))
+    state = step.init(params, buffers)
+    tokens = CASE.batch(4, seed=0)
+    with fs.distributed.comm_ledger() as ledger:
+        state, _ = step(state, tokens)
+    # The reference: the same tensor-parallel model on bf16 casts of the fp32 masters.
+    master = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    loss, _ = loss_fn({k: v.to(BF16) for k, v in master.items()}, buffers, tokens, state.key)
+    grads = dict(zip(master, torch.autograd.grad(loss, list(master.values()))))
+    sgd, weights = fs.optim.sgd(0.1), {k: v.detach() for k, v in master.items()}
+    expected, _ = fs.optim.step(sgd, grads, sgd.init(weights), weights)
+    return {(r.op, r.axis, r.dtype) for r in ledger.records}, state.params, expected
+
+
+def test_a_tensor_parallel_model_runs_its_collectives_in_the_param_dtype():
+    """tensor_parallel is a model transformation: under the policy its layers see bf16 casts,
+    so their activation collectives carry bf16, and the master weights stay fp32."""
+    for collectives, ours, expected in run_spmd(_tensor_parallel_under_the_policy, 2):
+        assert ("all_reduce", "tp", BF16) in collectives
+        assert all(dtype == BF16 for _, axis, dtype in collectives if axis == "tp")
+        assert all(p.dtype == FP32 for p in ours.values())
+        assert_trees_equal(ours, expected)

@@ -24,6 +24,10 @@ the plan shards them) plus the 2Ψ-byte bf16 working copy during the step (under
 ``fully_shard`` forward gathers 2Ψ(N−1)/N bytes per rank. ``print(step)`` lists each
 collective's dtype; `fscale.distributed.comm_ledger` records it per collective.
 
+A `fscale.parallel.tensor_parallel` model (a model transformation, not a plan layer) computes on
+the casts like any model, so its activation collectives carry ``param_dtype``. A pipelined step
+is refused.
+
 float16 needs dynamic loss scaling (its range ends at 65504, and small gradients flush to
 zero): without a ``loss_scale`` layer in the step, float16 is warned about at construction.
 Apply `fscale.loss_scale` first: ``mixed_precision(loss_scale(step), param_dtype=torch.float16)``.
