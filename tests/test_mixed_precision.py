@@ -10,7 +10,8 @@ from torch import nn
 
 import fscale as fs
 from fscale.memory import tree_bytes
-from fscale.precision import make_policy
+from fscale.precision import cast_floating, make_policy
+from fscale.precision.policy import narrower_or_equal
 from fscale.testing import assert_trees_equal
 from fscale.testing import strategies as fst
 
@@ -51,7 +52,18 @@ def test_a_policy_that_cannot_be_honoured_is_refused_naming_the_argument(kwargs,
         fs.mixed_precision(step, **kwargs)
 
 
+def test_casts_touch_floating_point_leaves_only():
+    values = {"w": torch.ones(2), "ids": torch.arange(3), "half": torch.ones(1, dtype=FP16)}
+    cast = cast_floating(values, BF16)
+    assert {k: v.dtype for k, v in cast.items()} == {"w": BF16, "ids": torch.int64, "half": BF16}
+    assert cast["ids"] is values["ids"]
+    assert cast_floating(values, FP32)["w"] is values["w"]  # no copy when already in dtype
+
+
 def test_the_policy_orders_dtypes_by_what_they_hold():
+    assert narrower_or_equal(BF16, FP32) and narrower_or_equal(FP16, FP64)
+    assert not narrower_or_equal(BF16, FP16) and not narrower_or_equal(FP16, BF16)
+    assert not narrower_or_equal(FP32, BF16)
     assert make_policy(BF16).reduce_dtype == FP32
     assert make_policy(BF16, BF16).reduces_below_master
     assert make_policy(FP16, FP32, FP64).master_dtype == FP64

@@ -30,7 +30,9 @@ is refused.
 
 float16 needs dynamic loss scaling (its range ends at 65504, and small gradients flush to
 zero): without a ``loss_scale`` layer in the step, float16 is warned about at construction.
-Apply `fscale.loss_scale` first: ``mixed_precision(loss_scale(step), param_dtype=torch.float16)``.
+Apply `fscale.loss_scale` first (the warning looks for a layer named ``loss_scale`` inside):
+``mixed_precision(loss_scale(step), param_dtype=torch.float16, output_dtype=torch.float32)``;
+the float32 output keeps the scaled loss itself from overflowing float16.
 """
 
 from __future__ import annotations
