@@ -9,8 +9,14 @@ What it exercises (each prints one line; the script exits non-zero if a check fa
 2. `fscale.offload_optimizer` with device parameters: equal to the same optimizer run on host
    copies of the parameters, state on the host.
 3. A bf16 `train_step` on the device: finite, decreasing loss.
-4. `data_parallel` under `fscale.launch` with NCCL on one GPU (skipped with `--device cpu`).
-5. The test-suite cases that skip without CUDA (`pytest -k cuda tests/test_offload.py
+4. `fscale.mixed_precision` on the device (explicit casts, no autocast): a bf16 step on fp32
+   master weights equals a reference written in the check (bf16 casts of the params before the
+   forward, fp32 gradients, the same optimizer on the masters) bit for bit; the state stays
+   fp32 (4 + 8 bytes per parameter with AdamW); the peak device memory of the bf16 step is
+   below the fp32 step's; and the same policy under `fully_shard` with NCCL on one GPU gives
+   the local step's parameters (skipped with `--device cpu`).
+5. `data_parallel` under `fscale.launch` with NCCL on one GPU (skipped with `--device cpu`).
+6. The test-suite cases that skip without CUDA (`pytest -k cuda tests/test_offload.py
    tests/test_random.py`).
 
 On the GPU machine (torch 2.11, no optree there): carry an optree wheel and install it with
@@ -125,6 +131,69 @@ def check_bf16_step(device: torch.device) -> None:
     check("bf16 train_step on the device", ok, f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
 
+def _mixed_precision_model(device: torch.device):
+    cfg = models.GPTConfig(vocab_size=512, seq_len=256, d_model=256, n_heads=4, n_layers=4)
+    apply, params, buffers = fs.functionalize(models.GPT(cfg, seed=0).to(device))
+
+    def loss_fn(p, b, batch, key):
+        logits, _ = apply(p, b, batch[:, :-1], key=key)
+        return models.lm_loss(logits, batch[:, 1:])
+
+    tokens = torch.randint(0, 512, (8, 257), generator=torch.Generator().manual_seed(0))
+    return loss_fn, params, buffers, tokens.to(device)
+
+
+def check_mixed_precision(device: torch.device) -> None:
+    loss_fn, params, buffers, tokens = _mixed_precision_model(device)
+    step = fs.mixed_precision(fs.train_step(loss_fn, fs.optim.adamw(1e-3)))
+    state = step.init(params, buffers)
+    (state, metrics), bf16_peak = _peak(device, lambda: step(state, tokens))
+    fp32_step = fs.train_step(loss_fn, fs.optim.adamw(1e-3))
+    fp32_state = fp32_step.init(params, buffers)
+    _, fp32_peak = _peak(device, lambda: fp32_step(fp32_state, tokens))
+
+    # The reference: bf16 casts of the fp32 masters, fp32 gradients, AdamW on the masters.
+    optimizer = fs.optim.adamw(1e-3)
+    masters = {k: v.detach().clone() for k, v in params.items()}
+    live = {k: v.requires_grad_(True) for k, v in masters.items()}
+    low = {k: v.to(torch.bfloat16) for k, v in live.items()}
+    loss = loss_fn(low, buffers, tokens, fs.random.key(0))
+    grads = dict(zip(live, torch.autograd.grad(loss, list(live.values()))))
+    expected, _ = fs.optim.step(
+        optimizer, grads, optimizer.init(masters), {k: v.detach() for k, v in live.items()}
+    )
+    same = all(torch.equal(state.params[k], expected[k]) for k in expected)
+    check("mixed_precision bf16 step equals the explicit-cast reference", same)
+    psi = sum(p.numel() for p in params.values())
+    state_bytes = fs.memory.tree_bytes(state.params) + fs.memory.tree_bytes(
+        (state.opt_state.exp_avg, state.opt_state.exp_avg_sq)
+    )
+    check(
+        "mixed_precision keeps fp32 masters and fp32 AdamW state (12 bytes per parameter)",
+        state_bytes == 12 * psi and metrics["loss"].dtype == torch.bfloat16,
+        f"{state_bytes} bytes for {psi} parameters",
+    )
+    if device.type == "cuda":
+        check(
+            "the bf16 step peaks below the fp32 step",
+            bf16_peak < fp32_peak,
+            f"bf16 {bf16_peak:.1f} MiB, fp32 {fp32_peak:.1f} MiB",
+        )
+        sharded = fs.launch(_mixed_precision_fsdp_rank, 1, backend="nccl")[0]
+        same = all(torch.equal(sharded[k], state.params[k].cpu()) for k in sharded)
+        check("mixed_precision under fully_shard (NCCL) equals the local step", same)
+
+
+def _mixed_precision_fsdp_rank() -> dict[str, torch.Tensor]:
+    device = torch.device("cuda", torch.cuda.current_device())
+    loss_fn, params, buffers, tokens = _mixed_precision_model(device)
+    step = fs.mixed_precision(
+        fs.fully_shard(fs.train_step(loss_fn, fs.optim.adamw(1e-3)), fs.Mesh(dp=1))
+    )
+    state, _ = step(step.init(params, buffers), tokens)
+    return {k: v.cpu() for k, v in fs.consolidate(step, state).params.items()}
+
+
 def _dp_rank() -> float:
     cfg = models.GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=2, n_layers=2)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -159,6 +228,7 @@ def main() -> int:
     check_remat(device)
     check_offload_optimizer(device)
     check_bf16_step(device)
+    check_mixed_precision(device)
     if device.type == "cuda":
         losses = fs.launch(_dp_rank, 1, backend="nccl")
         check("data_parallel under NCCL", all(x == x for x in losses), f"loss {losses[0]:.3f}")

@@ -9,6 +9,7 @@ from fscale import memory as memory
 from fscale import offload as offload
 from fscale import optim as optim
 from fscale import parallel as parallel
+from fscale import precision as precision
 from fscale import random as random
 from fscale import remat as remat
 from fscale import spmd as spmd
@@ -48,6 +49,7 @@ from fscale.parallel.pipeline import pipeline as pipeline
 from fscale.plan import Context as Context
 from fscale.plan import GradAux as GradAux
 from fscale.plan import Plan as Plan
+from fscale.precision import mixed_precision as mixed_precision
 from fscale.remat import checkpoint as checkpoint
 from fscale.train import Step as Step
 from fscale.train import TrainState as TrainState

@@ -50,6 +50,7 @@ __all__ = [
     "OptimizerRole",
     "PlainOptimizer",
     "Plan",
+    "Precision",
     "Reducer",
     "TrainState",
 ]
@@ -119,6 +120,18 @@ class PlainOptimizer:
         return optim_lib.step(
             optimizer, grads, opt_state, params, sharding=self.sharding, donate=donate
         )
+
+
+class Precision(Protocol):
+    """A mixed-precision policy as the plan's layers read it (see `fscale.precision`)."""
+
+    @property
+    def param_dtype(self) -> torch.dtype: ...
+
+    @property
+    def reduce_dtype(self) -> torch.dtype: ...
+
+    def describe_collectives(self, plan: Plan) -> str: ...
 
 
 class Reducer(Protocol):
@@ -224,6 +237,18 @@ class Plan:
                 return mesh
         return None
 
+    def own_precision(self) -> Precision | None:
+        """The mixed-precision policy this layer sets for the whole plan (None: none)."""
+        return None
+
+    def precision(self) -> Precision | None:
+        """The plan's mixed-precision policy, whichever layer sets it (None: none)."""
+        for layer in self.layers():
+            policy = layer.own_precision()
+            if policy is not None:
+                return policy
+        return None
+
     def context(self, ctx: Context) -> Context:
         """The context the layers inside this one run under (default: unchanged)."""
         return ctx
@@ -261,7 +286,9 @@ class Plan:
         return self._inner().shard_state(step, full_state)
 
     def __repr__(self) -> str:
-        return " ∘ ".join(layer.describe() for layer in self.layers())
+        text = " ∘ ".join(layer.describe() for layer in self.layers())
+        policy = self.precision()
+        return text if policy is None else f"{text} [{policy.describe_collectives(self)}]"
 
 
 class LocalPlan(Plan):

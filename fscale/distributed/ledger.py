@@ -120,30 +120,42 @@ class CommLedger:
     def __init__(self) -> None:
         self.records: list[CommRecord] = []
 
-    def _select(self, op: str | None, axis: str | None) -> list[CommRecord]:
+    def _select(
+        self, op: str | None, axis: str | None, dtype: torch.dtype | None = None
+    ) -> list[CommRecord]:
         if op is not None and op not in _OPS:
             raise ValueError(f"`op` must be one of {list(_OPS)} or None, got {op!r}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"`dtype` must be a torch.dtype or None, got {type(dtype).__name__}")
         return [
             record
             for record in self.records
-            if (op is None or record.op == op) and (axis is None or record.axis == axis)
+            if (op is None or record.op == op)
+            and (axis is None or record.axis == axis)
+            and (dtype is None or record.dtype == dtype)
         ]
 
-    def count(self, op: str | None = None, axis: str | None = None) -> int:
-        """Number of collectives issued, optionally only those of `op` and/or on `axis`."""
-        return len(self._select(op, axis))
+    def count(
+        self, op: str | None = None, axis: str | None = None, dtype: torch.dtype | None = None
+    ) -> int:
+        """Number of collectives issued, optionally only those of `op`, on `axis`, in `dtype`."""
+        return len(self._select(op, axis, dtype))
 
-    def total_bytes(self, op: str | None = None, axis: str | None = None) -> float:
-        """Ring-model bytes this rank sent, optionally only for `op` and/or on `axis`."""
-        return sum(record.bytes for record in self._select(op, axis))
+    def total_bytes(
+        self, op: str | None = None, axis: str | None = None, dtype: torch.dtype | None = None
+    ) -> float:
+        """Ring-model bytes this rank sent, optionally only for `op`, on `axis`, in `dtype`."""
+        return sum(record.bytes for record in self._select(op, axis, dtype))
 
-    def total_elements(self, op: str | None = None, axis: str | None = None) -> float:
-        """Ring-model elements this rank sent, optionally only for `op` and/or on `axis`.
+    def total_elements(
+        self, op: str | None = None, axis: str | None = None, dtype: torch.dtype | None = None
+    ) -> float:
+        """Ring-model elements this rank sent, optionally only for `op`, on `axis`, in `dtype`.
 
         Element counts are what the analysis of a strategy predicts (e.g. DDP sends
         ``2 * psi * (N - 1) / N`` per step for ``psi`` parameters), independent of dtype.
         """
-        return sum(record.elements for record in self._select(op, axis))
+        return sum(record.elements for record in self._select(op, axis, dtype))
 
     def summary(self) -> str:
         """A table of calls, elements and bytes per (op, axis), with a total line."""

@@ -84,11 +84,12 @@ class track_gathers:  # noqa: N801 - a context manager used like a function
         _TRACKERS.pop(self.stats)
 
 
-def _track(unit: UnitLayout) -> Callable[[torch.Tensor], None]:
-    """Count one gather of `unit` as live now; the returned callback ties it to a tensor."""
+def _track(unit: UnitLayout, dtype: torch.dtype | None = None) -> Callable[[torch.Tensor], None]:
+    """Count one gather of `unit` (in `dtype`, default the unit's) as live now; the returned
+    callback ties it to a tensor."""
     if unit.name == ROOT or not _TRACKERS:
         return lambda tensor: None
-    nbytes = unit.numel * unit.dtype.itemsize
+    nbytes = unit.numel * (unit.dtype if dtype is None else dtype).itemsize
     trackers = _TRACKERS.active()
     for stats in trackers:
         stats.gathers += 1
@@ -116,10 +117,23 @@ class Gatherer:
     In forward, units are gathered in the order they are called; in backward, the units whose
     gathered parameters were released after their forward are gathered again in the reverse
     of that order (`Regather`).
+
+    `gather_dtype` / `reduce_dtype` (a mixed-precision policy's ``param_dtype`` and
+    ``reduce_dtype``; None: the shards' own dtype): each shard is cast to `gather_dtype` before
+    its all-gather, so the wire carries it, and each gathered gradient to `reduce_dtype` before
+    its reduce-scatter; the shard's gradient comes back in the shard's dtype.
     """
 
-    def __init__(self, plan: FullyShardPlan, units: list[ShardedUnit]) -> None:
+    def __init__(
+        self,
+        plan: FullyShardPlan,
+        units: list[ShardedUnit],
+        gather_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
         self.plan = plan
+        self.gather_dtype = gather_dtype
+        self.reduce_dtype = reduce_dtype
         self.order = [u for u in units if u.layout.name != ROOT]
         self.position = {u.layout.name: i for i, u in enumerate(self.order)}
         # The forward's gathers, `prefetch` units ahead: a handle is the gather in flight
@@ -137,19 +151,25 @@ class Gatherer:
     def now(self, unit: ShardedUnit, shard: torch.Tensor) -> torch.Tensor:
         """Gather `shard` (differentiable: its gradient is reduce-scattered) and wait for it."""
         plan = self.plan
-        tie = _track(unit.layout)
-        gathered = collectives.all_gather(shard, plan.axis, 0, "mean", mesh=plan.mesh)
+        tie = _track(unit.layout, self.gather_dtype)
+        if self.gather_dtype is None and self.reduce_dtype is None:
+            gathered = collectives.all_gather(shard, plan.axis, 0, "mean", mesh=plan.mesh)
+        else:
+            gathered = _CastGathered.apply(
+                shard, plan.axis, plan.mesh, self.gather_dtype, self.reduce_dtype
+            )
         tie(gathered)
         return gathered
 
     def start(self, unit: ShardedUnit) -> tuple[Pending, Callable[[torch.Tensor], None]]:
         """Start gathering `unit`'s shard: values only, no graph (see `_differentiable`)."""
         plan = self.plan
-        tie = _track(unit.layout)
+        tie = _track(unit.layout, self.gather_dtype)
         with torch.no_grad():
-            pending = collectives.all_gather_start(
-                unit.shard.detach(), plan.axis, 0, "mean", mesh=plan.mesh
-            )
+            shard = unit.shard.detach()
+            if self.gather_dtype is not None:
+                shard = shard.to(self.gather_dtype)
+            pending = collectives.all_gather_start(shard, plan.axis, 0, "mean", mesh=plan.mesh)
         return pending, tie
 
     def _differentiable(self, unit: ShardedUnit, gathered: torch.Tensor) -> torch.Tensor:
@@ -161,7 +181,7 @@ class Gatherer:
         back until the previous unit's backward had run too.
         """
         plan = self.plan
-        return _GatheredFrom.apply(unit.shard, gathered, plan.axis, plan.mesh)
+        return _GatheredFrom.apply(unit.shard, gathered, plan.axis, plan.mesh, self.reduce_dtype)
 
     def in_forward(self, unit: ShardedUnit, grad: bool) -> torch.Tensor:
         """`unit`'s gathered buffer for its forward use, issuing the next units' gathers first.
@@ -216,24 +236,68 @@ class Gatherer:
             regather.release()
 
 
+def _reduce_scattered(
+    grad: torch.Tensor, axis: str, mesh: Mesh, reduce_dtype: torch.dtype | None, like: torch.dtype
+) -> torch.Tensor:
+    """The reduce-scatter (mean) of `grad`, in `reduce_dtype` when given, as dtype `like`."""
+    if reduce_dtype is None:
+        return collectives.reduce_scatter(grad, axis, 0, "mean", mesh=mesh)
+    shard_grad = collectives.reduce_scatter(grad.to(reduce_dtype), axis, 0, "mean", mesh=mesh)
+    return shard_grad.to(like)
+
+
 class _GatheredFrom(torch.autograd.Function):
     """Identity on an already gathered buffer, differentiated as the all-gather of `shard`.
 
-    The backward is the all-gather's dual, a reduce-scatter (mean) of the buffer's gradient.
+    The backward is the all-gather's dual, a reduce-scatter (mean) of the buffer's gradient
+    (in `reduce_dtype` when given, then cast to the shard's dtype).
     """
 
     @staticmethod
-    def forward(shard: torch.Tensor, gathered: torch.Tensor, axis: str, mesh: Mesh) -> torch.Tensor:
+    def forward(
+        shard: torch.Tensor,
+        gathered: torch.Tensor,
+        axis: str,
+        mesh: Mesh,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         return gathered.view_as(gathered)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, _, ctx.axis, ctx.mesh = inputs
+        shard, _, ctx.axis, ctx.mesh, ctx.reduce_dtype = inputs
+        ctx.shard_dtype = shard.dtype
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        shard_grad = collectives.reduce_scatter(grad, ctx.axis, 0, "mean", mesh=ctx.mesh)
-        return shard_grad, None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        shard_grad = _reduce_scattered(grad, ctx.axis, ctx.mesh, ctx.reduce_dtype, ctx.shard_dtype)
+        return shard_grad, None, None, None, None
+
+
+class _CastGathered(torch.autograd.Function):
+    """The all-gather of `shard` cast to `gather_dtype`; backward: the reduce-scatter (mean) of
+    the gradient in `reduce_dtype`, as the shard's dtype (None: no cast)."""
+
+    @staticmethod
+    def forward(
+        shard: torch.Tensor,
+        axis: str,
+        mesh: Mesh,
+        gather_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+    ) -> torch.Tensor:
+        wire = shard if gather_dtype is None else shard.to(gather_dtype)
+        return collectives.all_gather(wire, axis, 0, "mean", mesh=mesh)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        shard, ctx.axis, ctx.mesh, _, ctx.reduce_dtype = inputs
+        ctx.shard_dtype = shard.dtype
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        shard_grad = _reduce_scattered(grad, ctx.axis, ctx.mesh, ctx.reduce_dtype, ctx.shard_dtype)
+        return shard_grad, None, None, None, None
 
 
 class ShardedUnit:

@@ -24,7 +24,7 @@ from fscale.distributed.mesh import Mesh
 from fscale.functional import UnitParams
 from fscale.parallel.fsdp.gather import Gatherer, ShardedUnit
 from fscale.parallel.fsdp.units import ROOT, ShardLayout, UnitSpec, assign_units
-from fscale.plan import Plan
+from fscale.plan import Plan, Precision
 from fscale.state_agreement import check_same_values
 
 __all__ = ["FsdpOptimizer", "FullyShardPlan"]
@@ -75,9 +75,12 @@ class FsdpOptimizer:
 class GatherAtUse:
     """The parameter map of a fully sharded step: shards in, `UnitParams` out (one per call)."""
 
-    def __init__(self, plan: FullyShardPlan, reshard: str) -> None:
+    def __init__(
+        self, plan: FullyShardPlan, reshard: str, precision: Precision | None = None
+    ) -> None:
         self.plan = plan
         self.reshard = reshard
+        self.precision = precision
         self.gatherers: list[Gatherer] = []
 
     def __call__(self, live: Shards) -> UnitParams:
@@ -85,7 +88,11 @@ class GatherAtUse:
             ShardedUnit(layout, live[layout.name], self.reshard)
             for layout in self.plan.layout.units
         ]
-        gatherer = Gatherer(self.plan, units)
+        policy = self.precision
+        if policy is None:
+            gatherer = Gatherer(self.plan, units)
+        else:
+            gatherer = Gatherer(self.plan, units, policy.param_dtype, policy.reduce_dtype)
         for unit in units:
             unit.gatherer = gatherer
         self.gatherers.append(gatherer)
@@ -191,7 +198,7 @@ class FullyShardPlan(Plan):
 
     def gradients(self, step, state, batch, ctx):
         self.checked_shards(state.params)
-        gather = GatherAtUse(self, self.reshard(step.grad_mode))
+        gather = GatherAtUse(self, self.reshard(step.grad_mode), step.plan.precision())
         return self.inner.gradients(
             step, state, batch, ctx.replace(param_maps=(*ctx.param_maps, gather))
         )

@@ -54,6 +54,7 @@ class Regather:
         # call): holding the tensor would keep it alive, which is what this class avoids.
         self._address: int | None = gathered.untyped_storage().data_ptr()
         self._start_offset = int(gathered.storage_offset())
+        self._dtype = gathered.dtype  # the unit's, or a mixed-precision policy's param_dtype
         self.needed = False  # whether autograd saved a view of the buffer
         self.done = False  # whether the unit's gradient is complete (no re-gather needed)
         self._gathered: torch.Tensor | None = None
@@ -72,7 +73,7 @@ class Regather:
             self._address is None
             or type(tensor) is not torch.Tensor
             or tensor.layout != torch.strided
-            or tensor.dtype != self.unit.layout.dtype
+            or tensor.dtype != self._dtype
             or tensor.untyped_storage().data_ptr() != self._address
         ):
             return tensor
