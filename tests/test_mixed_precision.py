@@ -96,11 +96,48 @@ def test_float16_inside_a_loss_scale_layer_is_not_warned_about():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fs.mixed_precision(scaled, param_dtype=FP16)
-    loss_scale = getattr(fs, "loss_scale", None)
-    if loss_scale is not None:  # the real transformation, where it is built
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            fs.mixed_precision(loss_scale(step), param_dtype=FP16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fs.mixed_precision(fs.loss_scale(step), param_dtype=FP16)
+
+
+def test_float16_with_a_loss_scale_equals_the_casts_written_by_hand():
+    """fp16 policy around `fs.loss_scale`: the scaled fp16 backward, the skip and the backoff
+    are those of the same casts written in the loss function, bit for bit."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    apply, params, buffers = fs.functionalize(model)
+
+    def plain(p, b, batch, key):
+        x, y = batch
+        out, _ = apply(p, b, x)
+        return ((out - y) ** 2).mean()
+
+    def by_hand(p, b, batch, key):
+        x, y = batch
+        out, _ = apply({k: v.half() for k, v in p.items()}, b, x.half())
+        return ((out - y.half()) ** 2).mean().float()
+
+    opt = fs.optim.adamw(1e-2)
+    scale = {"init": 2.0**17, "growth_interval": 2}  # the first steps overflow in fp16
+    policy = fs.mixed_precision(
+        fs.loss_scale(fs.train_step(plain, opt), **scale),
+        param_dtype=FP16,
+        output_dtype=FP32,
+    )
+    written = fs.loss_scale(fs.train_step(by_hand, opt), **scale)
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(6)
+    ]
+    a, b = policy.init(params, buffers), written.init(params, buffers)
+    skipped = []
+    for batch in batches:
+        a, ma = policy(a, batch)
+        b, mb = written(b, batch)
+        assert ma["loss_scale"] == mb["loss_scale"]
+        skipped.append(float(ma["skipped"]))
+    assert_trees_equal(a.params, b.params)
+    assert skipped[0] == 1.0 and 0.0 in skipped  # overflowed, backed off, then trained
 
 
 def test_plans_it_cannot_honour_are_refused():
