@@ -17,9 +17,16 @@ collectives work in place, with the same arithmetic and the same record in the c
   puts as many bytes on the wire as the all-reduce. Other backends run their reduce-scatter.
 - `all_gather_bucket_start`: every rank's shard of a bucket gathered into the bucket, whose own
   shard this rank has already written: no gathered copy beside the bucket.
+
+Each returns a `BucketPending`: the collective in flight, waited for without an autograd node
+(the differentiable `Pending` runs two `autograd.Function` applications per collective, each
+binding its arguments to a signature, a fixed cost per bucket and step). They must not be given
+tensors a torch.func transform tracks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,10 +37,59 @@ from fscale.distributed.debug import issue
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.pending import Pending, Work
 
-__all__ = ["all_gather_bucket_start", "all_reduce_bucket_start", "reduce_scatter_bucket_start"]
+__all__ = [
+    "BucketPending",
+    "all_gather_bucket_start",
+    "all_reduce_bucket_start",
+    "reduce_scatter_bucket_start",
+]
 
 _MEAN = REDUCTIONS.index("mean")
 _SUM = REDUCTIONS.index("sum")
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class BucketPending:
+    """A bucket collective in flight; `wait()` blocks until it is done and returns the result.
+
+    Waiting is idempotent, and bounded as every fscale collective is (the watchdog's ticket).
+    """
+
+    __slots__ = ("_buffer", "_finish", "_result", "_work")
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        work: Work | None,
+        finish: Callable[[torch.Tensor], torch.Tensor] = _identity,
+    ) -> None:
+        self._buffer: torch.Tensor | None = buffer
+        self._work = work
+        self._finish = finish
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+            assert self._buffer is not None  # set until the first wait
+            self._result = self._finish(self._buffer)
+            self._buffer = self._work = None
+        return self._result
+
+    def then(self, after: Callable[[torch.Tensor], torch.Tensor]) -> BucketPending:
+        """A pending whose `wait()` returns ``after(self.wait())``; `self` is consumed."""
+        finish = self._finish
+        if self._result is not None:
+            return BucketPending(after(self._result), None)
+        assert self._buffer is not None
+        return BucketPending(self._buffer, self._work, lambda x: after(finish(x)))
+
+    def __repr__(self) -> str:
+        return f"BucketPending({'done' if self._result is not None else 'in flight'})"
 
 
 def _comm(flat: torch.Tensor, axis: str, mesh: Mesh, caller: str) -> Comm:
@@ -45,7 +101,7 @@ def _comm(flat: torch.Tensor, axis: str, mesh: Mesh, caller: str) -> Comm:
     return resolve_comm(axis, mesh, caller)
 
 
-def all_reduce_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> Pending:
+def all_reduce_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> BucketPending:
     """Start the mean of `flat` over `axis` in `flat` itself; ``.wait()`` returns `flat`.
 
     Raises:
@@ -53,15 +109,17 @@ def all_reduce_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> Pendin
     """
     comm = _comm(flat, axis, mesh, "all_reduce_bucket_start")
     if comm.size == 1:
-        return Pending.ready(flat)
+        return BucketPending(flat, None)
     work = Work()
     work.ticket = issue(comm, "all_reduce", flat, flat.numel(), extra=_MEAN)
     flat.div_(comm.size)
     work.work = dist.all_reduce(flat, group=comm.group, async_op=True)
-    return Pending(flat, work)
+    return BucketPending(flat, work)
 
 
-def reduce_scatter_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> Pending:
+def reduce_scatter_bucket_start(
+    flat: torch.Tensor, axis: str, mesh: Mesh
+) -> BucketPending | Pending:
     """Start the mean of `flat` over `axis`, keeping this rank's shard: ``.wait()`` returns it
     (a new tensor of ``flat.numel() // N`` elements). `flat`'s contents are consumed.
 
@@ -87,10 +145,10 @@ def reduce_scatter_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> Pe
     def shard_mean(total: torch.Tensor) -> torch.Tensor:
         return total[rank * shard_numel : (rank + 1) * shard_numel] / size
 
-    return Pending(flat, work, shard_mean)
+    return BucketPending(flat, work, shard_mean)
 
 
-def all_gather_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> Pending:
+def all_gather_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> BucketPending:
     """Start gathering every rank's shard of `flat` into `flat`; ``.wait()`` returns `flat`.
 
     This rank's shard (``flat`` cut in N equal parts, part r on rank r of `axis`) must already
@@ -107,11 +165,11 @@ def all_gather_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> Pendin
             f"{comm.size} ranks of axis {axis!r} do not divide; pad the bucket to a multiple"
         )
     if comm.size == 1:
-        return Pending.ready(flat)
+        return BucketPending(flat, None)
     shard_numel = flat.numel() // comm.size
     rank = comm.index
     shard = flat[rank * shard_numel : (rank + 1) * shard_numel]
     work = Work()
     work.ticket = issue(comm, "all_gather", shard, flat.numel(), extra=_SUM)
     work.work = all_gather_flat(flat, shard, group=comm.group, async_op=True)
-    return Pending(flat, work)
+    return BucketPending(flat, work)

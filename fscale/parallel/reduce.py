@@ -43,6 +43,7 @@ from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.memory import LiveBytes
 from fscale.parallel.bucket_collectives import (
+    BucketPending,
     all_reduce_bucket_start,
     reduce_scatter_bucket_start,
 )
@@ -88,7 +89,7 @@ def _axis(axes: tuple[str, ...]) -> str | tuple[str, ...]:
     return axes[0] if len(axes) == 1 else axes
 
 
-def _all_reduce_start(flat: torch.Tensor, axes: tuple[str, ...], mesh: Mesh) -> collectives.Pending:
+def _all_reduce_start(flat: torch.Tensor, axes: tuple[str, ...], mesh: Mesh) -> BucketPending:
     """The mean over `axes`: the first axis asynchronously, then each further one in turn."""
     pending = all_reduce_bucket_start(flat, axes[0], mesh)
     for axis in axes[1:]:
@@ -202,7 +203,7 @@ class _AllReduceSession:
         self.leaves, self.treedef = tree.flatten(params)
         self.func = grad_mode == "func"
         self.initial: list[torch.Tensor] | None = None
-        self.in_flight: dict[int, collectives.Pending] = {}
+        self.in_flight: dict[int, collectives.Pending | BucketPending] = {}
         self.new_states: dict[int, Any] = {}
         self.collector: GradBuckets | None = None
 
@@ -335,7 +336,7 @@ class _ScatterSession:
         )
         return self.collector.hooks()
 
-    def _reduce_start(self, flat_grad: torch.Tensor) -> collectives.Pending:
+    def _reduce_start(self, flat_grad: torch.Tensor) -> collectives.Pending | BucketPending:
         return reduce_scatter_bucket_start(flat_grad, self.axis, self.reducer.mesh)
 
     def _start_and_release(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
@@ -387,8 +388,12 @@ class _ScatterSession:
         for flat in flat_grads:
             self.live.track(flat)
         del grads, grad_leaves
+        mesh = self.reducer.mesh
         for index, flat in enumerate(flat_grads):
-            self.in_flight.append((index, self._reduce_start(flat)))
+            # torch.func's gradients: the differentiable collective (an outer transform may
+            # track these buffers).
+            pending = collectives.reduce_scatter_start(flat, self.axis, 0, "mean", mesh=mesh)
+            self.in_flight.append((index, pending))
         del flat_grads
 
     def metrics(self) -> dict[str, Any]:
