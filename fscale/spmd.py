@@ -24,8 +24,13 @@ import torch.distributed as dist
 from fscale import random as fsrandom
 from fscale import tree
 from fscale.distributed import collectives
+from fscale.distributed.comm import REDUCTIONS, resolve_comm
+from fscale.distributed.debug import issue
 from fscale.distributed.mesh import Mesh
+from fscale.distributed.pending import Work
 from fscale.distributed.watchdog import note_step
+
+_MEAN = REDUCTIONS.index("mean")
 
 __all__ = [
     "all_gather_objects",
@@ -198,7 +203,7 @@ def mean_floating_leaves(values: Any, mesh: Mesh, axis: str | tuple[str, ...]) -
         by_dtype.setdefault(leaves[i].dtype, []).append(i)
     for indices in by_dtype.values():
         flat = torch.cat([leaves[i].detach().reshape(-1) for i in indices])
-        flat = collectives.all_reduce(flat, axis, "mean", mesh=mesh)
+        flat = _mean_of_detached(flat, axis, mesh)
         offset = 0
         for i in indices:
             n = leaves[i].numel()
@@ -225,6 +230,28 @@ def average_updated_buffers(old: Any, new: Any, mesh: Mesh, axis: str | tuple[st
     return tree.unflatten(treedef, new_leaves)
 
 
+def _mean_of_detached(flat: torch.Tensor, axis: str | tuple[str, ...], mesh: Mesh) -> torch.Tensor:
+    """The mean of `flat` over `axis`, computed in `flat` (a new buffer no graph tracks).
+
+    The same arithmetic and ledger record as ``collectives.all_reduce(flat, axis, "mean")``
+    (divide, then sum; axis after axis), without its two autograd Functions per axis, whose
+    argument binding is a fixed cost of every step. Under a torch.func transform the
+    differentiable collective is used.
+    """
+    if torch._C._are_functorch_transforms_active():
+        return collectives.all_reduce(flat, axis, "mean", mesh=mesh)
+    for name in (axis,) if isinstance(axis, str) else axis:
+        comm = resolve_comm(name, mesh, "reduce_metrics")
+        if comm.size == 1:
+            continue
+        work = Work()
+        work.ticket = issue(comm, "all_reduce", flat, flat.numel(), extra=_MEAN)
+        flat.div_(comm.size)
+        work.work = dist.all_reduce(flat, group=comm.group, async_op=True)
+        work.wait()
+    return flat
+
+
 def reduce_metrics(
     metrics: dict[str, Any], mesh: Mesh, axis: str | tuple[str, ...]
 ) -> dict[str, Any]:
@@ -239,7 +266,7 @@ def reduce_metrics(
     if not names:
         return metrics
     stacked = torch.stack([metrics[k].detach().reshape(()).float() for k in names])
-    stacked = collectives.all_reduce(stacked, axis, "mean", mesh=mesh)
+    stacked = _mean_of_detached(stacked, axis, mesh)
     reduced = dict(metrics)
     for i, k in enumerate(names):
         reduced[k] = stacked[i].to(metrics[k].dtype)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import gc
 
+import optree
 import pytest
 import torch
 
+import fscale as fs
 from fscale.memory import LiveBytes, tree_bytes
 
 
@@ -48,3 +50,37 @@ def test_live_bytes_rejects_what_is_not_a_tensor():
         TypeError, match=r"LiveBytes.track: `tensor` must be a torch.Tensor, got list"
     ):
         LiveBytes().track([1.0])
+
+
+def _storages(values) -> set[int]:
+    return {
+        leaf.untyped_storage().data_ptr()
+        for leaf in optree.tree_leaves(values)
+        if isinstance(leaf, torch.Tensor) and leaf.numel() > 1
+    }
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_pure_step_holds_old_and_new_state_at_once_a_donated_one_does_not(donate):
+    # What `donate=False` costs (fscale.parallel.ddp's docstring): the update writes new
+    # parameter and optimizer-state buffers while the caller still holds the old ones.
+    params = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+
+    def loss_fn(p, buffers, batch, key):
+        return ((batch @ p["w"] + p["b"]) ** 2).mean()
+
+    step = fs.train_step(loss_fn, fs.optim.adamw(1e-3), donate=donate)
+    state = step.init({k: v.clone() for k, v in params.items()})
+    state, _ = step(state, torch.randn(8, 64))  # the moments exist from here on
+    old = (state.params, state.opt_state)
+    old_bytes, old_storages = tree_bytes(old), _storages(old)
+    new_state, _ = step(state, torch.randn(8, 64))
+    new = (new_state.params, new_state.opt_state)
+    numel = sum(v.numel() for v in params.values())
+    assert old_bytes >= numel * 12  # float32 params and Adam's two moments
+    shared = _storages(new) & old_storages
+    if donate:
+        assert shared == old_storages  # updated in place: nothing new held beside the old
+    else:
+        assert not shared
+        assert tree_bytes((old, new)) == old_bytes + tree_bytes(new)

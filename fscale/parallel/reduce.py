@@ -12,7 +12,8 @@ Autograd path. Leaves are packed into buckets (`fscale.parallel.buckets`: revers
 a small first bucket as torch DDP); each leaf's gradient is copied into its bucket by a hook the
 moment it is final, and the bucket's collective starts as soon as the bucket is complete:
 
-- all-reduce (mean) over the axes, or the user's reduction hook on the bucket's flat gradient;
+- all-reduce (mean) over the axes, in the bucket itself (`fscale.parallel.bucket_collectives`),
+  or the user's reduction hook on the bucket's flat gradient;
 - with a scatter axis (ZeRO), the aligned bucket layout of `fscale.parallel.bucket_layout`: a
   reduce-scatter (mean) during backward (``shard_grads=True``, at most two in flight, full
   buckets freed once their reduction starts) or after it (ZeRO-1), then an all-reduce of the
@@ -41,6 +42,11 @@ from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.memory import LiveBytes
+from fscale.parallel.bucket_collectives import (
+    BucketPending,
+    all_reduce_bucket_start,
+    reduce_scatter_bucket_start,
+)
 from fscale.parallel.bucket_layout import BucketLayout, layout_of
 from fscale.parallel.buckets import Bucket, GradBuckets, assign_buckets, forward_order
 
@@ -83,9 +89,9 @@ def _axis(axes: tuple[str, ...]) -> str | tuple[str, ...]:
     return axes[0] if len(axes) == 1 else axes
 
 
-def _all_reduce_start(flat: torch.Tensor, axes: tuple[str, ...], mesh: Mesh) -> collectives.Pending:
+def _all_reduce_start(flat: torch.Tensor, axes: tuple[str, ...], mesh: Mesh) -> BucketPending:
     """The mean over `axes`: the first axis asynchronously, then each further one in turn."""
-    pending = collectives.all_reduce_start(flat, axes[0], "mean", mesh=mesh)
+    pending = all_reduce_bucket_start(flat, axes[0], mesh)
     for axis in axes[1:]:
         pending = pending.then(
             lambda t, axis=axis: collectives.all_reduce(t, axis, "mean", mesh=mesh)
@@ -197,7 +203,7 @@ class _AllReduceSession:
         self.leaves, self.treedef = tree.flatten(params)
         self.func = grad_mode == "func"
         self.initial: list[torch.Tensor] | None = None
-        self.in_flight: dict[int, collectives.Pending] = {}
+        self.in_flight: dict[int, collectives.Pending | BucketPending] = {}
         self.new_states: dict[int, Any] = {}
         self.collector: GradBuckets | None = None
 
@@ -330,10 +336,8 @@ class _ScatterSession:
         )
         return self.collector.hooks()
 
-    def _reduce_start(self, flat_grad: torch.Tensor) -> collectives.Pending:
-        return collectives.reduce_scatter_start(
-            flat_grad, self.axis, 0, "mean", mesh=self.reducer.mesh
-        )
+    def _reduce_start(self, flat_grad: torch.Tensor) -> collectives.Pending | BucketPending:
+        return reduce_scatter_bucket_start(flat_grad, self.axis, self.reducer.mesh)
 
     def _start_and_release(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
         self.in_flight.append((bucket.index, self._reduce_start(flat_grad)))
@@ -384,8 +388,12 @@ class _ScatterSession:
         for flat in flat_grads:
             self.live.track(flat)
         del grads, grad_leaves
+        mesh = self.reducer.mesh
         for index, flat in enumerate(flat_grads):
-            self.in_flight.append((index, self._reduce_start(flat)))
+            # torch.func's gradients: the differentiable collective (an outer transform may
+            # track these buffers).
+            pending = collectives.reduce_scatter_start(flat, self.axis, 0, "mean", mesh=mesh)
+            self.in_flight.append((index, pending))
         del flat_grads
 
     def metrics(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.optim.base import Sharding
+from fscale.parallel.bucket_collectives import all_gather_bucket_start
 from fscale.parallel.bucket_layout import BucketLayout, layout_of
 from fscale.parallel.opt_state import StateMap, StateSpec, check_state, plan_state_init, state_spec
 from fscale.parallel.reduce import MAX_IN_FLIGHT, add_scatter_axis
@@ -106,30 +107,21 @@ class ZeroOptimizer:
         in_flight: collections.deque = collections.deque()
 
         def finish(index: int, pending: collectives.Pending) -> None:
-            gathered = pending.wait()
-            if donate:
-                flats[index].copy_(gathered)
-                new_flats[index] = flats[index]
-            else:
-                new_flats[index] = gathered
+            new_flats[index] = pending.wait()
 
         with torch.no_grad():
             for bucket in layout.buckets:
                 bucket_layout = bucket.layout
-                if donate:  # the optimizer updated the owned part of the donated buffer
-                    shard = bucket_layout.shard(rank, flats[bucket.index])
-                else:
-                    shard = torch.zeros(
-                        bucket_layout.shard_size,
-                        dtype=bucket_layout.dtype,
-                        device=bucket_layout.device,
-                    )
+                # Donated: the optimizer updated the owned part of the bucket in place, and the
+                # other ranks' parts are gathered around it. Else a new bucket is filled.
+                flat = flats[bucket.index] if donate else _new_bucket(bucket_layout)
+                shard = bucket_layout.shard(rank, flat)
                 targets = bucket_layout.fragment_views(rank, shard)
                 for leaf, target in zip(bucket.leaf_indices, targets):
                     if not _same_memory(new_fragments[leaf], target):
                         target.copy_(new_fragments[leaf])
                 in_flight.append(
-                    (bucket.index, collectives.all_gather_start(shard, self.axis, mesh=self.mesh))
+                    (bucket.index, all_gather_bucket_start(flat, self.axis, self.mesh))
                 )
                 if len(in_flight) > MAX_IN_FLIGHT:
                     finish(*in_flight.popleft())
@@ -326,6 +318,11 @@ class ShardedOptimizerPlan(Plan):
         full = self._state_spec(step, layout, treedef, None)
         ranks = [self._state_spec(step, layout, treedef, r) for r in range(self._size)]
         return StateMap(full, ranks)
+
+
+def _new_bucket(bucket_layout: Any) -> torch.Tensor:
+    """A zeroed parameter bucket (the gaps between leaves stay zero, as the layout requires)."""
+    return torch.zeros(bucket_layout.numel, dtype=bucket_layout.dtype, device=bucket_layout.device)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

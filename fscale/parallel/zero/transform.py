@@ -6,7 +6,8 @@ Algorithm (Rajbhandari et al., 2020, stages 1 and 2), per step on each of the N 
 2. Gradients are reduce-scattered (mean over the axis) bucket by bucket, so rank r receives only
    slice r of every bucket: the gradient of the global mean loss for the elements it owns.
 3. The optimizer updates only those slices, with optimizer state for those slices only.
-4. The new slices are all-gathered into fresh full parameter buckets, replicated again.
+4. The new slices are all-gathered into full parameter buckets, replicated again: in place,
+   into the donated buckets, with ``donate=True``; into fresh ones otherwise.
 
 Layout. Trainable leaves are grouped into buckets of about `bucket_mb` (`assign_buckets`, in
 reverse order of use so buckets complete early in backward). Each bucket is one flat buffer in
@@ -41,7 +42,8 @@ Gradients:
   released, so the reduction of bucket k runs while backward computes bucket k+1. At most two
   reductions are in flight; the step waits for the older one before starting a third, which
   frees its full bucket. The peak of gradient memory is about Ψ/N (the reduced shards) plus
-  three buckets, instead of Ψ.
+  three buckets, instead of Ψ. On gloo the reduce-scatter runs in the bucket itself
+  (`fscale.parallel.bucket_collectives`): gloo's own keeps 1.5 more buckets per reduction.
 - ``shard_grads=False`` (ZeRO-1, OSS on top of DDP): the full gradient buckets are kept until
   backward ends, then reduce-scattered. Gradient memory peaks at Ψ + Ψ/N.
 - ``grad_mode="func"`` (`torch.func` gradients, no autograd hooks): backward returns the full
