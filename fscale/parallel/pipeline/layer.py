@@ -57,8 +57,12 @@ class PipelinePlan(Plan):
     schedule: Schedule
     loss_fn: Any
     checkpoint: str
+    pad: bool = False
     # Output shapes found by the first step's contract check, per batch signature.
     _shapes: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # For an inner plan that needs one flat dict of parameters (fully_shard), the names and
+    # structures of the local stages' pieces in it; recorded by `init` / `shard_state`.
+    _flat: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -69,7 +73,7 @@ class PipelinePlan(Plan):
         return (
             f"pipeline(axis={self.axis!r} of size {s.num_ranks}, schedule={s.name!r}, "
             f"stages={s.num_stages}, micro_batches={s.micro_batches}, "
-            f"checkpoint={self.checkpoint!r})"
+            f"checkpoint={self.checkpoint!r}" + (", pad=True)" if self.pad else ")")
         )
 
     def own_mesh(self) -> Mesh:
@@ -104,20 +108,29 @@ class PipelinePlan(Plan):
                 f"{self.axis!r} have no trainable parameters; move a layer with parameters "
                 "into them (change `balance`)"
             )
+        if self.flat_params:
+            local_params = self._to_flat(local_params)
         return self.inner.init(step, local_params, local_buffers, key, ctx)
 
     def gradients(self, step, state, batch, ctx):
-        inputs, targets = self._micro_batches(batch)
+        inputs, targets, real_sizes = self._micro_batches(batch)
 
         def run_rank(live_params: PyTree, buffers: PyTree, _batch: Any, key: torch.Tensor):
+            if _batch is not batch:
+                raise ValueError(
+                    "pipeline: the stage's plan split the batch (fscale.accumulate inside "
+                    "`per_stage`); accumulate around the pipeline instead, "
+                    "fscale.accumulate(fscale.pipeline(...), k), or raise `micro_batches`"
+                )
+            pieces = self._from_flat(live_params) if self.flat_params else live_params
             comm = self._comm()
-            shapes = self._contract(comm, live_params, buffers, inputs[0], targets[0], key)
+            shapes = self._contract(comm, pieces, buffers, inputs[0], targets[0], key)
             result = run_schedule(
                 self.schedule,
                 self.index,
                 comm,
                 self.stages,
-                live_params,
+                pieces,
                 buffers,
                 inputs,
                 targets,
@@ -125,14 +138,13 @@ class PipelinePlan(Plan):
                 key,
                 self.checkpoint,
                 shapes,
+                real_sizes,
             )
             loss, count = _reduce_loss(result, comm, self.mesh, self.axis)
             grads = tree.leaves(result.grads)
             if count is not None:  # weighted by counts: divide by the global count
                 grads = [g / count.to(g.dtype) for g in grads]
-            surrogate = sum(
-                (leaf * grad).sum() for leaf, grad in zip(tree.leaves(live_params), grads)
-            )
+            surrogate = sum((leaf * grad).sum() for leaf, grad in zip(tree.leaves(pieces), grads))
             assert isinstance(surrogate, torch.Tensor)
             return loss.to(surrogate.dtype) + (surrogate - surrogate.detach()), result.buffers
 
@@ -142,6 +154,8 @@ class PipelinePlan(Plan):
 
     def consolidate(self, step, state):
         local_full = self.inner.consolidate(step, state)
+        if self.flat_params:
+            local_full = self._state_of_pieces(local_full)
         pieces = (self.local, local_full.params, local_full.buffers, local_full.opt_state)
         gathered = spmd.all_gather_objects(pieces, self.mesh, self.axis)
         num_stages = self.schedule.num_stages
@@ -169,9 +183,55 @@ class PipelinePlan(Plan):
             full_state.step,
             full_state.key,
         )
+        if self.flat_params:
+            local_state = self._flat_state(local_state)
         return self.inner.shard_state(step, local_state)
 
     # ---- helpers -------------------------------------------------------------------------
+
+    @property
+    def flat_params(self) -> bool:
+        """Whether the stage's plan holds the local stages' parameters as one flat dict
+        name -> tensor (fully_shard needs one; the names are the Sequential's, or
+        ``"<stage>.<path>"`` for stage functions) instead of one pytree per stage."""
+        return self.inner.find("fully_shard") is not None
+
+    def _to_flat(self, pieces: tuple) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        layout = []
+        for stage, piece in zip(self.local, pieces):
+            paths, values, treedef = tree.flatten_with_paths(piece)
+            names = list(paths) if self.stages.param_names else [f"{stage}.{p}" for p in paths]
+            flat.update(zip(names, values))
+            layout.append((names, treedef))
+        self._flat[:] = layout
+        return flat
+
+    def _from_flat(self, flat: Any) -> tuple:
+        if not self._flat:
+            raise ValueError(
+                "pipeline: the step has no model yet; build its state with step.init(params, "
+                "buffers) or fscale.shard_state(step, full_state) first"
+            )
+        # Reading a name of fully_shard's UnitParams gathers its unit (once per step).
+        return tuple(
+            tree.unflatten(treedef, [flat[name] for name in names]) for names, treedef in self._flat
+        )
+
+    def _state_of_pieces(self, state: TrainState) -> TrainState:
+        """A state of the flat dict as one of the local stages' pieces."""
+        items, outer = _param_shaped(state.opt_state, tree.structure(state.params))
+        opt_state = [self._from_flat(v) if shaped else v for shaped, v in items]
+        return state._replace(
+            params=self._from_flat(state.params), opt_state=optree.tree_unflatten(outer, opt_state)
+        )
+
+    def _flat_state(self, state: TrainState) -> TrainState:
+        """A state of the local stages' pieces as one of the flat dict."""
+        items, outer = _param_shaped(state.opt_state, tree.structure(state.params))
+        params = self._to_flat(state.params)
+        opt_state = [self._to_flat(v) if shaped else v for shaped, v in items]
+        return state._replace(params=params, opt_state=optree.tree_unflatten(outer, opt_state))
 
     def _local_pieces(self, params: PyTree, buffers: PyTree) -> tuple[tuple, tuple]:
         stage_params = self.stages.split(params, "params", "pipeline")
@@ -203,31 +263,56 @@ class PipelinePlan(Plan):
             merged.append(self.stages.merge(stage_pieces))
         return optree.tree_unflatten(outer, merged)
 
-    def _micro_batches(self, batch: Any) -> tuple[list[torch.Tensor], list[Any]]:
+    def _micro_batches(self, batch: Any) -> tuple[list[Any], list[Any], list[int] | None]:
+        """The micro-batches' inputs and targets, and with padding the real samples of each."""
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError(
                 "pipeline: the batch must be a pair (inputs, targets), given whole to every "
                 f"rank of the pipeline; got {type(batch).__name__}"
             )
         inputs, targets = batch
-        if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
-            raise TypeError("pipeline: the batch's inputs must be a tensor with a batch dim 0")
+        leaves = tree.leaves(inputs)
+        if not leaves or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves):
+            raise TypeError(
+                "pipeline: the batch's inputs must be a tensor (or a pytree of tensors) with a "
+                "batch dim 0"
+            )
         m = self.schedule.micro_batches
-        size = inputs.shape[0]
-        if size % m:
+        size = leaves[0].shape[0]
+        if any(t.shape[0] != size for t in leaves + tree.leaves(targets)):
+            raise ValueError(
+                "pipeline: the batch's inputs and targets must have the same size along dim 0, "
+                f"got {[tuple(t.shape) for t in leaves + tree.leaves(targets)]}"
+            )
+        if size % m == 0:
+            return (
+                [split_batch(inputs, i, m) for i in range(m)],
+                [split_batch(targets, i, m) for i in range(m)],
+                None,
+            )
+        if not self.pad:
             raise ValueError(
                 f"pipeline: the batch of {size} samples does not split into "
                 f"`micro_batches`={m} equal micro-batches; use a batch size that is a "
-                f"multiple of {m}"
+                f"multiple of {m}, or fscale.pipeline(..., pad=True) to pad the last one"
             )
-        micro_inputs = [split_batch(inputs, i, m) for i in range(m)]
-        micro_targets = [split_batch(targets, i, m) for i in range(m)]
-        return micro_inputs, micro_targets
+        per = -(-size // m)
+        # Padding repeats the last sample: finite values whatever the model; the loss never
+        # sees them, so their gradient is zero.
+        padded = tree.map(
+            lambda t: torch.cat([t, t[-1:].expand(per * m - size, *t.shape[1:])]), inputs
+        )
+        real = [max(0, min(per, size - i * per)) for i in range(m)]
+        return (
+            [split_batch(padded, i, m) for i in range(m)],
+            [tree.map(lambda t, i=i: t[i * per : i * per + real[i]], targets) for i in range(m)],
+            real,
+        )
 
     def _contract(self, comm, params, buffers, inputs, targets, key):
         signature = (
-            tuple(inputs.shape),
-            inputs.dtype,
+            tree.structure(inputs),
+            tuple((tuple(t.shape), t.dtype) for t in tree.leaves(inputs)),
             tuple((tuple(t.shape), t.dtype) for t in tree.leaves(targets)),
         )
         shapes = self._shapes.get(signature)
