@@ -17,9 +17,8 @@ every micro-batch of the batch).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pickle
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,7 +66,7 @@ def _leaf_problem(y: PyTree) -> str | None:
         if not isinstance(leaf, torch.Tensor):
             return f"{where} a {type(leaf).__name__}, not a tensor"
         if leaf.dtype not in _DTYPES or leaf.dim() > _HEADER - 2:
-            return f"{where} a tensor of dtype {leaf.dtype} and {leaf.dim()} dims, which cannot be sent"
+            return f"{where} a tensor of dtype {leaf.dtype} and {leaf.dim()} dims (not sendable)"
     return None
 
 

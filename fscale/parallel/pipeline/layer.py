@@ -116,12 +116,6 @@ class PipelinePlan(Plan):
         inputs, targets, real_sizes = self._micro_batches(batch)
 
         def run_rank(live_params: PyTree, buffers: PyTree, _batch: Any, key: torch.Tensor):
-            if _batch is not batch:
-                raise ValueError(
-                    "pipeline: the stage's plan split the batch (fscale.accumulate inside "
-                    "`per_stage`); accumulate around the pipeline instead, "
-                    "fscale.accumulate(fscale.pipeline(...), k), or raise `micro_batches`"
-                )
             pieces = self._from_flat(live_params) if self.flat_params else live_params
             comm = self._comm()
             shapes = self._contract(comm, pieces, buffers, inputs[0], targets[0], key)

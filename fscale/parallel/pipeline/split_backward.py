@@ -88,11 +88,11 @@ def _upwards(starts: Sequence[Node], parents: dict[Node, list[Node]], stop: set[
     return reached, met
 
 
-def _groups(weight_nodes: list[Node], frontier_of: list[set[Node]]) -> list[_Group]:
-    """Weights merged into one group wherever their frontiers share a node."""
+def _groups(frontier_of: list[set[Node]]) -> list[_Group]:
+    """Weights (by index) merged into one group wherever their frontiers share a node."""
     owner: dict[Node, _Group] = {}
     groups: list[_Group] = []
-    for index, (node, frontier) in enumerate(zip(weight_nodes, frontier_of)):
+    for index, frontier in enumerate(frontier_of):
         if not frontier:
             continue  # no path from the roots: no gradient
         joined = {id(owner[f]): owner[f] for f in frontier if f in owner}
@@ -126,7 +126,7 @@ def input_backward(
     stop = region | set(root_nodes)
     weight_nodes = [_node(w) for w in weights]
     frontier_of = [_upwards([node], parents, stop)[1] for node in weight_nodes]
-    groups = _groups(weight_nodes, frontier_of)
+    groups = _groups(frontier_of)
     seeds = [torch.ones_like(r) if g is None else g for r, g in zip(roots, grad_roots)]
     recorded: dict[Node, list[Tensor | None]] = {}
     # A root outside the input region is not run by B: its gradient is the seed itself.
@@ -138,7 +138,7 @@ def input_backward(
         slots += [None] * (edge.output_nr + 1 - len(slots))
         held = slots[edge.output_nr]
         slots[edge.output_nr] = seed if held is None else held + seed
-    handles = []
+    handles: list[Any] = []
 
     def record(node: Node):
         def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
@@ -147,10 +147,12 @@ def input_backward(
         return hook
 
     try:
-        for group in groups:
-            for node in group.frontier:
-                if node in region:
-                    handles.append(node.register_prehook(record(node)))
+        handles = [
+            node.register_prehook(record(node))
+            for group in groups
+            for node in group.frontier
+            if node in region
+        ]
         found: tuple[Tensor | None, ...] = (None,) * len(inputs)
         if inputs and region:
             found = torch.autograd.grad(

@@ -44,8 +44,9 @@ def differentiable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
-def message_tag(gradient: bool, micro_batch: int, stage: int, micro_batches: int, leaf: int,
-                num_leaves: int) -> int:
+def message_tag(
+    gradient: bool, micro_batch: int, stage: int, micro_batches: int, leaf: int, num_leaves: int
+) -> int:
     """The tag of leaf `leaf` of stage `stage`'s output for `micro_batch` (or its gradient)."""
     message = 2 * (stage * micro_batches + micro_batch) + int(gradient)
     return message * num_leaves + leaf + 1
