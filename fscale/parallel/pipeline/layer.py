@@ -2,18 +2,21 @@
 
 Each rank along the pipeline axis holds its stages' parameters (a tuple, one pytree per local
 stage), their buffers, and the optimizer state of those alone. The layer inside (`inner`) is
-the plan of one stage: `LocalPlan`, or `data_parallel` / `shard_optimizer` over another axis
-of the mesh (``per_stage=`` of `fscale.pipeline`). The pipeline reaches it only through the
-Plan protocol:
+the plan of one stage: `LocalPlan`, or `data_parallel` / `shard_optimizer` / `fully_shard`
+over another axis of the mesh (``per_stage=`` of `fscale.pipeline`); fully_shard, which cuts
+named parameters into units, is given the local stages' parameters as one flat dict (the
+Sequential's names, or ``"<stage>.<path>"`` for stage functions) and hands the runner its
+`UnitParams`, each unit gathered on first use and kept for the step's micro-batches. The
+pipeline reaches the inner plan only through the Plan protocol:
 
 - ``init`` keeps this rank's pieces of the full model and initialises the inner plan on them;
 - ``gradients`` runs the inner plan's gradient phase with a loss function that executes this
-  rank's part of the schedule (`run_schedule`) and returns the loss together with a linear
-  *surrogate*, ``Σ_leaf ⟨leaf, g_leaf⟩`` minus its own value, whose gradient w.r.t. the live
-  parameters is exactly the pipeline's gradient ``g``. So whatever the inner plan does with a
-  loss's gradient — DDP's bucketed all-reduce, ZeRO's reduce-scatter, accumulation's seeding
-  and weighting — it does with the pipeline's, unchanged. The value is the mean loss over the
-  batch, summed from the last stage over the pipeline axis, equal on every rank;
+  rank's part of the schedule (`run_schedule`) and returns the loss plus a zero (`_carrying`)
+  whose gradient w.r.t. the live parameters is exactly the pipeline's gradient ``g``. So
+  whatever the inner plan does with a loss's gradient — DDP's bucketed all-reduce, ZeRO's
+  reduce-scatter, accumulation's seeding and weighting — it does with the pipeline's,
+  unchanged. The value is the mean loss over the batch, summed from the last stage over the
+  pipeline axis, equal on every rank;
 - ``apply_gradients`` is the inner plan's: each rank updates its own stages;
 - ``consolidate`` / ``shard_state`` map the inner plan's full state of the local stages to and
   from the whole model's (an all-gather of the pieces over the pipeline axis).
@@ -138,9 +141,9 @@ class PipelinePlan(Plan):
             grads = tree.leaves(result.grads)
             if count is not None:  # weighted by counts: divide by the global count
                 grads = [g / count.to(g.dtype) for g in grads]
-            surrogate = sum((leaf * grad).sum() for leaf, grad in zip(tree.leaves(pieces), grads))
-            assert isinstance(surrogate, torch.Tensor)
-            return loss.to(surrogate.dtype) + (surrogate - surrogate.detach()), result.buffers
+            live = tree.leaves(pieces)
+            dtype = live[0].dtype if live else loss.dtype
+            return loss.to(dtype) + _carrying(grads, live), result.buffers
 
         return self.inner.gradients(step.replace(loss_fn=run_rank), state, batch, ctx)
 
@@ -327,6 +330,30 @@ class PipelinePlan(Plan):
             )
             self._shapes[signature] = shapes
         return shapes
+
+
+class _Carrying(torch.autograd.Function):
+    """A zero whose gradient w.r.t. each leaf is the given gradient (times the seed)."""
+
+    @staticmethod
+    def forward(grads: list[torch.Tensor], *leaves: torch.Tensor) -> torch.Tensor:
+        return leaves[0].new_zeros(())
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.grads = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, seed: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *(grad * seed for grad in ctx.grads))
+
+
+def _carrying(grads: list[torch.Tensor], leaves: list[torch.Tensor]) -> torch.Tensor:
+    """0, with gradient `grads` w.r.t. `leaves`: the pipeline's gradient handed to the plan
+    inside (its seed, e.g. accumulation's weight, applied as to any loss)."""
+    if not leaves:
+        return torch.zeros(())
+    return _Carrying.apply(grads, *leaves)
 
 
 def _reduce_loss(

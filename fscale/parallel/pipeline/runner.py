@@ -43,7 +43,7 @@ from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.split_backward import WeightWork, input_backward, weight_backward
 from fscale.parallel.pipeline.stages import Stages
 from fscale.parallel.pipeline.timeline import StepRecorder, recording
-from fscale.parallel.pipeline.transport import Link, Outbox, differentiable
+from fscale.parallel.pipeline.transport import Link, Mailbox, differentiable
 from fscale.remat import checkpoint as remat_checkpoint
 
 __all__ = ["CHECKPOINT_MODES", "RankResult", "StageOutput", "run_schedule"]
@@ -133,7 +133,7 @@ def run_schedule(
     units: dict[tuple[int, int], _Unit] = {}
     local_grads: dict[tuple[int, int], list[Tensor | None]] = {}
     recorder = StepRecorder(tree.leaves((params, buffers))) if recording() else None
-    outbox = Outbox(None if recorder is None else recorder.waited)
+    mailbox = Mailbox(None if recorder is None else recorder.waited)
     keys = [fsrandom.fold_in(key, m) for m in range(micro_batches)]
     total = sum(real_sizes) if real_sizes is not None else 0
     loss_sum: Tensor | None = None
@@ -142,7 +142,7 @@ def run_schedule(
     def link(m: int, stage: int, peer_stage: int) -> Link:
         assert comm is not None
         peer = schedule.stage_ranks[peer_stage]
-        return Link(comm, outbox, peer, m, stage, micro_batches, shapes[stage].specs)
+        return Link(comm, mailbox, peer, m, stage, micro_batches, shapes[stage].specs)
 
     def add(i: int, found: Sequence[Tensor | None]) -> None:
         # In place once this step owns the sum (autograd's results may be views or aliases).
@@ -251,14 +251,31 @@ def run_schedule(
         else:
             weight_grads(m, stage)
 
-    for action in schedule.rank_actions(index):
+    actions = schedule.rank_actions(index)
+    receives = _receives(schedule, index, actions)
+    # Receives posted ahead, a window of them: enough that a message finds its receive posted,
+    # few enough that 1F1B's bound on what a rank holds is not spent on buffers.
+    window = max(2, schedule.activation_bound[index])
+    posted = consumed = 0
+    for action in actions:
+        while posted < min(len(receives), consumed + window):
+            m, stage, gradient = receives[posted]
+            peer_stage = stage + 1 if gradient else stage
+            ahead = link(m, stage, peer_stage)
+            if gradient:
+                ahead.expect_gradients()
+            else:
+                ahead.expect_activation()
+            posted += 1
+        if receives[consumed : consumed + 1] == [_receive_of(schedule, index, action)]:
+            consumed += 1
         if recorder is None:
             run(action.kind, action.micro_batch, action.stage)
         else:
             timed = recorder.action(action.kind, action.micro_batch, action.stage)
             with timed, recorder.saving():
                 run(action.kind, action.micro_batch, action.stage)
-    drain_wait = outbox.drain()
+    drain_wait = mailbox.drain()
     if recorder is not None:
         recorder.finish(drain_wait)
     stage_grads = []
@@ -269,6 +286,24 @@ def run_schedule(
         )
     count_sum = torch.stack(counts).sum() if counts else None
     return RankResult(tuple(stage_grads), tuple(stage_buffers), loss_sum, count_sum)
+
+
+def _receive_of(schedule: Schedule, index: int, action: Any) -> tuple[int, int, bool] | None:
+    """What `action` receives from another rank: (micro-batch, stage of the output, whether
+    the gradient), or None."""
+    m, stage = action.micro_batch, action.stage
+    if action.kind == "F" and stage > 0 and schedule.stage_ranks[stage - 1] != index:
+        return (m, stage - 1, False)
+    last = schedule.num_stages - 1
+    if action.kind == "B" and stage < last and schedule.stage_ranks[stage + 1] != index:
+        return (m, stage, True)
+    return None
+
+
+def _receives(schedule: Schedule, index: int, actions: Sequence[Any]) -> list[Any]:
+    """The rank's receives in the order its actions make them."""
+    found = (_receive_of(schedule, index, a) for a in actions)
+    return [r for r in found if r is not None]
 
 
 def _grad(

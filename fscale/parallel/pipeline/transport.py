@@ -10,13 +10,18 @@ graph.
 
 A send never blocks: gloo's send waits for the matching receive, so two neighbours sending to
 each other at once (1F1B's steady state: an activation forward, a gradient back) would each
-wait for the other. Sends go to an `Outbox` that the step drains at its end; only receives
+wait for the other. Sends go to a `Mailbox` that the step drains at its end; only receives
 wait, and a schedule that passes `fscale.parallel.pipeline.check` receives only what an earlier
 tick has sent. Every message is tagged by (direction, micro-batch, stage, leaf), so a rank may
 receive in another order than its peer sent.
 
+Receives are posted ahead (`Link.expect_activation` / `expect_gradients`): gloo moves a message
+only once both sides have posted it — a send that finds no posted receive waits for the
+receiver's notice and the sender's progress thread to write it — so a receive posted before
+its send arrives takes the message at once, and the wait for it is the sender's compute only.
+
 The comm ledger records each send (the bytes this rank puts on the wire), under the
-pipeline's axis. An outbox made with `on_wait` is told the seconds each receive through it
+pipeline's axis. A mailbox made with `on_wait` is told the seconds each receive through it
 spent blocked (`fscale.parallel.pipeline.timeline` counts them as idle).
 """
 
@@ -33,7 +38,7 @@ import torch.distributed as dist
 from fscale.distributed.comm import Comm
 from fscale.distributed.ledger import record
 
-__all__ = ["Link", "Outbox", "differentiable", "message_tag", "wait"]
+__all__ = ["Link", "Mailbox", "differentiable", "message_tag", "wait"]
 
 Tensor = torch.Tensor
 LeafSpec = tuple[torch.Size, torch.dtype]
@@ -58,14 +63,16 @@ def wait(work: Any) -> None:
         work.wait()
 
 
-class Outbox:
-    """Sends posted and not yet known to be delivered; `drain` waits for all of them.
+class Mailbox:
+    """Sends posted and not yet known to be delivered (`drain` waits for all of them), and
+    receives posted ahead of their use.
 
-    `on_wait`, if given, receives the seconds each blocking receive through this outbox
+    `on_wait`, if given, receives the seconds each blocking receive through this mailbox
     waited."""
 
     def __init__(self, on_wait: Callable[[float], None] | None = None) -> None:
         self._pending: dict[tuple[int, int], tuple[Any, Tensor]] = {}
+        self._expected: dict[tuple[int, int], tuple[Any, Tensor]] = {}
         self.on_wait = on_wait
 
     def post(self, tensor: Tensor, comm: Comm, to: int, tag: int) -> None:
@@ -86,20 +93,34 @@ class Outbox:
 
     def drain(self) -> float:
         """Wait for every posted send; returns the seconds that took."""
+        if self._expected:  # the next step reuses the tags: nothing may stay posted
+            raise RuntimeError(
+                f"pipeline: receives {sorted(self._expected)} (source, tag) were posted and "
+                "never used"
+            )
         start = time.perf_counter()
         pending, self._pending = self._pending, {}
         for work, _ in pending.values():
             wait(work)
         return time.perf_counter() - start
 
+    def expect(self, comm: Comm, spec: LeafSpec, source: int, tag: int) -> None:
+        """Post the receive of the tensor tagged `tag` from index `source` now."""
+        buffer = torch.empty(spec[0], dtype=spec[1])
+        work = dist.irecv(buffer, group=comm.group, group_src=source, tag=tag)
+        self._expected[(source, tag)] = (work, buffer)
+
     def receive(self, comm: Comm, spec: LeafSpec, source: int, tag: int) -> Tensor:
         """Block until the tensor tagged `tag` from index `source` along the axis arrives."""
         start = time.perf_counter()
-        buffer = torch.empty(spec[0], dtype=spec[1])
-        wait(dist.irecv(buffer, group=comm.group, group_src=source, tag=tag))
+        posted = self._expected.pop((source, tag), None)
+        if posted is None:
+            buffer = torch.empty(spec[0], dtype=spec[1])
+            posted = (dist.irecv(buffer, group=comm.group, group_src=source, tag=tag), buffer)
+        wait(posted[0])
         if self.on_wait is not None:
             self.on_wait(time.perf_counter() - start)
-        return buffer
+        return posted[1]
 
 
 @dataclasses.dataclass
@@ -108,7 +129,7 @@ class Link:
     axis, the leaves' shapes and dtypes, and the tags of their messages."""
 
     comm: Comm
-    outbox: Outbox
+    mailbox: Mailbox
     peer: int
     micro_batch: int
     stage: int  # the stage whose output crosses the boundary
@@ -122,20 +143,29 @@ class Link:
 
     def send_activation(self, leaves: Sequence[Tensor]) -> None:
         for index, leaf in enumerate(leaves):
-            self.outbox.post(leaf, self.comm, self.peer, self.tag(False, index))
+            self.mailbox.post(leaf, self.comm, self.peer, self.tag(False, index))
 
     def receive_activation(self) -> list[Tensor]:
         return [
-            self.outbox.receive(self.comm, spec, self.peer, self.tag(False, index))
+            self.mailbox.receive(self.comm, spec, self.peer, self.tag(False, index))
             for index, spec in enumerate(self.specs)
         ]
+
+    def expect_activation(self) -> None:
+        for index, spec in enumerate(self.specs):
+            self.mailbox.expect(self.comm, spec, self.peer, self.tag(False, index))
+
+    def expect_gradients(self) -> None:
+        for index, spec in enumerate(self.specs):
+            if differentiable(spec[1]):
+                self.mailbox.expect(self.comm, spec, self.peer, self.tag(True, index))
 
     def send_gradients(self, grads: Sequence[Tensor | None]) -> None:
         """Send the gradient of every differentiable leaf received (None: zeros)."""
         for index, (spec, grad) in enumerate(zip(self.specs, grads)):
             if differentiable(spec[1]):
                 grad = torch.zeros(spec[0], dtype=spec[1]) if grad is None else grad
-                self.outbox.post(grad, self.comm, self.peer, self.tag(True, index))
+                self.mailbox.post(grad, self.comm, self.peer, self.tag(True, index))
 
     def receive_gradients(self) -> list[Tensor | None]:
         """The gradients of the differentiable leaves sent (None for the others); the peer
@@ -143,9 +173,10 @@ class Link:
         grads: list[Tensor | None] = []
         for index, spec in enumerate(self.specs):
             if differentiable(spec[1]):
-                grads.append(self.outbox.receive(self.comm, spec, self.peer, self.tag(True, index)))
+                tag = self.tag(True, index)
+                grads.append(self.mailbox.receive(self.comm, spec, self.peer, tag))
             else:
                 grads.append(None)
         for index in range(len(self.specs)):
-            self.outbox.settle(self.peer, self.tag(False, index))
+            self.mailbox.settle(self.peer, self.tag(False, index))
         return grads
