@@ -32,7 +32,7 @@ from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.stages import Stages
 from fscale.parallel.pipeline.transport import wait
 
-__all__ = ["StageContractError", "describe", "probe_stages"]
+__all__ = ["StageContractError", "probe_stages"]
 
 PyTree = Any
 _HEADER = 12  # dtype code, ndim, up to 10 dims
@@ -78,7 +78,7 @@ def _leaf_header(leaf: torch.Tensor) -> torch.Tensor:
     return header
 
 
-def describe(output: StageOutput) -> str:
+def _describe(output: StageOutput) -> str:
     """The leaves' shapes and dtypes, for messages."""
     parts = [f"shape {tuple(shape)} and dtype {dtype}" for shape, dtype in output.specs]
     if output.treedef == tree.structure(0):  # a single tensor
@@ -128,7 +128,7 @@ def probe_stages(
                     if stage < last:
                         _send_on(comm, schedule, index, stage, None, sends)
                     continue
-                received = f"stage {stage - 1}'s output ({describe(_output_of(x))})"
+                received = f"stage {stage - 1}'s output ({_describe(_output_of(x))})"
             y: Any = None
             try:
                 y, _ = stages.calls[stage](

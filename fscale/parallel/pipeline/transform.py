@@ -2,22 +2,23 @@
 
 The model is cut into S stages placed on the P ranks of the mesh axis `axis` (S = P, or v·P
 for the interleaved schedule); a batch ``(inputs, targets)``, given whole to every rank of the
-axis, is split along dim 0 into `micro_batches` equal micro-batches that flow through the
-stages as the schedule's table says. Forward collective: a send of each stage's output to the
-next stage's rank; backward collective: its dual, the gradient sent back
-(`fscale.parallel.pipeline.transport`). Memory per rank: its stages' parameters, gradients
-and optimizer state, and the activations of at most the schedule's `activation_bound`
-micro-batches (fewer with checkpointing). Traffic per step: each stage boundary carries one
-activation and one gradient per micro-batch, plus one scalar all-reduce of the loss.
+axis, is split along dim 0 into `micro_batches` equal micro-batches (with ``pad=True`` the last
+ones padded, the padding masked out of the loss) that flow through the stages as the
+schedule's table says; what a stage passes on is a tensor or a pytree of tensors. Forward
+collective: a send of each stage's output to the next stage's rank; backward collective: its
+dual, the gradient sent back (`fscale.parallel.pipeline.transport`). Memory per rank: its
+stages' parameters, gradients and optimizer state, and the activations of at most the
+schedule's `activation_bound` micro-batches (fewer with checkpointing). Traffic per step: each
+stage boundary carries one activation and one gradient per micro-batch, plus one scalar
+all-reduce of the loss.
 
 Reductions do not depend on the split: each micro-batch's mean loss is weighted by its share of
 the batch (1/M) — or, when ``loss_fn`` returns ``(mean, count)``, by its count, the gradient
 then divided by the batch's total count — so the gradient and ``metrics["loss"]`` are those of
 the mean over the whole batch (of samples, or of the counted tokens), for any M, schedule and
 number of stages. Across data-parallel ranks (``per_stage``) the data-parallel layer's mean
-over ranks applies. Dropout keys are folded by (step,
-micro-batch, layer) — the stage index in the functions form — so a mask does not depend on the
-schedule or the balance.
+over ranks applies. Dropout keys are folded by (step, micro-batch, layer) — the stage index in
+the functions form — so a mask does not depend on the schedule or the balance.
 """
 
 from __future__ import annotations
