@@ -13,9 +13,12 @@ with AdamW, round by round alternating (`_util.interleave`, a barrier before eve
 * ``fscale``: ``fscale.pipeline(..., schedule=...)`` over the same modules.
 
 Reported per configuration: median step time of each (the slowest rank's per round), the
-throughput ratio fscale / torch (samples per second), the peak RSS growth of each rank during
-its steps (what the step allocates above the model: mostly activations), the bubble fraction of
-fscale's schedule table, and for GPipe and 1F1B the analytical (P−1)/(M+P−1).
+throughput ratio fscale / torch (samples per second), the CPU ratio torch / fscale (the CPU
+seconds all ranks spend per step, median over rounds: the work done, which the load other
+processes put on a shared machine does not stretch as it stretches step times), the peak RSS
+growth of each rank during its steps (what the step allocates above the model: mostly
+activations), the bubble fraction of fscale's schedule table, and for GPipe and 1F1B the
+analytical (P−1)/(M+P−1).
 
 Measured, from extra fscale steps run under `fscale.parallel.pipeline.record_timeline` after
 the timed rounds (so the recording costs the timed steps nothing): the bubble, each rank's
@@ -178,13 +181,16 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
         variants_error = None
     fscale_step, table = _fscale_variant(cfg, balance, num_stages, schedule, micro_batches)
     variants["fscale"] = fscale_step
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
 
     def timed(name: str):
         def call() -> None:
             dist.barrier()
             _util.reset_peak_rss()
             before = _util.rss_bytes()
+            cpu_start = time.process_time()
             variants[name](tokens, targets)
+            cpu[name].append(time.process_time() - cpu_start)
             peaks[name] = max(peaks.get(name, 0), _util.peak_rss_bytes() - before)
 
         return call
@@ -198,6 +204,7 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
     measured = _measure(variants["fscale"], tokens, targets, options["measure"])
     return {
         "times": times,
+        "cpu": {name: values[options["warmup"] :] for name, values in cpu.items()},
         "measured": measured,
         "peak_rss_growth": peaks,
         "torch_error": variants_error,
@@ -265,6 +272,12 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
     }
     medians = {name: _util.summarize(values).median for name, values in per_round.items()}
     analytic = (ranks - 1) / (micro_batches + ranks - 1) if schedule in ("gpipe", "1f1b") else None
+    # CPU seconds of all ranks per round: the work each variant does, which other processes'
+    # load on the machine does not stretch as it stretches wall time.
+    cpu = {
+        name: _util.summarize([sum(v) for v in zip(*(r["cpu"][name] for r in results))]).median
+        for name in names
+    }
     return {
         "ranks": ranks,
         "micro_batches": micro_batches,
@@ -272,6 +285,7 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
         "fscale_s": medians["fscale"],
         "torch_s": medians.get("torch"),
         "throughput_ratio": medians["torch"] / medians["fscale"] if "torch" in medians else None,
+        "cpu_ratio": cpu["torch"] / cpu["fscale"] if "torch" in cpu else None,
         "fscale_peak_mib": [r["peak_rss_growth"].get("fscale", 0) / 2**20 for r in results],
         "torch_peak_mib": [r["peak_rss_growth"].get("torch", 0) / 2**20 for r in results],
         "table_bubble": results[0]["bubble"],
@@ -291,6 +305,7 @@ def _format(rows: list[dict[str, Any]]) -> str:
         "fscale ms",
         "torch ms",
         "fscale/torch thr",
+        "torch/fscale cpu",
         "fscale peak MiB",
         "torch peak MiB",
         "table bubble",
@@ -306,6 +321,7 @@ def _format(rows: list[dict[str, Any]]) -> str:
             r["fscale_s"] * 1e3,
             (r["torch_s"] or float("nan")) * 1e3,
             r["throughput_ratio"] if r["throughput_ratio"] is not None else "n/a",
+            r["cpu_ratio"] if r["cpu_ratio"] is not None else "n/a",
             "/".join(f"{v:.1f}" for v in r["fscale_peak_mib"]),
             "/".join(f"{v:.1f}" for v in r["torch_peak_mib"]),
             r["table_bubble"],

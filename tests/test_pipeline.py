@@ -251,7 +251,11 @@ def _pp_dp(kind):
         )
         step = fs.accumulate(step, 2)
     else:
-        wrap = fs.data_parallel if kind == "data_parallel" else fs.shard_optimizer
+        wrap = {
+            "data_parallel": fs.data_parallel,
+            "shard_optimizer": fs.shard_optimizer,
+            "fully_shard": fs.fully_shard,
+        }[kind]
         step = pipeline(
             model,
             _mse,
@@ -267,10 +271,11 @@ def _pp_dp(kind):
 
 
 @pytest.mark.parametrize(
-    "kind", ["data_parallel", "shard_optimizer", "outer_data_parallel", "accumulate"]
+    "kind", ["data_parallel", "shard_optimizer", "fully_shard", "outer_data_parallel", "accumulate"]
 )
 def test_pipeline_times_data_parallel_on_2x2_equals_one_process(kind):
     for full, expected, losses, expected_losses in run_spmd(_pp_dp, 4, kind):
+        assert sorted(full.params) == sorted(expected.params)
         assert_trees_close(full.params, expected.params, rtol=1e-5, atol=1e-6)
         assert_trees_close(full.opt_state, expected.opt_state, rtol=1e-4, atol=1e-7)
         assert losses == pytest.approx(expected_losses, rel=1e-5)
@@ -351,6 +356,49 @@ def test_a_deadlocking_schedule_is_refused_before_any_collective():
             micro_batches=2,
             balance=[2],
             schedule=bad,
+        )
+
+
+def _fully_sharded_stages_hold_shards():
+    mesh = fs.Mesh(dp=2, pp=2)
+    model = _mlp(2, 5, 4)
+    _, params, buffers = fs.functionalize(model)
+    step = pipeline(
+        model,
+        _mse,
+        fs.optim.adam(1e-2),
+        mesh,
+        micro_batches=2,
+        balance=[2, 2],
+        per_stage=lambda s: fs.fully_shard(s, mesh, "dp"),
+    )
+    state = step.init(params, buffers)
+    again = fs.shard_state(step, fs.consolidate(step, state))
+    return {name: tuple(shard.shape) for name, shard in state.params.items()}, state, again
+
+
+def test_fully_sharded_stages_hold_one_shard_of_each_layer():
+    results = run_spmd(_fully_sharded_stages_hold_shards, 4)
+    for rank, (shapes, state, again) in enumerate(results):
+        # pp index = rank % 2 (dp outermost): stage 0 holds layer "0", stage 1 layer "2";
+        # each Linear(5, 5) (30 values) is a unit split over the two dp ranks (each shard
+        # padded to the flat layout's alignment).
+        ((name, (size,)),) = shapes.items()
+        assert name == str(2 * (rank % 2)) and 2 * size >= 30
+        assert_trees_equal(again, state)
+
+
+def test_accumulating_inside_a_stage_is_refused_with_the_fix():
+    model = _mlp(1, 4, 0)
+    with pytest.raises(ValueError, match=r"accumulate around the pipeline instead"):
+        pipeline(
+            model,
+            _mse,
+            fs.optim.sgd(0.1),
+            fs.Mesh(pp=1),
+            micro_batches=2,
+            balance=[2],
+            per_stage=lambda s: fs.accumulate(s, 2),
         )
 
 

@@ -2,28 +2,32 @@
 
 Before the first step on a batch of a new shape, every rank runs a probe: the first
 micro-batch goes through the stages in order without gradients, each rank receiving a header
-(the shape and dtype, or the failure of a stage before) and then the tensor from the rank of
-the previous stage, running its stage on it, and passing its output on; the last stage runs the
-loss. A stage that fails — on an input it cannot take, or returning something that is not a
-tensor — sends a failure header on instead of a tensor, so no rank waits for what will not
-come; then the ranks exchange what went wrong and every rank raises the same error, naming the
-stage that failed, its rank, and the stage and the shape and dtype it received.
+(the output's structure and each leaf's shape and dtype, or the failure of a stage before) and
+then the leaves from the rank of the previous stage, running its stage on them, and passing
+its output on; the last stage runs the loss. A stage output may be a tensor or a pytree of
+tensors (tuple, list, dict ...); each leaf is checked. A stage that fails — on an input it
+cannot take, or returning a leaf that is not a tensor — sends a failure header on instead of
+its output, so no rank waits for what will not come; then the ranks exchange what went wrong
+and every rank raises the same error, naming the stage that failed, its rank, and the stage
+and the leaves' shapes and dtypes it received.
 
-The shapes found are what the step's receives allocate (a stage's output shape for every
-micro-batch of the batch).
+The structures and shapes found are what the step's receives allocate (a stage's output for
+every micro-batch of the batch).
 """
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fscale import random as fsrandom
-from fscale import spmd
+from fscale import spmd, tree
 from fscale.distributed.comm import Comm
 from fscale.grad import normalize_loss_output
+from fscale.parallel.pipeline.runner import StageOutput
 from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.stages import Stages
 from fscale.parallel.pipeline.transport import wait
@@ -31,7 +35,7 @@ from fscale.parallel.pipeline.transport import wait
 __all__ = ["StageContractError", "probe_stages"]
 
 PyTree = Any
-_HEADER = 12  # status, dtype code, ndim, up to 9 dims
+_HEADER = 12  # dtype code, ndim, up to 10 dims
 _DTYPES = (
     torch.float32,
     torch.float64,
@@ -45,25 +49,46 @@ _DTYPES = (
     torch.int16,
 )
 _PROBE_TAG = 1 << 28  # outside the step's message tags
+_PROBE_SPAN = 1 << 12  # tags per stage boundary: head, structure, headers, then one per leaf
 
 
 class StageContractError(ValueError):
     """Neighbouring stages disagree on what passes between them (raised on every rank)."""
 
 
-def _header(y: Any) -> torch.Tensor:
+def _leaf_problem(y: PyTree) -> str | None:
+    """Why `y` cannot pass between stages, or None."""
+    paths, leaves, _ = tree.flatten_with_paths(y)
+    if not leaves:
+        return "it returned no tensor"
+    for path, leaf in zip(paths, leaves):
+        where = "it returned" if path == "<root>" else f"its output leaf {path!r} is"
+        if not isinstance(leaf, torch.Tensor):
+            return f"{where} a {type(leaf).__name__}, not a tensor"
+        if leaf.dtype not in _DTYPES or leaf.dim() > _HEADER - 2:
+            return f"{where} a tensor of dtype {leaf.dtype} and {leaf.dim()} dims (not sendable)"
+    return None
+
+
+def _leaf_header(leaf: torch.Tensor) -> torch.Tensor:
     header = torch.zeros(_HEADER, dtype=torch.int64)
-    if not isinstance(y, torch.Tensor) or y.dtype not in _DTYPES or y.dim() > _HEADER - 3:
-        header[0] = 1
-        return header
-    header[1] = _DTYPES.index(y.dtype)
-    header[2] = y.dim()
-    header[3 : 3 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
+    header[0] = _DTYPES.index(leaf.dtype)
+    header[1] = leaf.dim()
+    header[2 : 2 + leaf.dim()] = torch.tensor(leaf.shape, dtype=torch.int64)
     return header
 
 
-def _describe(shape: torch.Size, dtype: torch.dtype) -> str:
-    return f"a tensor of shape {tuple(shape)} and dtype {dtype}"
+def _describe(output: StageOutput) -> str:
+    """The leaves' shapes and dtypes, for messages."""
+    parts = [f"shape {tuple(shape)} and dtype {dtype}" for shape, dtype in output.specs]
+    if output.treedef == tree.structure(0):  # a single tensor
+        return f"a tensor of {parts[0]}"
+    return f"a pytree {output.treedef} of tensors of " + "; ".join(parts)
+
+
+def _output_of(y: PyTree) -> StageOutput:
+    leaves, treedef = tree.flatten(y)
+    return StageOutput(treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
 
 
 def probe_stages(
@@ -75,16 +100,16 @@ def probe_stages(
     stages: Stages,
     params: tuple[PyTree, ...],
     buffers: tuple[PyTree, ...],
-    inputs: torch.Tensor,
+    inputs: PyTree,
     targets: Any,
     loss_fn: Any,
     key: torch.Tensor,
-) -> dict[int, tuple[torch.Size, torch.dtype]]:
-    """The shape and dtype of every stage's output for one micro-batch (see the module
-    docstring); raises `StageContractError` on every rank when a stage fails."""
+) -> dict[int, StageOutput]:
+    """The structure, shapes and dtypes of every stage's output for one micro-batch (see the
+    module docstring); raises `StageContractError` on every rank when a stage fails."""
     local = schedule.local_stages(index)
     last = schedule.num_stages - 1
-    shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
+    shapes: dict[int, StageOutput] = {}
     outputs: dict[int, Any] = {}
     failure: str | None = None
     sends: list[Any] = []
@@ -103,7 +128,7 @@ def probe_stages(
                     if stage < last:
                         _send_on(comm, schedule, index, stage, None, sends)
                     continue
-                received = f"stage {stage - 1}'s output ({_describe(x.shape, x.dtype)})"
+                received = f"stage {stage - 1}'s output ({_describe(_output_of(x))})"
             y: Any = None
             try:
                 y, _ = stages.calls[stage](
@@ -112,15 +137,16 @@ def probe_stages(
                     x,
                     fsrandom.fold_in(key, 0),
                 )
-                if not isinstance(y, torch.Tensor):
-                    raise TypeError(f"it returned a {type(y).__name__}, not a tensor")
+                problem = _leaf_problem(y)
+                if problem is not None:
+                    raise TypeError(problem)
                 if stage == last:
                     normalize_loss_output(loss_fn(y, targets), None)
             except Exception as error:  # reported on every rank below
                 where = (
                     "its output in loss_fn"
-                    if isinstance(y, torch.Tensor) and stage == last
-                    else (received)
+                    if stage == last and _leaf_problem(y) is None
+                    else received
                 )
                 failure = (
                     f"stage {stage} (rank {index} along {axis!r}) failed on {where}: "
@@ -128,7 +154,7 @@ def probe_stages(
                 )
                 y = None
             if y is not None:
-                shapes[stage] = (y.shape, y.dtype)
+                shapes[stage] = _output_of(y)
             outputs[stage] = y
             if stage < last:
                 _send_on(comm, schedule, index, stage, y, sends)
@@ -157,22 +183,42 @@ def _send_on(
     peer = schedule.stage_ranks[stage + 1]
     if peer == index or comm is None:
         return
-    header = _header(y)
-    tag = _PROBE_TAG + 2 * stage
-    sends.append(dist.isend(header, group=comm.group, group_dst=peer, tag=tag))
-    if header[0] == 0:
-        payload = y.contiguous()
-        sends.append(dist.isend(payload, group=comm.group, group_dst=peer, tag=tag + 1))
+    tag = _PROBE_TAG + _PROBE_SPAN * stage
+
+    def post(tensor: torch.Tensor, offset: int) -> None:
+        sends.append(dist.isend(tensor, group=comm.group, group_dst=peer, tag=tag + offset))
+
+    head = torch.zeros(3, dtype=torch.int64)  # failed, number of leaves, structure bytes
+    if y is None:
+        head[0] = 1
+        post(head, 0)
+        return
+    leaves, treedef = tree.flatten(y)
+    structure = torch.frombuffer(bytearray(pickle.dumps(treedef)), dtype=torch.uint8)
+    head[1], head[2] = len(leaves), structure.numel()
+    post(head, 0)
+    post(structure, 1)
+    post(torch.stack([_leaf_header(leaf) for leaf in leaves]), 2)
+    for position, leaf in enumerate(leaves):
+        post(leaf.contiguous(), 3 + position)
 
 
-def _receive(comm: Comm, source: int, stage: int) -> torch.Tensor | None:
-    tag = _PROBE_TAG + 2 * stage
-    header = torch.empty(_HEADER, dtype=torch.int64)
-    wait(dist.irecv(header, group=comm.group, group_src=source, tag=tag))
-    if int(header[0]) != 0:
+def _receive(comm: Comm, source: int, stage: int) -> PyTree | None:
+    tag = _PROBE_TAG + _PROBE_SPAN * stage
+
+    def take(buffer: torch.Tensor, offset: int) -> torch.Tensor:
+        wait(dist.irecv(buffer, group=comm.group, group_src=source, tag=tag + offset))
+        return buffer
+
+    head = take(torch.empty(3, dtype=torch.int64), 0)
+    if int(head[0]) != 0:
         return None
-    ndim = int(header[2])
-    shape = torch.Size(int(d) for d in header[3 : 3 + ndim])
-    buffer = torch.empty(shape, dtype=_DTYPES[int(header[1])])
-    wait(dist.irecv(buffer, group=comm.group, group_src=source, tag=tag + 1))
-    return buffer
+    structure = take(torch.empty(int(head[2]), dtype=torch.uint8), 1)
+    treedef = pickle.loads(structure.numpy().tobytes())
+    headers = take(torch.empty(int(head[1]), _HEADER, dtype=torch.int64), 2)
+    leaves = []
+    for position, header in enumerate(headers):
+        ndim = int(header[1])
+        shape = torch.Size(int(d) for d in header[2 : 2 + ndim])
+        leaves.append(take(torch.empty(shape, dtype=_DTYPES[int(header[0])]), 3 + position))
+    return tree.unflatten(treedef, leaves)

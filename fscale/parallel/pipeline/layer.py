@@ -2,18 +2,21 @@
 
 Each rank along the pipeline axis holds its stages' parameters (a tuple, one pytree per local
 stage), their buffers, and the optimizer state of those alone. The layer inside (`inner`) is
-the plan of one stage: `LocalPlan`, or `data_parallel` / `shard_optimizer` over another axis
-of the mesh (``per_stage=`` of `fscale.pipeline`). The pipeline reaches it only through the
-Plan protocol:
+the plan of one stage: `LocalPlan`, or `data_parallel` / `shard_optimizer` / `fully_shard`
+over another axis of the mesh (``per_stage=`` of `fscale.pipeline`); fully_shard, which cuts
+named parameters into units, is given the local stages' parameters as one flat dict (the
+Sequential's names, or ``"<stage>.<path>"`` for stage functions) and hands the runner its
+`UnitParams`, each unit gathered on first use and kept for the step's micro-batches. The
+pipeline reaches the inner plan only through the Plan protocol:
 
 - ``init`` keeps this rank's pieces of the full model and initialises the inner plan on them;
 - ``gradients`` runs the inner plan's gradient phase with a loss function that executes this
-  rank's part of the schedule (`run_schedule`) and returns the loss together with a linear
-  *surrogate*, ``Σ_leaf ⟨leaf, g_leaf⟩`` minus its own value, whose gradient w.r.t. the live
-  parameters is exactly the pipeline's gradient ``g``. So whatever the inner plan does with a
-  loss's gradient — DDP's bucketed all-reduce, ZeRO's reduce-scatter, accumulation's seeding
-  and weighting — it does with the pipeline's, unchanged. The value is the mean loss over the
-  batch, summed from the last stage over the pipeline axis, equal on every rank;
+  rank's part of the schedule (`run_schedule`) and returns the loss plus a zero (`_carrying`)
+  whose gradient w.r.t. the live parameters is exactly the pipeline's gradient ``g``. So
+  whatever the inner plan does with a loss's gradient — DDP's bucketed all-reduce, ZeRO's
+  reduce-scatter, accumulation's seeding and weighting — it does with the pipeline's,
+  unchanged. The value is the mean loss over the batch, summed from the last stage over the
+  pipeline axis, equal on every rank;
 - ``apply_gradients`` is the inner plan's: each rank updates its own stages;
 - ``consolidate`` / ``shard_state`` map the inner plan's full state of the local stages to and
   from the whole model's (an all-gather of the pieces over the pipeline axis).
@@ -57,8 +60,12 @@ class PipelinePlan(Plan):
     schedule: Schedule
     loss_fn: Any
     checkpoint: str
+    pad: bool = False
     # Output shapes found by the first step's contract check, per batch signature.
     _shapes: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # For an inner plan that needs one flat dict of parameters (fully_shard), the names and
+    # structures of the local stages' pieces in it; recorded by `init` / `shard_state`.
+    _flat: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -69,7 +76,7 @@ class PipelinePlan(Plan):
         return (
             f"pipeline(axis={self.axis!r} of size {s.num_ranks}, schedule={s.name!r}, "
             f"stages={s.num_stages}, micro_batches={s.micro_batches}, "
-            f"checkpoint={self.checkpoint!r})"
+            f"checkpoint={self.checkpoint!r}" + (", pad=True)" if self.pad else ")")
         )
 
     def own_mesh(self) -> Mesh:
@@ -104,20 +111,23 @@ class PipelinePlan(Plan):
                 f"{self.axis!r} have no trainable parameters; move a layer with parameters "
                 "into them (change `balance`)"
             )
+        if self.flat_params:
+            local_params = self._to_flat(local_params)
         return self.inner.init(step, local_params, local_buffers, key, ctx)
 
     def gradients(self, step, state, batch, ctx):
-        inputs, targets = self._micro_batches(batch)
+        inputs, targets, real_sizes = self._micro_batches(batch)
 
         def run_rank(live_params: PyTree, buffers: PyTree, _batch: Any, key: torch.Tensor):
+            pieces = self._from_flat(live_params) if self.flat_params else live_params
             comm = self._comm()
-            shapes = self._contract(comm, live_params, buffers, inputs[0], targets[0], key)
+            shapes = self._contract(comm, pieces, buffers, inputs[0], targets[0], key)
             result = run_schedule(
                 self.schedule,
                 self.index,
                 comm,
                 self.stages,
-                live_params,
+                pieces,
                 buffers,
                 inputs,
                 targets,
@@ -125,16 +135,15 @@ class PipelinePlan(Plan):
                 key,
                 self.checkpoint,
                 shapes,
+                real_sizes,
             )
             loss, count = _reduce_loss(result, comm, self.mesh, self.axis)
             grads = tree.leaves(result.grads)
             if count is not None:  # weighted by counts: divide by the global count
                 grads = [g / count.to(g.dtype) for g in grads]
-            surrogate = sum(
-                (leaf * grad).sum() for leaf, grad in zip(tree.leaves(live_params), grads)
-            )
-            assert isinstance(surrogate, torch.Tensor)
-            return loss.to(surrogate.dtype) + (surrogate - surrogate.detach()), result.buffers
+            live = tree.leaves(pieces)
+            dtype = live[0].dtype if live else loss.dtype
+            return loss.to(dtype) + _carrying(grads, live), result.buffers
 
         return self.inner.gradients(step.replace(loss_fn=run_rank), state, batch, ctx)
 
@@ -142,6 +151,8 @@ class PipelinePlan(Plan):
 
     def consolidate(self, step, state):
         local_full = self.inner.consolidate(step, state)
+        if self.flat_params:
+            local_full = self._state_of_pieces(local_full)
         pieces = (self.local, local_full.params, local_full.buffers, local_full.opt_state)
         gathered = spmd.all_gather_objects(pieces, self.mesh, self.axis)
         num_stages = self.schedule.num_stages
@@ -169,9 +180,55 @@ class PipelinePlan(Plan):
             full_state.step,
             full_state.key,
         )
+        if self.flat_params:
+            local_state = self._flat_state(local_state)
         return self.inner.shard_state(step, local_state)
 
     # ---- helpers -------------------------------------------------------------------------
+
+    @property
+    def flat_params(self) -> bool:
+        """Whether the stage's plan holds the local stages' parameters as one flat dict
+        name -> tensor (fully_shard needs one; the names are the Sequential's, or
+        ``"<stage>.<path>"`` for stage functions) instead of one pytree per stage."""
+        return self.inner.find("fully_shard") is not None
+
+    def _to_flat(self, pieces: tuple) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        layout = []
+        for stage, piece in zip(self.local, pieces):
+            paths, values, treedef = tree.flatten_with_paths(piece)
+            names = list(paths) if self.stages.param_names else [f"{stage}.{p}" for p in paths]
+            flat.update(zip(names, values))
+            layout.append((names, treedef))
+        self._flat[:] = layout
+        return flat
+
+    def _from_flat(self, flat: Any) -> tuple:
+        if not self._flat:
+            raise ValueError(
+                "pipeline: the step has no model yet; build its state with step.init(params, "
+                "buffers) or fscale.shard_state(step, full_state) first"
+            )
+        # Reading a name of fully_shard's UnitParams gathers its unit (once per step).
+        return tuple(
+            tree.unflatten(treedef, [flat[name] for name in names]) for names, treedef in self._flat
+        )
+
+    def _state_of_pieces(self, state: TrainState) -> TrainState:
+        """A state of the flat dict as one of the local stages' pieces."""
+        items, outer = _param_shaped(state.opt_state, tree.structure(state.params))
+        opt_state = [self._from_flat(v) if shaped else v for shaped, v in items]
+        return state._replace(
+            params=self._from_flat(state.params), opt_state=optree.tree_unflatten(outer, opt_state)
+        )
+
+    def _flat_state(self, state: TrainState) -> TrainState:
+        """A state of the local stages' pieces as one of the flat dict."""
+        items, outer = _param_shaped(state.opt_state, tree.structure(state.params))
+        params = self._to_flat(state.params)
+        opt_state = [self._to_flat(v) if shaped else v for shaped, v in items]
+        return state._replace(params=params, opt_state=optree.tree_unflatten(outer, opt_state))
 
     def _local_pieces(self, params: PyTree, buffers: PyTree) -> tuple[tuple, tuple]:
         stage_params = self.stages.split(params, "params", "pipeline")
@@ -203,31 +260,56 @@ class PipelinePlan(Plan):
             merged.append(self.stages.merge(stage_pieces))
         return optree.tree_unflatten(outer, merged)
 
-    def _micro_batches(self, batch: Any) -> tuple[list[torch.Tensor], list[Any]]:
+    def _micro_batches(self, batch: Any) -> tuple[list[Any], list[Any], list[int] | None]:
+        """The micro-batches' inputs and targets, and with padding the real samples of each."""
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError(
                 "pipeline: the batch must be a pair (inputs, targets), given whole to every "
                 f"rank of the pipeline; got {type(batch).__name__}"
             )
         inputs, targets = batch
-        if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
-            raise TypeError("pipeline: the batch's inputs must be a tensor with a batch dim 0")
+        leaves = tree.leaves(inputs)
+        if not leaves or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves):
+            raise TypeError(
+                "pipeline: the batch's inputs must be a tensor (or a pytree of tensors) with a "
+                "batch dim 0"
+            )
         m = self.schedule.micro_batches
-        size = inputs.shape[0]
-        if size % m:
+        size = leaves[0].shape[0]
+        if any(t.shape[0] != size for t in leaves + tree.leaves(targets)):
+            raise ValueError(
+                "pipeline: the batch's inputs and targets must have the same size along dim 0, "
+                f"got {[tuple(t.shape) for t in leaves + tree.leaves(targets)]}"
+            )
+        if size % m == 0:
+            return (
+                [split_batch(inputs, i, m) for i in range(m)],
+                [split_batch(targets, i, m) for i in range(m)],
+                None,
+            )
+        if not self.pad:
             raise ValueError(
                 f"pipeline: the batch of {size} samples does not split into "
                 f"`micro_batches`={m} equal micro-batches; use a batch size that is a "
-                f"multiple of {m}"
+                f"multiple of {m}, or fscale.pipeline(..., pad=True) to pad the last one"
             )
-        micro_inputs = [split_batch(inputs, i, m) for i in range(m)]
-        micro_targets = [split_batch(targets, i, m) for i in range(m)]
-        return micro_inputs, micro_targets
+        per = -(-size // m)
+        # Padding repeats the last sample: finite values whatever the model; the loss never
+        # sees them, so their gradient is zero.
+        padded = tree.map(
+            lambda t: torch.cat([t, t[-1:].expand(per * m - size, *t.shape[1:])]), inputs
+        )
+        real = [max(0, min(per, size - i * per)) for i in range(m)]
+        return (
+            [split_batch(padded, i, m) for i in range(m)],
+            [tree.map(lambda t, i=i: t[i * per : i * per + real[i]], targets) for i in range(m)],
+            real,
+        )
 
     def _contract(self, comm, params, buffers, inputs, targets, key):
         signature = (
-            tuple(inputs.shape),
-            inputs.dtype,
+            tree.structure(inputs),
+            tuple((tuple(t.shape), t.dtype) for t in tree.leaves(inputs)),
             tuple((tuple(t.shape), t.dtype) for t in tree.leaves(targets)),
         )
         shapes = self._shapes.get(signature)
@@ -248,6 +330,30 @@ class PipelinePlan(Plan):
             )
             self._shapes[signature] = shapes
         return shapes
+
+
+class _Carrying(torch.autograd.Function):
+    """A zero whose gradient w.r.t. each leaf is the given gradient (times the seed)."""
+
+    @staticmethod
+    def forward(grads: list[torch.Tensor], *leaves: torch.Tensor) -> torch.Tensor:
+        return leaves[0].new_zeros(())
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.grads = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, seed: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *(grad * seed for grad in ctx.grads))
+
+
+def _carrying(grads: list[torch.Tensor], leaves: list[torch.Tensor]) -> torch.Tensor:
+    """0, with gradient `grads` w.r.t. `leaves`: the pipeline's gradient handed to the plan
+    inside (its seed, e.g. accumulation's weight, applied as to any loss)."""
+    if not leaves:
+        return torch.zeros(())
+    return _Carrying.apply(grads, *leaves)
 
 
 def _reduce_loss(

@@ -3,21 +3,22 @@
 For each (micro-batch m, stage s) the rank holds:
 
 - ``F``: the input is micro-batch m's inputs (stage 0), the previous stage's output on this rank
-  (cut from its graph), or received with `recv_activation`; the stage runs (under
-  `fscale.checkpoint` when the checkpoint mode says so) and its output goes to the next stage —
-  through `send_activation`, whose token is then the root of the stage's backward — or, on the
-  last stage, into ``loss_fn(outputs, targets)``: a mean over the micro-batch's samples,
-  weighted by the micro-batch's share of the batch (1/M), or ``(mean, count)``, a mean over
-  `count` items (tokens), weighted by `count` — the caller divides by the global count. Either
-  way the gradient is that of the mean over the whole batch, whatever M is.
-- ``B``: one ``torch.autograd.grad`` from the root: the gradient of the output arrives from the
-  next stage (the token's backward receives it), the input's gradient leaves for the previous
-  stage (the recv's backward sends it), and — unless the schedule splits — the weights'
-  gradients are added to the stage's sum.
-- ``W`` (split schedules): the weights' gradients, from the output and the gradient B received,
-  through the graph B kept. Autograd runs backward through the layers again for this (it cannot
-  keep the per-layer output gradients of B), so W costs about one more input-gradient pass,
-  and a checkpointed stage is recomputed for B and again for W.
+  (cut from its graph), or received leaf by leaf (`fscale.parallel.pipeline.transport`); the
+  stage runs (under `fscale.checkpoint` when the checkpoint mode says so) and its output — a
+  tensor or a pytree of tensors — goes to the next stage, or, on the last stage, into
+  ``loss_fn(outputs, targets)``: a mean over the micro-batch's samples, weighted by the
+  micro-batch's share of the batch (1/M), or ``(mean, count)``, a mean over `count` items
+  (tokens), weighted by `count` — the caller divides by the global count. Either way the
+  gradient is that of the mean over the whole batch, whatever M is. With padding, the loss
+  sees the micro-batch's real samples only and is weighted by their share of the batch.
+- ``B``: the gradients of the output's floating-point leaves arrive from the next stage; one
+  backward from them (or the loss) gives the gradients of the input's leaves, sent to the
+  previous stage, and — unless the schedule splits — adds the weights' gradients to the
+  stage's sum, in place (``torch.autograd.backward`` into the leaves' ``.grad``).
+- ``W`` (split schedules): B computed the input gradient only and kept the graph; W computes
+  the weights' gradients from the same graph without running any of B's work again
+  (`fscale.parallel.pipeline.split_backward`). A checkpointed micro-batch would be recomputed
+  for W as well; its B computes both gradients at once instead and its W adds them.
 
 Under `fscale.parallel.pipeline.timeline.record_timeline` each action is timed, its waits on
 receives counted, and the activations it saves measured.
@@ -39,47 +40,59 @@ from fscale import tree
 from fscale.distributed.comm import Comm
 from fscale.grad import normalize_loss_output
 from fscale.parallel.pipeline.schedule import Schedule
+from fscale.parallel.pipeline.split_backward import WeightWork, input_backward, weight_backward
 from fscale.parallel.pipeline.stages import Stages
 from fscale.parallel.pipeline.timeline import StepRecorder, recording
-from fscale.parallel.pipeline.transport import (
-    Link,
-    Outbox,
-    message_tag,
-    recv_activation,
-    send_activation,
-)
+from fscale.parallel.pipeline.transport import Link, Mailbox, differentiable
 from fscale.remat import checkpoint as remat_checkpoint
 
-__all__ = ["CHECKPOINT_MODES", "RankResult", "run_schedule"]
+__all__ = ["CHECKPOINT_MODES", "RankResult", "StageOutput", "run_schedule"]
 
 PyTree = Any
+Tensor = torch.Tensor
 CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+class StageOutput(NamedTuple):
+    """What a stage passes on for one micro-batch: its structure and each leaf's shape and
+    dtype (found by the first step's contract check)."""
+
+    treedef: Any
+    specs: tuple[tuple[torch.Size, torch.dtype], ...]
 
 
 class RankResult(NamedTuple):
     """What one rank computed: gradients and new buffers per local stage; on the rank of the
     last stage, the sum of the weighted micro-batch losses and, when the loss gives counts,
-    the sum of the counts (else None: the weights were 1/M)."""
+    the sum of the counts (else None: the weights were the samples' shares)."""
 
     grads: tuple[PyTree, ...]
     buffers: tuple[PyTree, ...]
-    loss: torch.Tensor | None
-    count: torch.Tensor | None
+    loss: Tensor | None
+    count: Tensor | None
 
 
 class _Unit:
     """One (micro-batch, stage) between its forward and its last backward action."""
 
-    __slots__ = ("grad_out", "input", "link", "output", "root")
+    __slots__ = ("checkpointed", "held", "input_leaves", "out_link", "outputs", "roots", "work")
 
     def __init__(self) -> None:
-        # What B differentiates w.r.t. for the input's gradient (None on stage 0): the leaf cut
-        # from the previous stage's output on this rank, or the received tensor's template.
-        self.input: torch.Tensor | None = None
-        self.output: torch.Tensor | None = None
-        self.root: torch.Tensor | None = None  # what B differentiates: token, loss or output
-        self.grad_out: torch.Tensor | None = None  # grad of root (None: implicit, scalar root)
-        self.link: Link | None = None  # the link to the next stage, if remote
+        # The input's leaves (None on stage 0); B differentiates w.r.t. the floating ones.
+        self.input_leaves: list[Tensor] | None = None
+        self.outputs: list[Tensor] = []  # the output's leaves
+        self.roots: list[Tensor] = []  # the loss (last stage): B's root when set
+        self.out_link: Link | None = None
+        self.checkpointed = False
+        self.work: WeightWork | None = None  # what B left for W
+        self.held: Sequence[Tensor | None] = ()  # weight gradients a checkpointed B computed
+
+
+def _cut(leaves: Sequence[Tensor]) -> list[Tensor]:
+    """Leaves of a new graph: floating-point ones require grad (their gradient goes back)."""
+    return [
+        x.detach().requires_grad_(True) if differentiable(x.dtype) else x.detach() for x in leaves
+    ]
 
 
 def run_schedule(
@@ -89,154 +102,219 @@ def run_schedule(
     stages: Stages,
     params: Sequence[PyTree],
     buffers: Sequence[PyTree],
-    inputs: Sequence[torch.Tensor],
+    inputs: Sequence[PyTree],
     targets: Sequence[Any],
     loss_fn: Any,
-    key: torch.Tensor,
+    key: Tensor,
     checkpoint: str,
-    shapes: dict[int, tuple[torch.Size, torch.dtype]],
+    shapes: dict[int, StageOutput],
+    real_sizes: Sequence[int] | None = None,
 ) -> RankResult:
     """Run rank `index`'s actions of `schedule` (see the module docstring).
 
     `params` / `buffers` hold one pytree per local stage (in `schedule.local_stages(index)`
-    order) and are not modified; `shapes[s]` is the shape and dtype of stage s's output.
+    order) and are not modified; `shapes[s]` is what stage s passes on. `real_sizes`, with
+    padding, is the number of real samples of each micro-batch, out of the batch's
+    ``sum(real_sizes)``; `targets` then hold the real samples only.
     """
     local = schedule.local_stages(index)
     position = {stage: i for i, stage in enumerate(local)}
     last = schedule.num_stages - 1
     micro_batches = schedule.micro_batches
-    weight = 1.0 / micro_batches
+    split = schedule.split
     # Own aliases of the parameters: the per-micro-batch backwards must not fire the hooks
     # that the plans around the pipeline put on the live leaves.
     leaves = [[t.detach().requires_grad_(True) for t in tree.leaves(p)] for p in params]
     treedefs = [tree.structure(p) for p in params]
     stage_params = [tree.unflatten(d, ls) for d, ls in zip(treedefs, leaves)]
-    grads: list[list[torch.Tensor | None]] = [[None] * len(ls) for ls in leaves]
+    split_grads: list[list[Tensor | None]] = [[None] * len(ls) for ls in leaves]
+    owned: list[list[bool]] = [[False] * len(ls) for ls in leaves]
     stage_buffers = list(buffers)
     units: dict[tuple[int, int], _Unit] = {}
-    local_grads: dict[tuple[int, int], torch.Tensor] = {}
+    local_grads: dict[tuple[int, int], list[Tensor | None]] = {}
     recorder = StepRecorder(tree.leaves((params, buffers))) if recording() else None
-    outbox = Outbox(None if recorder is None else recorder.waited)
-    loss_sum: torch.Tensor | None = None
-    counts: list[torch.Tensor] = []
+    mailbox = Mailbox(None if recorder is None else recorder.waited)
+    keys = [fsrandom.fold_in(key, m) for m in range(micro_batches)]
+    total = sum(real_sizes) if real_sizes is not None else 0
+    loss_sum: Tensor | None = None
+    counts: list[Tensor] = []
 
-    def link(m: int, stage: int, gradient_of: int) -> Link:
-        # The link carries stage `gradient_of`'s output forward and its gradient back.
-        peer = schedule.stage_ranks[stage]
+    def link(m: int, stage: int, peer_stage: int) -> Link:
         assert comm is not None
-        return Link(
-            comm,
-            peer,
-            message_tag(False, m, gradient_of, micro_batches),
-            message_tag(True, m, gradient_of, micro_batches),
-            outbox,
-        )
+        peer = schedule.stage_ranks[peer_stage]
+        return Link(comm, mailbox, peer, m, stage, micro_batches, shapes[stage].specs)
 
-    def add(i: int, found: Sequence[torch.Tensor | None]) -> None:
+    def add(i: int, found: Sequence[Tensor | None]) -> None:
+        # In place once this step owns the sum (autograd's results may be views or aliases).
         for j, g in enumerate(found):
-            if g is not None:
-                total = grads[i][j]
-                grads[i][j] = g if total is None else total + g
+            if g is None:
+                continue
+            held = split_grads[i][j]
+            if held is None:
+                split_grads[i][j] = g
+            elif owned[i][j]:
+                held.add_(g)
+            else:
+                split_grads[i][j], owned[i][j] = held + g, True
 
     def forward(m: int, stage: int) -> None:
-        nonlocal loss_sum
         unit = units.setdefault((m, stage), _Unit())
         i = position[stage]
         if stage == 0:
             x = inputs[m]
-        elif schedule.stage_ranks[stage - 1] == index:
-            x = units[(m, stage - 1)].output.detach().requires_grad_(True)  # type: ignore[union-attr]
-            unit.input = x
         else:
-            shape, dtype = shapes[stage - 1]
-            template = torch.zeros(shape, dtype=dtype, requires_grad=True)
-            x = recv_activation(template, link(m, stage - 1, stage - 1))
-            # Differentiating w.r.t. the template, not x, runs the recv's backward: the send
-            # of x's gradient to the previous stage.
-            unit.input = template
+            if schedule.stage_ranks[stage - 1] == index:
+                received = units[(m, stage - 1)].outputs
+            else:
+                received = link(m, stage - 1, stage - 1).receive_activation()
+            unit.input_leaves = _cut(received)
+            x = tree.unflatten(shapes[stage - 1].treedef, unit.input_leaves)
         call = stages.calls[stage]
         if checkpoint == "always" or (checkpoint == "except_last" and m < micro_batches - 1):
             call = remat_checkpoint(call)
+            unit.checkpointed = True
         with torch.enable_grad():
-            y, stage_buffers[i] = call(
-                stage_params[i], stage_buffers[i], x, fsrandom.fold_in(key, m)
-            )
-            unit.output = y
+            y, stage_buffers[i] = call(stage_params[i], stage_buffers[i], x, keys[m])
             if stage == last:
-                loss, count = _loss_and_count(loss_fn(y, targets[m]), m, len(counts))
-                if count is not None:
-                    counts.append(count)
-                unit.root = loss * (weight if count is None else count)
-                loss_sum = unit.root.detach() if loss_sum is None else loss_sum + unit.root.detach()
-            elif schedule.stage_ranks[stage + 1] == index:
-                unit.root = y
+                unit.roots = _loss_roots(y, m)
             else:
-                unit.link = link(m, stage + 1, stage)
-                unit.root = send_activation(y, unit.link)
+                unit.outputs = tree.leaves(y)
+                if schedule.stage_ranks[stage + 1] != index:
+                    unit.out_link = link(m, stage, stage + 1)
+                    unit.out_link.send_activation(unit.outputs)
 
-    def targets_of(unit: _Unit, i: int, with_weights: bool) -> list[torch.Tensor]:
-        wanted = [unit.input] if unit.input is not None else []
-        if with_weights:
-            wanted += leaves[i]
-        return wanted or [unit.output]  # type: ignore[list-item]
+    def _loss_roots(y: PyTree, m: int) -> list[Tensor]:
+        nonlocal loss_sum
+        share = 1.0 / micro_batches
+        if real_sizes is not None:
+            real = real_sizes[m]
+            if real == 0:  # all padding: no loss, no gradient
+                return []
+            if real < tree.leaves(y)[0].shape[0]:
+                y = tree.map(lambda t: t[:real], y)
+            share = real / total
+        loss, count = _loss_and_count(loss_fn(y, targets[m]), m, len(counts))
+        if count is not None:
+            counts.append(count)
+        root = loss * (share if count is None else count)
+        loss_sum = root.detach() if loss_sum is None else loss_sum + root.detach()
+        return [root]
 
-    def backward(m: int, stage: int, split: bool) -> None:
+    def seeds(m: int, stage: int, unit: _Unit) -> tuple[list[Tensor], list[Tensor | None]]:
+        if stage == last:
+            return unit.roots, [None] * len(unit.roots)
+        if unit.out_link is not None:
+            grads = unit.out_link.receive_gradients()
+        else:
+            grads = local_grads.pop((m, stage))
+        pairs = [(y, g) for y, g in zip(unit.outputs, grads) if g is not None and y.requires_grad]
+        return [y for y, _ in pairs], [g for _, g in pairs]
+
+    def backward(m: int, stage: int) -> None:
         unit = units[(m, stage)]
         i = position[stage]
-        if stage < last and schedule.stage_ranks[stage + 1] == index:
-            unit.grad_out = local_grads.pop((m, stage))
-        wanted = targets_of(unit, i, not split)
-        assert unit.root is not None
-        found = torch.autograd.grad(
-            unit.root, wanted, unit.grad_out, retain_graph=split, allow_unused=True
-        )
-        if unit.input is not None and stage > 0 and schedule.stage_ranks[stage - 1] == index:
-            local_grads[(m, stage - 1)] = found[0]
+        roots, grad_roots = seeds(m, stage, unit)
+        wanted = [x for x in unit.input_leaves or () if x.requires_grad]
+        weights = leaves[i]
+        found: Sequence[Tensor | None] = [None] * len(wanted)
+        if roots and not split:
+            torch.autograd.backward(roots, grad_roots, inputs=wanted + weights)
+            found = [x.grad for x in wanted]
+        elif roots and unit.checkpointed:
+            everything = _grad(roots, grad_roots, wanted + weights)
+            found, unit.held = everything[: len(wanted)], everything[len(wanted) :]
+        elif roots:
+            found, unit.work = input_backward(roots, grad_roots, wanted, weights)
+        if stage > 0:
+            by_leaf = iter(found)
+            grads = [next(by_leaf) if x.requires_grad else None for x in unit.input_leaves or ()]
+            if schedule.stage_ranks[stage - 1] == index:
+                local_grads[(m, stage - 1)] = grads
+            else:
+                link(m, stage - 1, stage - 1).send_gradients(grads)
         if not split:
-            add(i, found[len(wanted) - len(leaves[i]) :] if leaves[i] else [])
             del units[(m, stage)]
 
     def weight_grads(m: int, stage: int) -> None:
         unit = units.pop((m, stage))
         i = position[stage]
-        if not leaves[i]:
-            return
-        if unit.link is not None:  # the root was the token: differentiate the output instead
-            root, grad_out = unit.output, unit.link.received_grad
+        if unit.work is not None:
+            add(i, weight_backward(unit.work, leaves[i]))
         else:
-            root, grad_out = unit.root, unit.grad_out
-        assert root is not None
-        add(i, torch.autograd.grad(root, leaves[i], grad_out, allow_unused=True))
-
-    split = schedule.split
+            add(i, unit.held)
 
     def run(kind: str, m: int, stage: int) -> None:
         if kind == "F":
             forward(m, stage)
         elif kind == "B":
-            backward(m, stage, split)
+            backward(m, stage)
         else:
             weight_grads(m, stage)
 
-    for action in schedule.rank_actions(index):
+    actions = schedule.rank_actions(index)
+    receives = _receives(schedule, index, actions)
+    # Receives posted ahead, a window of them: enough that a message finds its receive posted,
+    # few enough that 1F1B's bound on what a rank holds is not spent on buffers.
+    window = max(2, schedule.activation_bound[index])
+    posted = consumed = 0
+    for action in actions:
+        while posted < min(len(receives), consumed + window):
+            m, stage, gradient = receives[posted]
+            peer_stage = stage + 1 if gradient else stage
+            ahead = link(m, stage, peer_stage)
+            if gradient:
+                ahead.expect_gradients()
+            else:
+                ahead.expect_activation()
+            posted += 1
+        if receives[consumed : consumed + 1] == [_receive_of(schedule, index, action)]:
+            consumed += 1
         if recorder is None:
             run(action.kind, action.micro_batch, action.stage)
         else:
             timed = recorder.action(action.kind, action.micro_batch, action.stage)
             with timed, recorder.saving():
                 run(action.kind, action.micro_batch, action.stage)
-    drain_wait = outbox.drain()
+    drain_wait = mailbox.drain()
     if recorder is not None:
         recorder.finish(drain_wait)
-    stage_grads = tuple(
-        tree.unflatten(d, [torch.zeros_like(t) if g is None else g for g, t in zip(gs, ls)])
-        for d, gs, ls in zip(treedefs, grads, leaves)
-    )
+    stage_grads = []
+    for i, (d, ls) in enumerate(zip(treedefs, leaves)):
+        found = split_grads[i] if split else [t.grad for t in ls]
+        stage_grads.append(
+            tree.unflatten(d, [torch.zeros_like(t) if g is None else g for g, t in zip(found, ls)])
+        )
     count_sum = torch.stack(counts).sum() if counts else None
-    return RankResult(stage_grads, tuple(stage_buffers), loss_sum, count_sum)
+    return RankResult(tuple(stage_grads), tuple(stage_buffers), loss_sum, count_sum)
 
 
-def _loss_and_count(out: Any, m: int, counted: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _receive_of(schedule: Schedule, index: int, action: Any) -> tuple[int, int, bool] | None:
+    """What `action` receives from another rank: (micro-batch, stage of the output, whether
+    the gradient), or None."""
+    m, stage = action.micro_batch, action.stage
+    if action.kind == "F" and stage > 0 and schedule.stage_ranks[stage - 1] != index:
+        return (m, stage - 1, False)
+    last = schedule.num_stages - 1
+    if action.kind == "B" and stage < last and schedule.stage_ranks[stage + 1] != index:
+        return (m, stage, True)
+    return None
+
+
+def _receives(schedule: Schedule, index: int, actions: Sequence[Any]) -> list[Any]:
+    """The rank's receives in the order its actions make them."""
+    found = (_receive_of(schedule, index, a) for a in actions)
+    return [r for r in found if r is not None]
+
+
+def _grad(
+    roots: list[Tensor], grad_roots: list[Tensor | None], wanted: list[Tensor]
+) -> Sequence[Tensor | None]:
+    if not wanted:
+        return []
+    return torch.autograd.grad(roots, wanted, grad_roots, allow_unused=True)
+
+
+def _loss_and_count(out: Any, m: int, counted: int) -> tuple[Tensor, Tensor | None]:
     """The loss and, if `loss_fn` returned ``(mean, count)``, the count; every micro-batch
     must return the same kind."""
     count = None

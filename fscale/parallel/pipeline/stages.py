@@ -4,7 +4,8 @@ Either form becomes `Stages`: one call per stage, ``call(params_s, buffers_s, x,
 (y, buffers_s)`` with `key` the micro-batch's key, and the map between the full model's state
 and the stages' pieces (`split` / `merge`):
 
-- **functions**: ``stage_i(params_i, buffers_i, x, key) -> (y, buffers_i)`` (or just ``y``);
+- **functions**: ``stage_i(params_i, buffers_i, x, key) -> (y, buffers_i)`` (or just ``y``
+  when it is one tensor; an output that is a pytree of tensors comes with the buffers);
   the full params and buffers are lists with one pytree per stage. The key a stage sees is the
   micro-batch's key folded with the stage index.
 - **modules**: an ``nn.Sequential`` (or a list of modules, named ``"0"``, ``"1"`` ... as a
@@ -27,13 +28,14 @@ import torch
 from torch import nn
 
 from fscale import random as fsrandom
+from fscale import tree
 from fscale.functional import functionalize
 from fscale.functional.rng import seeded_by
 
 __all__ = ["StageCall", "Stages", "function_stages", "module_stages"]
 
 PyTree = Any
-StageCall = Callable[[PyTree, PyTree, torch.Tensor, torch.Tensor], tuple[torch.Tensor, PyTree]]
+StageCall = Callable[[PyTree, PyTree, PyTree, torch.Tensor], tuple[PyTree, PyTree]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +110,9 @@ def function_stages(functions: Sequence[Any], caller: str) -> Stages:
 
 
 def _function_call(fn: Callable[..., Any], index: int) -> StageCall:
-    def call(params: PyTree, buffers: PyTree, x: torch.Tensor, key: torch.Tensor) -> Any:
+    def call(params: PyTree, buffers: PyTree, x: PyTree, key: torch.Tensor) -> Any:
         out = fn(params, buffers, x, fsrandom.fold_in(key, index))
+        # A lone tensor is the output; anything else is the pair (output pytree, buffers).
         return (out, buffers) if isinstance(out, torch.Tensor) else out
 
     return call
@@ -148,11 +151,12 @@ class _StageLayers(nn.Module):
             self.add_module(name, layer)
             self._indices.append((index, name))
 
-    def forward(self, x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: PyTree, key: torch.Tensor) -> PyTree:
+        # The stage's input tells the accelerator in use (the layers' tensors live with it),
+        # which is cheaper to ask than every layer's parameters.
+        inputs = tree.leaves(x)
         for index, name in self._indices:
-            # The stage's input tells the accelerator in use (the layers' tensors live with it),
-            # which is cheaper to ask than every layer's parameters.
-            with seeded_by(fsrandom.fold_in(key, index), lambda x=x: [x]):
+            with seeded_by(fsrandom.fold_in(key, index), lambda: inputs):
                 x = self.get_submodule(name)(x)
         return x
 

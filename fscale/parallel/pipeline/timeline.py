@@ -137,7 +137,10 @@ class StepRecorder:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.untyped_storage().data_ptr() not in self._state_storages:
             self._live.track(tensor)
-        return tensor
+        # Not the tensor itself: a saved output would then hold its own graph through its
+        # grad_fn, a cycle autograd never frees, and what a backward does not release (a
+        # split backward's input half) would stay alive.
+        return tensor.detach()
 
     def finish(self, drain_wait: float) -> None:
         """Close the step: its timeline goes to every open `record_timeline` block."""

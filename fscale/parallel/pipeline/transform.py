@@ -2,22 +2,23 @@
 
 The model is cut into S stages placed on the P ranks of the mesh axis `axis` (S = P, or v·P
 for the interleaved schedule); a batch ``(inputs, targets)``, given whole to every rank of the
-axis, is split along dim 0 into `micro_batches` equal micro-batches that flow through the
-stages as the schedule's table says. Forward collective: a send of each stage's output to the
-next stage's rank; backward collective: its dual, the gradient sent back
-(`fscale.parallel.pipeline.transport`). Memory per rank: its stages' parameters, gradients
-and optimizer state, and the activations of at most the schedule's `activation_bound`
-micro-batches (fewer with checkpointing). Traffic per step: each stage boundary carries one
-activation and one gradient per micro-batch, plus one scalar all-reduce of the loss.
+axis, is split along dim 0 into `micro_batches` equal micro-batches (with ``pad=True`` the last
+ones padded, the padding masked out of the loss) that flow through the stages as the
+schedule's table says; what a stage passes on is a tensor or a pytree of tensors. Forward
+collective: a send of each stage's output to the next stage's rank; backward collective: its
+dual, the gradient sent back (`fscale.parallel.pipeline.transport`). Memory per rank: its
+stages' parameters, gradients and optimizer state, and the activations of at most the
+schedule's `activation_bound` micro-batches (fewer with checkpointing). Traffic per step: each
+stage boundary carries one activation and one gradient per micro-batch, plus one scalar
+all-reduce of the loss.
 
 Reductions do not depend on the split: each micro-batch's mean loss is weighted by its share of
 the batch (1/M) — or, when ``loss_fn`` returns ``(mean, count)``, by its count, the gradient
 then divided by the batch's total count — so the gradient and ``metrics["loss"]`` are those of
 the mean over the whole batch (of samples, or of the counted tokens), for any M, schedule and
 number of stages. Across data-parallel ranks (``per_stage``) the data-parallel layer's mean
-over ranks applies. Dropout keys are folded by (step,
-micro-batch, layer) — the stage index in the functions form — so a mask does not depend on the
-schedule or the balance.
+over ranks applies. Dropout keys are folded by (step, micro-batch, layer) — the stage index in
+the functions form — so a mask does not depend on the schedule or the balance.
 """
 
 from __future__ import annotations
@@ -54,13 +55,15 @@ def pipeline(
     balance: list[int] | None = None,
     virtual: int = 2,
     per_stage: Callable[[Step], Step] | None = None,
+    pad: bool = False,
 ) -> Step:
     """A Step that trains `stages` as a pipeline over `axis` (see the module docstring).
 
     Args:
         stages: a list of functions ``stage_i(params_i, buffers_i, x, key) -> (y, buffers_i)``
-            (or ``-> y``), one per stage; or an ``nn.Sequential`` / list of modules cut by
-            `balance`. The activation between stages is one tensor.
+            (or ``-> y`` for a tensor y), one per stage; or an ``nn.Sequential`` / list of modules
+            cut by `balance`. The activation between stages is a tensor or a pytree of tensors
+            (tuple, dict ...); its floating-point leaves carry gradients back.
         loss_fn: ``loss_fn(outputs, targets)``: the mean loss of one micro-batch, on the last
             stage; or ``(mean, count)``, a mean over `count` items (e.g. unpadded tokens).
         optimizer: an `fscale.optim.Optimizer`; each rank runs it on its stages.
@@ -71,12 +74,21 @@ def pipeline(
             ``"zero_bubble"``; a `Schedule`; or a builder ``(num_ranks, micro_batches) ->
             Schedule``. It is checked by simulation here (`check_schedule`).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (torchgpipe's modes). Under
-            ``"zero_bubble"`` a checkpointed stage is recomputed for B and again for W.
+            ``"zero_bubble"`` a checkpointed micro-batch computes both of its gradients in B
+            (one recompute) and its W only adds them.
         balance: for a module pipeline, the number of consecutive layers of each stage.
         virtual: stages per rank of the interleaved schedule.
         per_stage: a transformation of each rank's stage step, e.g. ``lambda s:
-            fscale.data_parallel(s, mesh, "dp")`` or ``fscale.shard_optimizer(s, mesh, "dp")``
-            for pp × dp.
+            fscale.data_parallel(s, mesh, "dp")``, ``fscale.shard_optimizer(s, mesh, "dp")`` or
+            ``fscale.fully_shard(s, mesh, "dp")`` for pp × dp. Under fully_shard each rank
+            holds 1/N of its stages' parameters, gradients and optimizer state at rest; its
+            stages' units are gathered once per step (on first use) and kept for the step's
+            micro-batches, their gradients reduce-scattered once at the end (the gather's dual).
+        pad: a batch whose size is not a multiple of `micro_batches` is refused (False), or
+            padded (True): the micro-batches take ``ceil(size / M)`` samples, the last ones
+            filled with copies of the last sample, which the loss never sees, so loss,
+            gradients and results equal those of the unpadded batch. The stages must treat
+            samples independently (no BatchNorm statistics over the batch).
 
     Returns:
         A Step; ``state = step.init(params, buffers)`` takes the full model's pytrees (a list
@@ -115,12 +127,20 @@ def pipeline(
         base = per_stage(base)
         if not isinstance(base, Step):
             raise TypeError(f"{caller}: `per_stage` must return a Step, got {type(base).__name__}")
+        if base.plan.find("accumulate") is not None:
+            raise ValueError(
+                f"{caller}: `per_stage` accumulates gradients inside the stage, which would run "
+                "the whole pipeline once per slice; accumulate around the pipeline instead, "
+                "fscale.accumulate(fscale.pipeline(...), k), or raise `micro_batches`"
+            )
         if axis in base.plan.data_axes():
             raise ValueError(
                 f"{caller}: `per_stage` splits the batch over the pipeline axis {axis!r}; use "
                 "another mesh axis for data parallelism, e.g. fscale.Mesh(dp=2, pp=2)"
             )
-    plan = PipelinePlan(base.plan, mesh, axis, stage_set, table, loss_fn, checkpoint)
+    if not isinstance(pad, bool):
+        raise TypeError(f"{caller}: `pad` must be a bool, got {type(pad).__name__}")
+    plan = PipelinePlan(base.plan, mesh, axis, stage_set, table, loss_fn, checkpoint, pad)
     return base.replace(plan=plan)
 
 

@@ -1,29 +1,35 @@
-"""The stage-to-stage pair: a differentiable send whose dual is a recv, with sends posted async.
+"""Stage-to-stage messages: an activation's leaves sent forward, their gradients sent back.
 
-`send_activation(y, link)` posts ``y`` to the next stage and returns a 0-dim token connected to
-it; differentiating the token *receives* the gradient of ``y`` from that stage. Its dual,
-`recv_activation(template, link)`, receives the activation, and its backward *sends* the
-gradient of what it received back to the producer. So a stage's backward is one
-``torch.autograd.grad`` of its token (or loss), and the gradients travel back along the same
-links as the activations came, as `fscale.distributed.send` / `recv` define it.
+The forward collective of a pipeline is a send of each stage's output to the next stage's
+rank; its dual, in backward, is the send of the gradient of what was received back to the
+producer (`fscale.distributed.send` / `recv` are the differentiable pair; this module is the
+same pair as a scheduled runtime drives it). An activation is a pytree of tensors: each leaf
+is one message, and each floating-point leaf gets exactly one gradient message back (zeros
+when the stage did not use it), so both sides agree on what travels without looking at the
+graph.
 
-Unlike those, a send here never blocks: gloo's send waits for the matching receive, so two
-neighbours sending to each other at once (1F1B's steady state: an activation forward, a
-gradient back) would each wait for the other. Sends go to an `Outbox` that the step drains at
-its end; only receives wait, and a schedule that passes `fscale.parallel.pipeline.check`
-receives only what an earlier tick has sent. Every message is tagged by (direction,
-micro-batch, stage), so a rank may receive in another order than its peer sent.
+A send never blocks: gloo's send waits for the matching receive, so two neighbours sending to
+each other at once (1F1B's steady state: an activation forward, a gradient back) would each
+wait for the other. Sends go to a `Mailbox` that the step drains at its end; only receives
+wait, and a schedule that passes `fscale.parallel.pipeline.check` receives only what an earlier
+tick has sent. Every message is tagged by (direction, micro-batch, stage, leaf), so a rank may
+receive in another order than its peer sent.
+
+Receives are posted ahead (`Link.expect_activation` / `expect_gradients`): gloo moves a message
+only once both sides have posted it — a send that finds no posted receive waits for the
+receiver's notice and the sender's progress thread to write it — so a receive posted before
+its send arrives takes the message at once, and the wait for it is the sender's compute only.
 
 The comm ledger records each send (the bytes this rank puts on the wire), under the
-pipeline's axis. An outbox made with `on_wait` is told the seconds each receive along its links
-and its final drain spent blocked (`fscale.parallel.pipeline.timeline` counts them as idle).
+pipeline's axis. A mailbox made with `on_wait` is told the seconds each receive through it
+spent blocked (`fscale.parallel.pipeline.timeline` counts them as idle).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,23 +38,47 @@ import torch.distributed as dist
 from fscale.distributed.comm import Comm
 from fscale.distributed.ledger import record
 
-__all__ = ["Link", "Outbox", "message_tag", "recv_activation", "send_activation", "wait"]
+__all__ = ["Link", "Mailbox", "differentiable", "message_tag", "wait"]
 
 Tensor = torch.Tensor
+LeafSpec = tuple[torch.Size, torch.dtype]
 
 
-class Outbox:
-    """Sends posted and not yet known to be delivered; `drain` waits for all of them.
+def differentiable(dtype: torch.dtype) -> bool:
+    """Whether a leaf of `dtype` carries a gradient between stages."""
+    return dtype.is_floating_point or dtype.is_complex
 
-    `on_wait`, if given, receives the seconds each blocking receive of a link through this
-    outbox waited (see `timed_receive`)."""
+
+def message_tag(
+    gradient: bool, micro_batch: int, stage: int, micro_batches: int, leaf: int, num_leaves: int
+) -> int:
+    """The tag of leaf `leaf` of stage `stage`'s output for `micro_batch` (or its gradient)."""
+    message = 2 * (stage * micro_batches + micro_batch) + int(gradient)
+    return message * num_leaves + leaf + 1
+
+
+def wait(work: Any) -> None:
+    """Wait for a point-to-point operation (None: it completed at once)."""
+    if work is not None:
+        work.wait()
+
+
+class Mailbox:
+    """Sends posted and not yet known to be delivered (`drain` waits for all of them), and
+    receives posted ahead of their use.
+
+    `on_wait`, if given, receives the seconds each blocking receive through this mailbox
+    waited."""
 
     def __init__(self, on_wait: Callable[[float], None] | None = None) -> None:
         self._pending: dict[tuple[int, int], tuple[Any, Tensor]] = {}
+        self._expected: dict[tuple[int, int], tuple[Any, Tensor]] = {}
         self.on_wait = on_wait
 
     def post(self, tensor: Tensor, comm: Comm, to: int, tag: int) -> None:
-        payload = tensor.detach().contiguous()
+        payload = tensor.detach()
+        if not payload.is_contiguous():
+            payload = payload.contiguous()
         record("send", comm.axis, payload.dtype, payload.numel(), comm.size)
         work = dist.isend(payload, group=comm.group, group_dst=to, tag=tag)
         self._pending[(to, tag)] = (work, payload)  # the payload must live until delivered
@@ -63,102 +93,90 @@ class Outbox:
 
     def drain(self) -> float:
         """Wait for every posted send; returns the seconds that took."""
+        if self._expected:  # the next step reuses the tags: nothing may stay posted
+            raise RuntimeError(
+                f"pipeline: receives {sorted(self._expected)} (source, tag) were posted and "
+                "never used"
+            )
         start = time.perf_counter()
         pending, self._pending = self._pending, {}
         for work, _ in pending.values():
             wait(work)
         return time.perf_counter() - start
 
-    def timed_receive(
-        self, comm: Comm, shape: torch.Size, dtype: torch.dtype, source: int, tag: int
-    ) -> Tensor:
-        """`receive`, its blocked seconds reported to `on_wait`."""
-        if self.on_wait is None:
-            return receive(comm, shape, dtype, source, tag)
+    def expect(self, comm: Comm, spec: LeafSpec, source: int, tag: int) -> None:
+        """Post the receive of the tensor tagged `tag` from index `source` now."""
+        buffer = torch.empty(spec[0], dtype=spec[1])
+        work = dist.irecv(buffer, group=comm.group, group_src=source, tag=tag)
+        self._expected[(source, tag)] = (work, buffer)
+
+    def receive(self, comm: Comm, spec: LeafSpec, source: int, tag: int) -> Tensor:
+        """Block until the tensor tagged `tag` from index `source` along the axis arrives."""
         start = time.perf_counter()
-        buffer = receive(comm, shape, dtype, source, tag)
-        self.on_wait(time.perf_counter() - start)
-        return buffer
-
-
-def receive(comm: Comm, shape: torch.Size, dtype: torch.dtype, source: int, tag: int) -> Tensor:
-    """Block until the tensor tagged `tag` from index `source` along the axis has arrived."""
-    buffer = torch.empty(shape, dtype=dtype)
-    wait(dist.irecv(buffer, group=comm.group, group_src=source, tag=tag))
-    return buffer
-
-
-def wait(work: Any) -> None:
-    """Wait for a point-to-point operation (None: it completed at once)."""
-    if work is not None:
-        work.wait()
-
-
-def message_tag(gradient: bool, micro_batch: int, stage: int, micro_batches: int) -> int:
-    """The tag of stage `stage`'s output (or the gradient sent back to it) for `micro_batch`."""
-    return 2 * (stage * micro_batches + micro_batch) + int(gradient) + 1
+        posted = self._expected.pop((source, tag), None)
+        if posted is None:
+            buffer = torch.empty(spec[0], dtype=spec[1])
+            posted = (dist.irecv(buffer, group=comm.group, group_src=source, tag=tag), buffer)
+        wait(posted[0])
+        if self.on_wait is not None:
+            self.on_wait(time.perf_counter() - start)
+        return posted[1]
 
 
 @dataclasses.dataclass
 class Link:
-    """One direction of a stage boundary for one micro-batch: the peer, the tags, the outbox,
-    and (filled by the backward of `send_activation`) the gradient that came back."""
+    """One stage boundary for one micro-batch, seen from one side: the peer's index along the
+    axis, the leaves' shapes and dtypes, and the tags of their messages."""
 
     comm: Comm
+    mailbox: Mailbox
     peer: int
-    tag: int
-    grad_tag: int
-    outbox: Outbox
-    received_grad: Tensor | None = None
+    micro_batch: int
+    stage: int  # the stage whose output crosses the boundary
+    micro_batches: int
+    specs: Sequence[LeafSpec]
 
-
-class _SendActivation(torch.autograd.Function):
-    @staticmethod
-    def forward(y: Tensor, link: Link) -> Tensor:
-        link.outbox.post(y, link.comm, link.peer, link.tag)
-        return y.new_zeros(())
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        y, ctx.link = inputs
-        ctx.shape, ctx.dtype = y.shape, y.dtype
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        link = ctx.link
-        grad_y = link.outbox.timed_receive(
-            link.comm, ctx.shape, ctx.dtype, link.peer, link.grad_tag
-        )
-        link.received_grad = grad_y  # a split backward's W reuses it
-        # The gradient came back, so the peer has the activation: its send is done.
-        link.outbox.settle(link.peer, link.tag)
-        return grad_y, None
-
-
-class _RecvActivation(torch.autograd.Function):
-    @staticmethod
-    def forward(template: Tensor, link: Link) -> Tensor:
-        return link.outbox.timed_receive(
-            link.comm, template.shape, template.dtype, link.peer, link.tag
+    def tag(self, gradient: bool, leaf: int) -> int:
+        return message_tag(
+            gradient, self.micro_batch, self.stage, self.micro_batches, leaf, len(self.specs)
         )
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        _, ctx.link = inputs
+    def send_activation(self, leaves: Sequence[Tensor]) -> None:
+        for index, leaf in enumerate(leaves):
+            self.mailbox.post(leaf, self.comm, self.peer, self.tag(False, index))
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        link = ctx.link
-        link.outbox.post(grad, link.comm, link.peer, link.grad_tag)
-        return grad, None
+    def receive_activation(self) -> list[Tensor]:
+        return [
+            self.mailbox.receive(self.comm, spec, self.peer, self.tag(False, index))
+            for index, spec in enumerate(self.specs)
+        ]
 
+    def expect_activation(self) -> None:
+        for index, spec in enumerate(self.specs):
+            self.mailbox.expect(self.comm, spec, self.peer, self.tag(False, index))
 
-def send_activation(y: Tensor, link: Link) -> Tensor:
-    """Post `y` to `link.peer`; the returned token's backward receives `y`'s gradient."""
-    return _SendActivation.apply(y, link)
+    def expect_gradients(self) -> None:
+        for index, spec in enumerate(self.specs):
+            if differentiable(spec[1]):
+                self.mailbox.expect(self.comm, spec, self.peer, self.tag(True, index))
 
+    def send_gradients(self, grads: Sequence[Tensor | None]) -> None:
+        """Send the gradient of every differentiable leaf received (None: zeros)."""
+        for index, (spec, grad) in enumerate(zip(self.specs, grads)):
+            if differentiable(spec[1]):
+                grad = torch.zeros(spec[0], dtype=spec[1]) if grad is None else grad
+                self.mailbox.post(grad, self.comm, self.peer, self.tag(True, index))
 
-def recv_activation(template: Tensor, link: Link) -> Tensor:
-    """Receive a tensor shaped like `template` (which must require grad, so that autograd runs
-    this function's backward, the send of the gradient back to `link.peer`)."""
-    return _RecvActivation.apply(template, link)
+    def receive_gradients(self) -> list[Tensor | None]:
+        """The gradients of the differentiable leaves sent (None for the others); the peer
+        has then received the activation, so its sends are settled."""
+        grads: list[Tensor | None] = []
+        for index, spec in enumerate(self.specs):
+            if differentiable(spec[1]):
+                tag = self.tag(True, index)
+                grads.append(self.mailbox.receive(self.comm, spec, self.peer, tag))
+            else:
+                grads.append(None)
+        for index in range(len(self.specs)):
+            self.mailbox.settle(self.peer, self.tag(False, index))
+        return grads

@@ -1,0 +1,306 @@
+"""fs.pipeline: the split backward of zero-bubble (no work repeated), activations that are
+pytrees, and explicit padding of a batch that does not split into the micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fscale as fs
+from fscale.parallel.pipeline import StageContractError, pipeline
+from fscale.parallel.pipeline.split_backward import input_backward, weight_backward
+from fscale.testing import assert_trees_close, run_spmd
+
+# ---- the split backward ----------------------------------------------------------------------
+
+
+def _graph_nodes(roots):
+    seen, stack = set(), [r.grad_fn for r in roots]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(child for child, _ in node.next_functions)
+    return seen
+
+
+def _stage(x, weights):
+    w1, b1, w2, norm, tied = weights
+    h = torch.tanh(x @ w1 + b1)
+    h = nn.functional.layer_norm(h, (h.shape[-1],), norm, None)
+    return torch.sin(h @ w2) + h @ tied + (x @ tied.T).sum()  # `tied` used twice
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_split_backward_equals_the_whole_backward(seed):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(6, 6), (6,), (6, 6), (6,), (6, 6)]
+    weights = [torch.randn(s, generator=g).requires_grad_(True) for s in shapes]
+    x = torch.randn(3, 6, generator=g).requires_grad_(True)
+    grad_y = torch.randn(3, 6, generator=g)
+    expected = torch.autograd.grad(_stage(x, weights), [x, *weights], grad_y)
+    y = _stage(x, weights)
+    (grad_x,), work = input_backward([y], [grad_y], [x], weights)
+    assert grad_x is not None and all(w.grad is None for w in weights)
+    grads = weight_backward(work, weights)
+    assert_trees_close([grad_x, *grads], list(expected), rtol=1e-6, atol=1e-6)
+
+
+def test_weight_backward_does_not_run_the_input_backward_again():
+    # A chain x -> Linear -> tanh -> Linear -> tanh: W must not run the tanh backwards again
+    # (the old W differentiated from the output once more and did).
+    g = torch.Generator().manual_seed(3)
+    w1, w2 = (torch.randn(5, 5, generator=g).requires_grad_(True) for _ in range(2))
+    x = torch.randn(2, 5, generator=g).requires_grad_(True)
+    y = torch.tanh(torch.tanh(x @ w1) @ w2)
+    grad_y = torch.randn(2, 5, generator=g)
+    expected = torch.autograd.grad(y, [x, w1, w2], grad_y, retain_graph=True)
+    runs: list[str] = []
+    for node in _graph_nodes([y]):
+        node.register_hook(lambda *_, node=node: runs.append(node.name()))
+    (grad_x,), work = input_backward([y], [grad_y], [x], [w1, w2])
+    in_b = len(runs)
+    grads = weight_backward(work, [w1, w2])
+    in_w = runs[in_b:]
+    assert_trees_close([grad_x, *grads], list(expected), rtol=1e-6, atol=1e-6)
+    assert not any("Tanh" in name for name in in_w)
+    assert sorted(in_w) == sorted(n for n in in_w if "Mm" in n or "Accumulate" in n)
+
+
+def test_a_first_stage_without_input_gradient_does_everything_in_w():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(3, 3, generator=g).requires_grad_(True)
+    y = torch.tanh(torch.randn(2, 3, generator=g) @ w)
+    grad_y = torch.randn(2, 3, generator=g)
+    expected = torch.autograd.grad(y, [w], grad_y, retain_graph=True)
+    found, work = input_backward([y], [grad_y], [], [w])
+    assert tuple(found) == ()
+    assert_trees_close(weight_backward(work, [w]), list(expected), rtol=0, atol=0)
+
+
+# ---- pytree activations ----------------------------------------------------------------------
+
+
+def _tree_stages():
+    def first(p, b, x, key):
+        h = torch.tanh(x @ p["w"])
+        return {"h": h, "skip": x, "rows": (x[:, 0] > 0).long()}, b  # an int leaf too
+
+    def middle(p, b, x, key):
+        return (torch.tanh(x["h"] @ p["w"]) + x["skip"], x["rows"].to(x["h"].dtype)), b
+
+    def last(p, b, x, key):
+        hidden, rows = x
+        return hidden @ p["w"] + rows[:, None] * p["scale"]
+
+    return [first, middle, last]
+
+
+def _tree_params(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"w": torch.randn(4, 4, generator=g)},
+        {"w": torch.randn(4, 4, generator=g)},
+        {"w": torch.randn(4, 2, generator=g), "scale": torch.randn(2, generator=g)},
+    ]
+
+
+def _tree_reference(params, batch, steps):
+    first, middle, last = _tree_stages()
+
+    def loss_fn(p, b, data, key):
+        x, _ = first(p[0], None, data[0], key)
+        x, _ = middle(p[1], None, x, key)
+        return ((last(p[2], None, x, key) - data[1]) ** 2).mean()
+
+    step = fs.train_step(loss_fn, fs.optim.adam(1e-2))
+    state = step.init(params, None)
+    for _ in range(steps):
+        state, _ = step(state, batch)
+    return state.params
+
+
+def _pytree_activations(schedule):
+    stages = _tree_stages()
+    params = _tree_params(0)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g))
+    step = pipeline(
+        [stages[0], _chain(stages[1], stages[2])],
+        lambda out, t: ((out - t) ** 2).mean(),
+        fs.optim.adam(1e-2),
+        fs.Mesh(pp=2),
+        micro_batches=4,
+        schedule=schedule,
+    )
+    merged = [params[0], {"a": params[1], "b": params[2]}]
+    state = step.init(merged, None)
+    for _ in range(2):
+        state, _ = step(state, batch)
+    full = fs.consolidate(step, state).params
+    expected = _tree_reference(params, batch, 2)
+    return [full[0], full[1]["a"], full[1]["b"]], expected
+
+
+def _chain(middle, last):
+    def stage(p, b, x, key):
+        y, _ = middle(p["a"], b, x, key)
+        return last(p["b"], b, y, key)
+
+    return stage
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_a_pytree_of_tensors_passes_between_stages(schedule):
+    for params, expected in run_spmd(_pytree_activations, 2, schedule):
+        assert_trees_close(params, expected, rtol=1e-5, atol=1e-6)
+
+
+def _tuple_module_pipeline():
+    class Split(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.a(x), torch.tanh(self.b(x))
+
+    class Join(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = nn.Linear(3, 2)
+
+        def forward(self, pair):
+            return self.out(pair[0] * pair[1])
+
+    torch.manual_seed(2)
+    model = nn.Sequential(Split(), Join())
+    apply, params, buffers = fs.functionalize(model)
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randn(6, 3, generator=g), torch.randn(6, 2, generator=g))
+    mse = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
+    step = pipeline(model, mse, fs.optim.sgd(0.1), fs.Mesh(pp=2), micro_batches=3, balance=[1, 1])
+    state = step.init(params, buffers)
+    state, _ = step(state, batch)
+    plain = fs.train_step(lambda p, b, d, k: mse(apply(p, b, d[0])[0], d[1]), fs.optim.sgd(0.1))
+    expected, _ = plain(plain.init(params, buffers), batch)
+    return fs.consolidate(step, state).params, expected.params
+
+
+def test_a_module_stage_may_return_a_tuple():
+    for params, expected in run_spmd(_tuple_module_pipeline, 2):
+        assert_trees_close(params, expected, rtol=1e-5, atol=1e-6)
+
+
+def _bad_leaf():
+    def first(p, b, x, key):
+        return {"h": x @ p["w"], "n": 3}, b
+
+    def last(p, b, x, key):
+        return x["h"] @ p["w"]
+
+    step = pipeline(
+        [first, last], lambda o, t: o.mean(), fs.optim.sgd(0.1), fs.Mesh(pp=2), micro_batches=2
+    )
+    state = step.init([{"w": torch.ones(2, 2)}, {"w": torch.ones(2, 2)}], None)
+    try:
+        step(state, (torch.ones(4, 2), torch.ones(4, 2)))
+    except StageContractError as error:
+        return str(error)
+    return None
+
+
+def _wrong_leaf_shape():
+    def first(p, b, x, key):
+        return {"h": x @ p["w"], "gate": x[:, :1]}, b
+
+    def last(p, b, x, key):
+        return (x["h"] * x["gate"]) @ p["w"]
+
+    step = pipeline(
+        [first, last], lambda o, t: o.mean(), fs.optim.sgd(0.1), fs.Mesh(pp=2), micro_batches=2
+    )
+    state = step.init([{"w": torch.ones(2, 3)}, {"w": torch.ones(2, 2)}], None)
+    try:
+        step(state, (torch.ones(4, 2), torch.ones(4, 2)))
+    except StageContractError as error:
+        return str(error)
+    return None
+
+
+def test_contracts_check_every_leaf():
+    for message in run_spmd(_bad_leaf, 2):
+        assert message is not None
+        assert "stage 0 (rank 0 along 'pp') failed" in message
+        assert "its output leaf 'n' is a int, not a tensor" in message
+    for message in run_spmd(_wrong_leaf_shape, 2):
+        assert message is not None
+        assert "stage 1 (rank 1 along 'pp') failed on stage 0's output (a pytree" in message
+        assert "shape (2, 1) and dtype torch.float32; shape (2, 3) and dtype" in message
+
+
+# ---- padding ---------------------------------------------------------------------------------
+
+
+def _padded(size, micro_batches, schedule):
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    apply, params, buffers = fs.functionalize(model)
+    g = torch.Generator().manual_seed(6)
+    batch = (torch.randn(size, 4, generator=g), torch.randn(size, 3, generator=g))
+    mse = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
+    step = pipeline(
+        model,
+        mse,
+        fs.optim.adam(1e-2),
+        fs.Mesh(pp=2),
+        micro_batches=micro_batches,
+        schedule=schedule,
+        balance=[2, 1],
+        pad=True,
+    )
+    state = step.init(params, buffers)
+    plain = fs.train_step(lambda p, b, d, k: mse(apply(p, b, d[0])[0], d[1]), fs.optim.adam(1e-2))
+    expected = plain.init(params, buffers)
+    losses, expected_losses = [], []
+    for _ in range(2):
+        state, metrics = step(state, batch)
+        expected, expected_metrics = plain(expected, batch)
+        losses.append(float(metrics["loss"]))
+        expected_losses.append(float(expected_metrics["loss"]))
+    return fs.consolidate(step, state).params, expected.params, losses, expected_losses, repr(step)
+
+
+@pytest.mark.parametrize(
+    ("size", "micro_batches", "schedule"), [(10, 4, "1f1b"), (6, 4, "zero_bubble"), (5, 2, "gpipe")]
+)
+def test_padding_gives_the_unpadded_batch_results(size, micro_batches, schedule):
+    # 10 in 4: 3, 3, 3 and 1 real samples; 6 in 4: 2, 2, 2 and a micro-batch of padding only.
+    for params, expected, losses, expected_losses, description in run_spmd(
+        _padded, 2, size, micro_batches, schedule
+    ):
+        assert_trees_close(params, expected, rtol=1e-5, atol=1e-6)
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+        assert "pad=True" in description
+
+
+def test_padding_is_asked_for_not_assumed():
+    model = nn.Sequential(nn.Linear(4, 4))
+    step = pipeline(
+        model, lambda o, t: o.mean(), fs.optim.sgd(0.1), fs.Mesh(pp=1), micro_batches=4, balance=[1]
+    )
+    state = step.init(*fs.functionalize(model)[1:])
+    with pytest.raises(ValueError, match=r"or fscale.pipeline\(..., pad=True\)"):
+        step(state, (torch.randn(6, 4), torch.randn(6, 4)))
+    with pytest.raises(TypeError, match="`pad` must be a bool"):
+        pipeline(
+            model,
+            lambda o, t: o.mean(),
+            fs.optim.sgd(0.1),
+            fs.Mesh(pp=1),
+            micro_batches=4,
+            balance=[1],
+            pad="yes",
+        )
