@@ -1,6 +1,7 @@
 """Benchmark: the fscale step under torch.compile against eager fscale and eager / compiled torch.
 
-Usage: ``python bench/compile.py [--quick] [--steps N] [--warmup N] [--ranks 1 2] [--models gpt cnn]``
+Usage: ``python bench/compile.py [--quick] [--steps N] [--warmup N] [--ranks 1 2]
+[--models gpt cnn]``
 
 Models: `fscale.models.GPT` (shape from `_util.gpt_config`, batch 8) and `fscale.models.ResNet`
 (widths 16-32-64, 32x32 images, batch 32), dropout 0, every variant built from seed 0 and fed
@@ -192,9 +193,11 @@ def main() -> None:
             per_model = fs.launch(
                 _rank_main, world, args.models, args.quick, args.steps, args.warmup
             )[0]
-        for outcome in per_model:
-            for row in outcome["rows"]:
-                results.append({"ranks": world, **row, "load": outcome["load"]})
+        results.extend(
+            {"ranks": world, **row, "load": outcome["load"]}
+            for outcome in per_model
+            for row in outcome["rows"]
+        )
     header = ["ranks", "model", "variant", "median ms", "IQR ms", "x torch eager", "compile s"]
     table = [
         [

@@ -217,7 +217,7 @@ class Step:
         )
 
 
-@torch.compiler.disable
+@torch.compiler.disable(recursive=True)
 def _step_key(state: TrainState, mesh: Any, axes: tuple[str, ...]) -> torch.Tensor:
     # The key is mixed in 64-bit host integers from the step counter's value: under
     # torch.compile this runs outside the graph (a read of a tensor's value ends a graph).

@@ -25,7 +25,7 @@ __all__ = ["call", "capture", "check_not_modified", "versions"]
 
 def call(
     module: nn.Module,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     names: Sequence[str],

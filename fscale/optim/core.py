@@ -365,7 +365,7 @@ def fused_steps(group: Group) -> list[torch.Tensor]:
     return [step] * len(group.params)
 
 
-@torch.compiler.disable
+@torch.compiler.disable(recursive=True)
 @torch.no_grad()
 def update_groups(
     name: str,
