@@ -40,12 +40,16 @@ EXPECTED_BREAKS = {
 
 
 class _Net(nn.Module):
-    """Linear -> BatchNorm -> Linear: parameters and running statistics (buffers)."""
+    """Linear -> BatchNorm -> Linear: parameters and running statistics (buffers).
+
+    The first layer has no bias: BatchNorm cancels it, so its gradient would be rounding noise,
+    which Adam's normalised update turns into steps of size lr in either direction.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.inp = nn.Linear(4, 8)
+        self.inp = nn.Linear(4, 8, bias=False)
         self.norm = nn.BatchNorm1d(8)
         self.out = nn.Linear(8, 2)
 
@@ -138,9 +142,9 @@ def test_loss_function_traces_without_a_graph_break() -> None:
     assert explanation.graph_break_count == 0, _breaks_by_file(explanation)
 
 
-@pytest.mark.parametrize("donate", [False, True])
-def test_step_breaks_graphs_only_where_expected(donate: bool) -> None:
-    step, state = _step(donate)
+def test_step_breaks_graphs_only_where_expected() -> None:
+    # The breaks are the same with donate=False (measured); one trace keeps the suite fast.
+    step, state = _step(donate=True)
     explanation = torch._dynamo.explain(step)(state, _batch(0))
     assert _breaks_by_file(explanation) == EXPECTED_BREAKS
 
