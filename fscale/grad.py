@@ -188,7 +188,7 @@ def value_and_grad(
 
 def _accumulated_leaves(accumulated: PyTree, treedef: Any) -> list[torch.Tensor]:
     leaves, accumulated_def = tree.flatten(accumulated)
-    if accumulated_def != treedef:
+    if not tree.same_structure(accumulated_def, treedef):
         raise ValueError(
             f"value_and_grad: `ctx.accumulated` has structure {accumulated_def} but the params "
             f"have {treedef}; accumulate gradients in the layout of the params they belong to"

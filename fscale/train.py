@@ -126,8 +126,7 @@ class Step:
         sharded) and what `apply_gradients` needs besides them."""
         _check_state(state)
         purity.check_usable(state, "Step.gradients")
-        mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
-        key = spmd.rank_key(state.key, int(state.step), mesh, axes)
+        key = _step_key(state, self.plan.data_mesh(), self.plan.data_axes())
         return self.plan.gradients(self, state, batch, Context(key=key))
 
     def apply_gradients(
@@ -216,6 +215,13 @@ class Step:
             f"grad_mode={self.grad_mode!r}, donate={self.donate}, "
             f"on_nonfinite={self.on_nonfinite!r}, unused_params={self.unused_params!r})"
         )
+
+
+@torch.compiler.disable(recursive=True)
+def _step_key(state: TrainState, mesh: Any, axes: tuple[str, ...]) -> torch.Tensor:
+    # The key is mixed in 64-bit host integers from the step counter's value: under
+    # torch.compile this runs outside the graph (a read of a tensor's value ends a graph).
+    return spmd.rank_key(state.key, int(state.step), mesh, axes)
 
 
 def _key(key: Any) -> torch.Tensor:

@@ -20,6 +20,7 @@ __all__ = [
     "map_with_path",
     "path_str",
     "paths",
+    "same_structure",
     "structure",
     "unflatten",
 ]
@@ -55,6 +56,24 @@ def unflatten(treedef: optree.PyTreeSpec, leaf_values: Sequence[Any]) -> PyTree:
             f"{len(leaf_values)} values were given"
         )
     return optree.tree_unflatten(treedef, leaf_values)
+
+
+def same_structure(a: Any, b: Any) -> bool:
+    """Whether treedefs `a` and `b` describe the same structure.
+
+    Inside a ``torch.compile`` trace, optree's treedefs are stood in for by Dynamo's Python
+    ones, and a frame Dynamo runs eagerly between graphs hands the traced code optree's own:
+    the two kinds never compare equal with ``==``, and Dynamo's also tells dicts apart by
+    insertion order, which optree ignores. Two optree treedefs compare with ``==``; otherwise
+    node types and entries (dict keys, sorted; field names) are compared level by level.
+    """
+    if isinstance(a, optree.PyTreeSpec) and isinstance(b, optree.PyTreeSpec):
+        return a == b
+    return _node_shape(a) == _node_shape(b)
+
+
+def _node_shape(spec: Any) -> tuple[Any, ...]:
+    return (spec.type, tuple(spec.entries()), tuple(_node_shape(c) for c in spec.children()))
 
 
 def path_str(path: Sequence[Any]) -> str:

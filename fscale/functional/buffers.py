@@ -1,8 +1,11 @@
 """The buffers a functional call leaves behind: captured at the end of the forward, checked in eval.
 
-``torch.func.functional_call`` restores the module's original buffers when it returns, so a
-buffer the forward *rebound* (``self.b = self.b + 1``) would be lost: a forward hook on the root
-module records every buffer while the call's own tensors are still installed. In evaluation mode
+A functional call installs the given tensors in the module for the duration of one forward and
+restores the module's own afterwards, so a buffer the forward *rebound* (``self.b = self.b + 1``)
+would be lost. `call` therefore reads every buffer while the call's tensors are still installed,
+inside the same reparametrisation ``torch.func.functional_call`` uses; no hook is registered, so
+the call traces under ``torch.compile`` without a graph break (registering a hook is one).
+`capture` does the same for a module called directly, with a forward hook. In evaluation mode
 the caller's tensors are passed without copying, so their version counters are compared before
 and after the call to catch an in-place update, which would have changed the caller's state.
 """
@@ -11,11 +14,34 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import stateless
 
-__all__ = ["capture", "check_not_modified", "versions"]
+__all__ = ["call", "capture", "check_not_modified", "versions"]
+
+
+def call(
+    module: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    names: Sequence[str],
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``module(*args, **kwargs)`` on `tensors`, and its buffers `names` as the forward left them.
+
+    As ``torch.func.functional_call(module, tensors, args, kwargs, tie_weights=False,
+    strict=True)``: every parameter and buffer name must be given, and a tensor given under
+    several names is not tied by the call itself.
+    """
+    # torch.func.functional_call runs exactly this context around the forward; Dynamo traces it
+    # (it has a rule for it), and the buffers are read before it restores the module's own.
+    with stateless._reparametrize_module(module, tensors, tie_weights=False, strict=True):
+        output = module(*args, **kwargs)
+        captured = {name: module.get_buffer(name) for name in names}
+    return output, captured
 
 
 @contextlib.contextmanager

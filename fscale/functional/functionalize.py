@@ -228,18 +228,16 @@ class FunctionalModule:
         tensors.update(self._with_aliases({name: buffers[name] for name in self.frozen_names}))
         tensors.update(self._with_aliases(passed_buffers))
 
-        captured: Tensors = {}
         with (
             slots_lib.mode(self.module, mode, self._submodules),
-            buffers_lib.capture(self.module, self.buffer_names, captured),
             rng.seeded_by(key, lambda: [*tensors.values(), *tree.leaves((args, kwargs))]),
             unit_calls.forwards(self.module, module_units),
         ):
-            # The aliases are mapped above, so tying by functional_call itself is not needed;
-            # strict=True turns any name this wrapper failed to map into an error.
+            # The aliases are mapped above, so tying by the call itself is not needed; every
+            # name must be given, so a name this wrapper failed to map is an error.
             try:
-                output = torch.func.functional_call(
-                    self.module, tensors, args, kwargs, tie_weights=False, strict=True
+                output, captured = buffers_lib.call(
+                    self.module, tensors, args, kwargs, self.buffer_names
                 )
             except Exception as error:
                 note = self._param_check.dtype_note(params)

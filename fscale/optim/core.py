@@ -282,7 +282,7 @@ def _leaves_like(
     name: str, what: str, value: PyTree, treedef: optree.PyTreeSpec
 ) -> list[torch.Tensor]:
     leaves, value_def = tree.flatten(value)
-    if value_def != treedef:
+    if not tree.same_structure(value_def, treedef):
         raise ValueError(
             f"{name}: `{what}` has structure {value_def} but `params` has structure {treedef}; "
             "pass trees of the same structure (the state must come from init on these params)"
@@ -380,6 +380,29 @@ def fused_steps(group: Group) -> list[torch.Tensor]:
     return [step] * len(group.params)
 
 
+@torch.compiler.disable(recursive=True)
+@torch.no_grad()
+def update_groups(
+    name: str,
+    update_group: Callable[[Group], None],
+    inputs: StepInputs,
+    buffers: Sequence[str],
+    step: int,
+    lr: float,
+) -> None:
+    """`update_group` on each (device, dtype) group of `inputs`, outside any torch.compile graph.
+
+    Functionalization rejects torch's in-place fused kernels when an optional state list is
+    empty (``_fused_adamw_`` without amsgrad: "mutating a non-functional tensor with a
+    functional tensor"), so the kernels run eagerly, bit for bit as in an eager step. The loop
+    is inside: a graph break inside a loop would make Dynamo run the whole caller eagerly.
+    """
+    for indices in device_groups(inputs.params):
+        pick = picker(indices, len(inputs.params))
+        group_buffers = {field: pick(required_state(name, inputs, field)) for field in buffers}
+        update_group(Group(pick(inputs.params), pick(inputs.grads), group_buffers, step, lr))
+
+
 def pointwise_optimizer(
     name: str,
     state_type: type,
@@ -438,17 +461,7 @@ def pointwise_optimizer(
             donate=donate,
             packed=packed,
         )
-        lr_now = lr(count)
-        with torch.no_grad():
-            for indices in device_groups(inputs.params):
-                pick = picker(indices, len(inputs.params))
-                group_buffers = {
-                    field: pick(required_state(name, inputs, field)) for field in buffers
-                }
-                group = Group(
-                    pick(inputs.params), pick(inputs.grads), group_buffers, count + 1, lr_now
-                )
-                update_group(group)
+        update_groups(name, update_group, inputs, buffers, count + 1, lr(count))
         unflatten = unflattener(inputs.treedef)
         new_buffers = {field: unflatten(leaves) for field, leaves in inputs.states.items()}
         new_state = state_type(count=next_count(count), **new_buffers)

@@ -1,0 +1,224 @@
+"""Benchmark: the fscale step under torch.compile against eager fscale and eager / compiled torch.
+
+Usage: ``python bench/compile.py [--quick] [--steps N] [--warmup N] [--ranks 1 2]
+[--models gpt cnn]``
+
+Models: `fscale.models.GPT` (shape from `_util.gpt_config`, batch 8) and `fscale.models.ResNet`
+(widths 16-32-64, 32x32 images, batch 32), dropout 0, every variant built from seed 0 and fed
+the same batches. Variants, each with AdamW (lr 1e-3):
+
+* ``torch eager``: the ``nn.Module`` with ``torch.optim.AdamW(fused=True)`` (2 ranks: in torch
+  DDP): ``zero_grad``, ``loss.backward()``, ``opt.step()``;
+* ``torch compiled``: the same with ``torch.compile(module)`` (the optimizer step stays eager:
+  torch's fused AdamW does not compile on CPU, see below);
+* ``fscale eager``: ``fscale.train_step(loss_fn, fscale.optim.adamw(lr), donate=True)`` (2
+  ranks: under ``fscale.data_parallel``);
+* ``fscale compiled``: ``torch.compile`` of that step.
+
+Compile time is reported apart from the step time: it is the first call's duration minus the
+variant's steady-state median. Steady-state steps run interleaved round by round
+(`_util.interleave`); the table gives medians with the interquartile range and the ratio of
+medians to ``torch eager``; ``equal`` says whether the final parameters equal the eager variant
+of the same library bit for bit (``max |diff|`` otherwise). Two ranks run on local gloo processes
+(`fscale.launch`), each timing every variant. Writes ``bench/results/compile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import _util
+import torch
+import torch.distributed as dist
+
+import fscale as fs
+from fscale.models import GPT, ResNet, ResNetConfig, classification_loss, lm_loss
+
+LEARNING_RATE = 1e-3
+
+
+def _gpt(quick: bool) -> tuple[Callable[[], torch.nn.Module], Callable[[int], Any], Any]:
+    cfg = _util.gpt_config(quick)
+
+    def batch(index: int) -> Any:
+        b = _util.lm_batch(cfg, 8, index)
+        return b.inputs, b.targets
+
+    return (lambda: GPT(cfg, seed=0)), batch, lm_loss
+
+
+def _cnn(quick: bool) -> tuple[Callable[[], torch.nn.Module], Callable[[int], Any], Any]:
+    cfg = ResNetConfig(widths=(8, 16) if quick else (16, 32, 64))
+    size = 16 if quick else 32
+
+    def batch(index: int) -> Any:
+        generator = torch.Generator().manual_seed(index)
+        images = torch.randn(32, 3, size, size, generator=generator)
+        return images, torch.randint(0, cfg.num_classes, (32,), generator=generator)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return ResNet(cfg)
+
+    return build, batch, classification_loss
+
+
+MODELS = {"gpt": _gpt, "cnn": _cnn}
+
+
+class TorchVariant:
+    """The nn.Module (in DDP on several ranks) with torch.optim.AdamW(fused=True)."""
+
+    def __init__(self, build, batch, loss, *, compiled: bool) -> None:
+        module = build()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            module = torch.nn.parallel.DistributedDataParallel(module)
+        self.module = module
+        self.forward = torch.compile(module) if compiled else module
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE, fused=True)
+        self.batch, self.loss, self.calls = batch, loss, 0
+
+    def __call__(self) -> None:
+        inputs, targets = self.batch(self.calls)
+        self.calls += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss(self.forward(inputs), targets).backward()
+        self.optimizer.step()
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.module.parameters()]
+
+
+class FscaleVariant:
+    """fscale.train_step over the functionalized module (data_parallel on several ranks)."""
+
+    def __init__(self, build, batch, loss, *, compiled: bool) -> None:
+        apply, params, buffers = fs.functionalize(build())
+
+        def loss_fn(params, buffers, batch, key):
+            out, new_buffers = apply(params, buffers, batch[0], key=key)
+            return loss(out, batch[1]), new_buffers
+
+        step = fs.train_step(loss_fn, fs.optim.adamw(LEARNING_RATE), donate=True)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            step = fs.data_parallel(step, fs.Mesh(dp=dist.get_world_size()))
+        self.state = step.init(params, buffers)
+        self.step = torch.compile(step) if compiled else step
+        self.batch, self.calls = batch, 0
+
+    def __call__(self) -> None:
+        self.state, _ = self.step(self.state, self.batch(self.calls))
+        self.calls += 1
+
+    def params(self) -> list[torch.Tensor]:
+        return fs.tree.leaves(self.state.params)
+
+
+def _local_batch(batch: Callable[[int], Any]) -> Callable[[int], Any]:
+    """Each rank's slice of the global batch."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return batch
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return lambda index: tuple(t.chunk(world)[rank] for t in batch(index))
+
+
+def run_model(name: str, quick: bool, steps: int, warmup: int) -> dict[str, Any]:
+    """Time the four variants on model `name` in this process (one rank of the group)."""
+    build, batch, loss = MODELS[name](quick)
+    batch = _local_batch(batch)
+    barrier = dist.barrier if dist.is_initialized() else None
+    variants: dict[str, Any] = {}
+    first_call: dict[str, float] = {}
+    for label, kind, compiled in [
+        ("torch eager", TorchVariant, False),
+        ("torch compiled", TorchVariant, True),
+        ("fscale eager", FscaleVariant, False),
+        ("fscale compiled", FscaleVariant, True),
+    ]:
+        variant = kind(build, batch, loss, compiled=compiled)
+        start = time.perf_counter()
+        variant()  # compiles the compiled variants
+        first_call[label] = time.perf_counter() - start
+        variants[label] = variant
+    load = _util.MachineLoad()
+    with load:
+        times = _util.interleave(variants, rounds=steps, warmup=warmup, before_each=barrier)
+    stats = {label: _util.summarize(samples) for label, samples in times.items()}
+    reference = stats["torch eager"].median
+    rows = []
+    for label, summary in stats.items():
+        eager = variants[label.replace("compiled", "eager")]
+        diffs = [
+            (a.double() - b.double()).abs().max().item()
+            for a, b in zip(variants[label].params(), eager.params())
+        ]
+        rows.append(
+            {
+                "model": name,
+                "variant": label,
+                "step_ms": summary.scaled(1e3).as_dict(),
+                "ratio_to_torch_eager": summary.median / reference,
+                "compile_s": max(0.0, first_call[label] - summary.median)
+                if "compiled" in label
+                else None,
+                "equal_to_eager": max(diffs, default=0.0) == 0.0,
+                "max_abs_diff_to_eager": max(diffs, default=0.0),
+            }
+        )
+    return {"rows": rows, "load": load.as_dict()}
+
+
+def _rank_main(models: list[str], quick: bool, steps: int, warmup: int) -> list[dict[str, Any]]:
+    warnings.filterwarnings("ignore")
+    return [run_model(name, quick, steps, warmup) for name in models]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller models")
+    parser.add_argument("--steps", type=int, default=20, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds after compiling")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="world sizes")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    args = parser.parse_args()
+    results = []
+    for world in args.ranks:
+        if world == 1:
+            per_model = _rank_main(args.models, args.quick, args.steps, args.warmup)
+        else:
+            per_model = fs.launch(
+                _rank_main, world, args.models, args.quick, args.steps, args.warmup
+            )[0]
+        results.extend(
+            {"ranks": world, **row, "load": outcome["load"]}
+            for outcome in per_model
+            for row in outcome["rows"]
+        )
+    header = ["ranks", "model", "variant", "median ms", "IQR ms", "x torch eager", "compile s"]
+    table = [
+        [
+            r["ranks"],
+            r["model"],
+            r["variant"],
+            r["step_ms"]["median"],
+            r["step_ms"]["iqr"],
+            r["ratio_to_torch_eager"],
+            r["compile_s"],
+        ]
+        for r in results
+    ]
+    print(_util.format_table(header, table))
+    for r in results:
+        if "compiled" in r["variant"]:
+            verdict = "bit for bit" if r["equal_to_eager"] else f"{r['max_abs_diff_to_eager']:.2e}"
+            print(f"{r['ranks']} rank(s) {r['model']} {r['variant']}: params vs eager {verdict}")
+    path = _util.write_results("compile", {"args": vars(args), "rows": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
