@@ -16,7 +16,7 @@ import fscale
 import fscale.optim as optim
 from fscale import flat, tree
 from fscale.flat import FlatBuffer
-from fscale.optim import core, schedules
+from fscale.optim import packing, schedules
 
 
 def _make(seed: int, shift: float = 0.0):
@@ -456,8 +456,8 @@ def test_outputs_are_views_of_flat_buffers_and_donation_is_in_place():
     opt = optim.adam(0.01)
     params, state = optim.step(opt, GRADS[0], opt.init(PARAMS), PARAMS)
     leaves = tree.leaves(params)
-    assert core.span(leaves) is not None  # next step copies one span, not each leaf
-    assert all(core.span(tree.leaves(field)) is not None for field in state[1:3])
+    assert packing.span(leaves) is not None  # next step copies one span, not each leaf
+    assert all(packing.span(tree.leaves(field)) is not None for field in state[1:3])
     pointers = [t.data_ptr() for t in leaves]
     donated, _ = optim.step(opt, GRADS[1], state, params, donate=True)
     assert [t.data_ptr() for t in tree.leaves(donated)] == pointers

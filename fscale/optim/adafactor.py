@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale.flat import Fragment
-from fscale.optim import core, hyper
+from fscale.optim import core, hyper, packing
 from fscale.optim.base import Optimizer, Sharding, described, resolve_sharding
 
 __all__ = ["AdafactorState", "adafactor"]
@@ -139,7 +139,7 @@ def adafactor(
             row=unflatten(rows),
             col=unflatten(cols),
             v=unflatten(vs),
-            exp_avg=unflatten(core.packed_full(leaves)) if beta1 is not None else None,
+            exp_avg=unflatten(packing.packed_full(leaves)) if beta1 is not None else None,
         )
 
     def apply(

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from fscale.optim.core import Group, span
+from fscale.optim.core import Group
+from fscale.optim.packing import span
 
 __all__ = ["flattened"]
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fscale import tree
-from fscale.optim import core, hyper
+from fscale.optim import core, hyper, packing
 from fscale.optim.base import Optimizer, Sharding, described, resolve_sharding
 
 __all__ = ["LambState", "lamb"]
@@ -78,7 +78,7 @@ def lamb(
         leaves, treedef = core.float_leaves(name, params)
 
         def zeros() -> PyTree:
-            return tree.unflatten(treedef, core.packed_full(leaves))
+            return tree.unflatten(treedef, packing.packed_full(leaves))
 
         return LambState(count=core.new_count(), exp_avg=zeros(), exp_avg_sq=zeros())
 
