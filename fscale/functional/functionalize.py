@@ -182,6 +182,7 @@ class FunctionalModule:
         self._submodules = [submodule for _, submodule in self._named_submodules]
         self._param_check = checks.ParamCheck((n, module.get_parameter(n)) for n in param_names)
         self._state_dict_names = tuple(module.state_dict(keep_vars=True))
+        self._guard: Any = None  # the hook refusing eager calls of a released module
 
     def __repr__(self) -> str:
         return (
@@ -304,6 +305,8 @@ class FunctionalModule:
         if unknown:
             raise ValueError(f"release: `names` {unknown} are not params or buffers of the module")
         ownership.release_slots(self.module, names, self.aliases)
+        if names and self._guard is None:
+            self._guard = ownership.guard_eager_calls(self.module, names[0])
 
     def load(
         self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]
@@ -322,6 +325,9 @@ class FunctionalModule:
         self._check_names("buffers", buffers, self.buffer_names + self.frozen_names, caller="load")
         self._param_check.check(params)
         ownership.load_into(self.module, {**params, **buffers}, self.param_names, self.aliases)
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
         return self.module
 
     def materialize(self, key: torch.Tensor | int = 0) -> tuple[Tensors, Tensors]:

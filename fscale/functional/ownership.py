@@ -26,6 +26,7 @@ from fscale import tree
 
 __all__ = [
     "RELEASED_ATTR",
+    "guard_eager_calls",
     "is_released",
     "load_into",
     "mark_released",
@@ -93,6 +94,26 @@ def release_slots(
 def mark_released(tensor: torch.Tensor) -> None:
     """Mark `tensor` as standing for one whose memory a training state has taken."""
     setattr(tensor, RELEASED_ATTR, True)
+
+
+def guard_eager_calls(module: nn.Module, probe: str) -> Any:
+    """Make a call of `module` itself fail clearly while slot `probe` holds a released tensor.
+
+    ``apply``'s calls pass: they fill every slot first. Returns the hook's handle.
+    """
+
+    def refuse_released(called: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() or not is_released(tensor_at(called, probe)):
+            return
+        raise ValueError(
+            f"the {type(called).__name__} was called by itself, but a loss computed so does not "
+            "depend on any of the `params` (and the module has no values: step.init gave its "
+            "tensors to the training state); call the functional `apply(params, buffers, ...)` "
+            "from fscale.functionalize with the params loss_fn receives, or put tensors back "
+            "into the module with apply.load(params, buffers)"
+        )
+
+    return module.register_forward_pre_hook(refuse_released)
 
 
 def is_released(tensor: object) -> bool:
