@@ -100,29 +100,50 @@ def materialize(
             (it did not set it: the message names the tensor and its module).
     """
     holders = _holders(module, names, aliases)
-    first = {name: min(indices) for name, indices in holders.items()}
-    last = {name: max(indices) for name, indices in holders.items()}
     kept: dict[str, torch.Tensor] = {}
     devices = [device] if device.type != "cpu" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type):
         torch.manual_seed(seed)
-        for index, (path, submodule) in enumerate(module.named_modules()):
-            held = [name for name in names if index in holders[name]]
-            if not held:
-                continue
-            for name in held:
-                if first[name] == index:
-                    _create(module, name, device, aliases)
-            with torch.no_grad():
-                init(path, submodule)
-            for name in held:
-                if last[name] == index:
-                    tensor = _finish(module, name, path, submodule)
-                    value = keep(name, tensor)
-                    if value is not None:
-                        kept[name] = value
-                    ownership.release_slots(module, [name], aliases)
+        try:
+            _walk(module, names, holders, init, device, aliases, keep, kept)
+        except BaseException:
+            _back_to_meta(module, names, aliases)  # as it was, so a fixed init can run again
+            raise
     return kept
+
+
+def _walk(
+    module: nn.Module,
+    names: Sequence[str],
+    holders: dict[str, set[int]],
+    init: InitFn,
+    device: torch.device,
+    aliases: Mapping[str, tuple[str, ...]],
+    keep: Callable[[str, torch.Tensor], torch.Tensor | None],
+    kept: dict[str, torch.Tensor],
+) -> None:
+    first = {name: min(indices) for name, indices in holders.items()}
+    last = {name: max(indices) for name, indices in holders.items()}
+    held_by: dict[int, list[str]] = {}
+    for name in names:
+        for index in sorted(holders[name]):
+            held_by.setdefault(index, []).append(name)
+    for index, (path, submodule) in enumerate(module.named_modules()):
+        held = held_by.get(index)
+        if not held:
+            continue
+        for name in held:
+            if first[name] == index:
+                _create(module, name, device, aliases)
+        with torch.no_grad():
+            init(path, submodule)
+        for name in held:
+            if last[name] == index:
+                tensor = _finish(module, name, path, submodule)
+                value = keep(name, tensor)
+                if value is not None:
+                    kept[name] = value
+                ownership.release_slots(module, [name], aliases)
 
 
 def _holders(
@@ -141,6 +162,18 @@ def _holders(
             )
         holders[name] = {index_of[alias.rpartition(".")[0]] for alias in aliases.get(name, (name,))}
     return holders
+
+
+def _back_to_meta(
+    module: nn.Module, names: Sequence[str], aliases: Mapping[str, tuple[str, ...]]
+) -> None:
+    for name in names:
+        tensor = ownership.tensor_at(module, name)
+        if tensor is not None and tensor.device.type != "meta":
+            meta = torch.empty_like(tensor, device="meta")
+            if isinstance(tensor, nn.Parameter):
+                meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+            ownership.place(module, name, meta, aliases)
 
 
 def _create(
