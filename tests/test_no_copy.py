@@ -81,7 +81,7 @@ def _strategy(name: str, step: fs.Step, mesh: fs.Mesh) -> fs.Step:
 def _bytes_after_init_and_steps(case: fst.ModelCase, strategy: str, donate: bool):
     """Per rank, after init and after each of 3 steps: (bytes reachable from the step, the
     state and the module; bytes of the state plus the mesh's; bytes the module holds)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     model = case.module()
     apply, params, buffers = fs.functionalize(model)
     mesh = fs.Mesh(dp=world)
@@ -113,9 +113,7 @@ def test_the_step_the_state_and_the_module_hold_only_the_state_on_each_rank(stra
 
 @pytest.mark.parametrize("donate", [False, True])
 def test_one_process_holds_only_the_state(donate):
-    for reachable, own, module_bytes in run_spmd(
-        _bytes_after_init_and_steps, 1, CASE, "local", donate
-    )[0]:
+    for reachable, own, module_bytes in _bytes_after_init_and_steps(CASE, "local", donate):
         assert module_bytes == 0 and reachable == own
 
 

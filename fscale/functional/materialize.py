@@ -13,9 +13,12 @@ module once) and, for every submodule that directly holds one of the requested t
    init set it (no NaN left), and puts a meta tensor back in its slots.
 
 So at most the tensors of one submodule (and tied tensors between their first and last holder)
-exist in full at a time. The whole walk runs under a forked torch RNG seeded with `seed`: the
-values are a function of the seed alone, equal on every rank and equal to
-``torch.manual_seed(seed); module.to_empty(device=device)`` followed by ``init(path, m)`` for
+exist in full at a time. Every holder's init writes a tied tensor; the last write stays, as in
+the same loop over a full model whose tied weights are one tensor.
+
+The whole walk runs under a forked torch RNG seeded with `seed`: the values are a function of
+the seed alone, equal on every rank and equal to ``torch.manual_seed(seed)``,
+``module.to_empty(device=device)`` (tied weights kept tied) and ``init(path, m)`` for
 every ``(path, m)`` in ``module.named_modules()`` that holds tensors of its own, provided each
 ``init`` sets the tensors of the module it is given (as ``reset_parameters`` and per-module
 initialisers such as transformers' ``_init_weights`` do).
