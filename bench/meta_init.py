@@ -114,18 +114,8 @@ def _limit(budget: int) -> int:
     return limit
 
 
-def _rank(variant: str, quick: bool) -> dict:
-    torch.set_num_threads(1)
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
-    libc.mallopt(M_TRIM_THRESHOLD, 64 * 1024)
-    rank, world = fs.distributed.rank(), fs.distributed.world_size()
-    cfg = _config(quick)
-    psi = _psi(cfg)
-    start_rss, start_data = _util.rss_bytes(), _status("VmData")
-    anon = AnonPeak()
-    start_anon = anon.read()
-    _limit(8 * psi + ALLOWANCE)
+def _train(variant: str, cfg: fs.models.GPTConfig, rank: int, world: int, anon, phase: list):
+    """Build, init and train; `phase[0]` says which part runs (for an error at the limit)."""
     mesh = fs.Mesh(dp=world)
     if variant == "meta":
         with torch.device("meta"):
@@ -141,6 +131,7 @@ def _rank(variant: str, quick: bool) -> dict:
 
     step = fs.train_step(loss_fn, fs.optim.adam(1e-3), donate=True)
     step = fs.fully_shard(step, mesh) if variant == "meta" else fs.data_parallel(step, mesh)
+    phase[0] = "step.init"
     started = time.perf_counter()
     state = step.init(params, buffers, key=0)
     del params, buffers
@@ -149,10 +140,33 @@ def _rank(variant: str, quick: bool) -> dict:
     losses = []
     started = time.perf_counter()
     for i in range(STEPS):
-        batch = _util.lm_batch(cfg, BATCH * world, i)
-        batch = fs.data.split_batch(batch, rank, world)
+        phase[0] = f"step {i + 1}"
+        batch = fs.data.split_batch(_util.lm_batch(cfg, BATCH * world, i), rank, world)
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
+    step_seconds = (time.perf_counter() - started) / STEPS
+    return state, losses, init_seconds, step_seconds, init_peak
+
+
+def _rank(variant: str, quick: bool) -> dict:
+    torch.set_num_threads(1)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+    libc.mallopt(M_TRIM_THRESHOLD, 64 * 1024)
+    rank, world = fs.distributed.rank(), fs.distributed.world_size()
+    cfg = _config(quick)
+    psi = _psi(cfg)
+    start_rss, start_data = _util.rss_bytes(), _status("VmData")
+    anon = AnonPeak()
+    start_anon = anon.read()
+    _limit(8 * psi + ALLOWANCE)
+    phase = ["building the model"]
+    try:
+        state, losses, init_seconds, step_seconds, init_peak = _train(
+            variant, cfg, rank, world, anon, phase
+        )
+    except (RuntimeError, MemoryError) as error:  # the limit: say where it was reached
+        raise RuntimeError(f"during {phase[0]}: {error}") from error
     result = {
         "rank": rank,
         "psi": psi,
@@ -163,7 +177,7 @@ def _rank(variant: str, quick: bool) -> dict:
         "data_growth": _status("VmData") - start_data,
         "state_bytes": tree_bytes(state),
         "init_s": init_seconds,
-        "step_s": (time.perf_counter() - started) / STEPS,
+        "step_s": step_seconds,
         "losses": losses,
     }
     anon.stop()
