@@ -225,3 +225,28 @@ def test_a_meta_model_trains_under_fully_shard_and_consolidates_into_the_module(
     with torch.no_grad():
         expected, _ = apply(full.params, full.buffers, tokens, train=False)
         assert torch.equal(copy.deepcopy(model).eval()(tokens), expected)
+
+
+def _hybrid_from_meta_and_from_full():
+    """HSDP (sharded over `dp`, replicated over `replica`): meta init vs the full model."""
+    mesh = fs.Mesh(replica=2, dp=2)
+    rank = dist.get_rank()
+    results = []
+    for meta in (True, False):
+        apply, params, buffers = fs.functionalize(_meta("mlp"), init="reset_parameters")
+        if not meta:
+            params, buffers = apply.materialize(KEY)
+        step = fs.fully_shard(
+            fs.train_step(MLP.loss_fn(apply), fs.optim.adam(1e-2)),
+            mesh,
+            replicate_axis="replica",
+        )
+        state = step.init(params, buffers, key=KEY)
+        state, _ = step(state, fs.data.split_batch(MLP.batch(8, seed=0), rank, 4))
+        results.append(state.params)
+    return results
+
+
+def test_hybrid_sharding_from_meta_equals_it_from_the_full_model():
+    for from_meta, from_full in run_spmd(_hybrid_from_meta_and_from_full, 4):
+        assert_trees_equal(from_meta, from_full)
