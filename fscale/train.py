@@ -69,8 +69,8 @@ class Step:
         grad_mode: ``"autograd"`` or ``"func"`` (see `fscale.grad.value_and_grad`).
         donate: when True the step may update the incoming state's parameter and optimizer
             buffers in place (as JAX's buffer donation): faster, but the caller must not use the
-            old state again. That includes the params given to `init`, which the first step
-            updates in place (after `fscale.functionalize` they share memory with the module).
+            old state again. That includes the params given to `init` on one process, which
+            the first step updates in place (the state holds those very tensors).
             Default False: the input state is never mutated. A state given to a donated step
             is refused afterwards, and one whose donated update raised part way is marked
             invalid (see `fscale.purity`).
