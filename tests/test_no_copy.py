@@ -3,6 +3,7 @@ tensor byte reachable from the step, the state and the module is the state's own
 
 from __future__ import annotations
 
+import copy
 import gc
 import sys
 import types
@@ -129,15 +130,36 @@ def test_the_released_module_keeps_its_structure_and_apply_runs_as_before():
     inputs = CASE.inputs(CASE.batch(4, seed=0))
     expected, _ = apply(params, buffers, inputs, train=False)
     shapes = {name: (p.shape, p.dtype, p.requires_grad) for name, p in model.named_parameters()}
-    state = fs.train_step(CASE.loss_fn(apply), fs.optim.sgd(0.1)).init(params, buffers)
+    step = fs.fully_shard(fs.train_step(CASE.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=1))
+    state = step.init(params, buffers)
     assert all(p.is_meta for p in model.parameters())
     assert {n: (p.shape, p.dtype, p.requires_grad) for n, p in model.named_parameters()} == shapes
     assert model.lm_head.weight is model.embed.token.weight  # still tied
-    assert state.params["embed.token.weight"] is params["embed.token.weight"]  # not copied
-    output, _ = apply(state.params, state.buffers, inputs, train=False)
+    full = fs.consolidate(step, state)
+    output, _ = apply(full.params, full.buffers, inputs, train=False)
     assert torch.equal(output, expected)
+    del params, buffers  # nothing holds the original tensors any more: only the shards remain
     with pytest.raises(ValueError, match=r"called by itself.*apply\.load"):
-        model(inputs)  # the module itself holds no values any more
+        model(inputs)
+    _, again, again_buffers = fs.functionalize(model)
+    with pytest.raises(ValueError, match=r"taken by the state of an earlier step\.init"):
+        step.init(again, again_buffers)
+
+
+def test_a_released_module_gets_back_the_tensors_the_caller_still_holds():
+    model = CASE.module()
+    reference = copy.deepcopy(model)
+    apply, params, buffers = fs.functionalize(model)
+    step = fs.data_parallel(fs.train_step(CASE.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=1))
+    step.init(params, buffers)
+    assert all(p.is_meta for p in model.parameters())
+    _, again, _ = fs.functionalize(model)  # `params` still holds the values: lent back
+    assert all(a.data_ptr() == params[n].data_ptr() for n, a in again.items())
+    assert model.lm_head.weight is model.embed.token.weight
+    step.init(params, buffers)
+    inputs = CASE.inputs(CASE.batch(4, seed=0))
+    with torch.no_grad():  # an eager call too gets the module as it was
+        assert torch.equal(model.eval()(inputs), reference.eval()(inputs))
 
 
 def test_load_puts_a_trained_state_back_into_the_released_module():
@@ -155,17 +177,6 @@ def test_load_puts_a_trained_state_back_into_the_released_module():
         assert torch.equal(model.eval()(inputs), expected)
     with pytest.raises(ValueError, match=r"load: `params` does not match"):
         apply.load({}, state.buffers)
-
-
-def test_a_second_functionalize_of_a_released_module_says_where_the_values_went():
-    model = CASE.module()
-    apply, params, buffers = fs.functionalize(model)
-    step = fs.train_step(CASE.loss_fn(apply), fs.optim.sgd(0.1))
-    step.init(params, buffers)
-    step.init(params, buffers)  # the caller's tensors still hold the values: a fresh state
-    _, again, again_buffers = fs.functionalize(model)
-    with pytest.raises(ValueError, match=r"taken by the state of an earlier step\.init"):
-        step.init(again, again_buffers)
 
 
 def test_release_refuses_unknown_names():

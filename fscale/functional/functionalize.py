@@ -114,6 +114,7 @@ def functionalize(
     _check_bool("functionalize", "train", train)
     init_fn = materialize_lib.check_init(init, "functionalize")
     checks.refuse_torch_checkpointing("functionalize", list(module.named_modules()))
+    ownership.restore_lent(module)  # a released module whose tensors the caller still holds
     params: Tensors = {}
     buffers: Tensors = {}
     for name, parameter in module.named_parameters():
@@ -304,7 +305,7 @@ class FunctionalModule:
         unknown = [name for name in names if name not in known]
         if unknown:
             raise ValueError(f"release: `names` {unknown} are not params or buffers of the module")
-        ownership.release_slots(self.module, names, self.aliases)
+        ownership.release_slots(self.module, names, self.aliases, ownership.handed_out(self))
         if names and self._guard is None:
             self._guard = ownership.guard_eager_calls(self.module, names[0])
 

@@ -23,10 +23,13 @@ import torch
 from torch import nn
 
 from fscale import tree
+from fscale.functional import slots as slots_lib
 
 __all__ = [
+    "LENT_ATTR",
     "RELEASED_ATTR",
     "guard_eager_calls",
+    "handed_out",
     "is_released",
     "load_into",
     "mark_released",
@@ -35,6 +38,7 @@ __all__ = [
     "record",
     "release_slots",
     "release_taken",
+    "restore_lent",
     "tensor_at",
     "tied_names",
 ]
@@ -44,6 +48,8 @@ _OWNERS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
 # The attribute that marks a meta tensor `release_slots` put in a module (or one `functionalize`
 # handed out for such a slot), to tell it from a module built on the meta device.
 RELEASED_ATTR = "fscale_released"
+# The attribute holding a weak reference to the tensor that was handed out for the slot.
+LENT_ATTR = "fscale_lent"
 
 
 def record(owner: Any, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -76,10 +82,26 @@ def release_taken(values: Any) -> None:
         owner.release(names)
 
 
+def handed_out(owner: Any) -> dict[str, weakref.ref]:
+    """``{name: weak reference}`` to the tensors `record` noted for `owner` (live or dead)."""
+    return {
+        name: tensor_ref
+        for tensor_ref, owner_ref, name in list(_OWNERS.values())
+        if owner_ref() is owner
+    }
+
+
 def release_slots(
-    module: nn.Module, names: Iterable[str], aliases: Mapping[str, tuple[str, ...]]
+    module: nn.Module,
+    names: Iterable[str],
+    aliases: Mapping[str, tuple[str, ...]],
+    lent: Mapping[str, weakref.ref] | None = None,
 ) -> None:
-    """Put a meta tensor like each named tensor in all of its slots of `module`."""
+    """Put a meta tensor like each named tensor in all of its slots of `module`.
+
+    `lent` (name -> weak reference to the tensor handed out for it) lets `restore_lent` put
+    that tensor back while something else keeps it alive.
+    """
     for name in names:
         current = tensor_at(module, name)
         if current is None or current.device.type == "meta":
@@ -88,7 +110,33 @@ def release_slots(
         if isinstance(current, nn.Parameter):
             meta = nn.Parameter(meta, requires_grad=current.requires_grad)
         mark_released(meta)
+        if lent is not None and name in lent:
+            setattr(meta, LENT_ATTR, lent[name])
         place(module, name, meta, aliases)
+
+
+def restore_lent(module: nn.Module) -> bool:
+    """Put back every released tensor of `module` whose lent tensor is still alive.
+
+    Nothing is allocated: the module shares the memory of tensors someone else holds (the
+    caller's ``params``, a state). Returns True when no released tensor is left.
+    """
+    complete = True
+    tensors, slots, _ = slots_lib.state_slots(module)
+    for tensor, tensor_slots in zip(tensors, slots):
+        if not is_released(tensor):
+            continue
+        lent_ref = getattr(tensor, LENT_ATTR, None)
+        lent = None if lent_ref is None else lent_ref()
+        if lent is None:
+            complete = False
+            continue
+        value = (
+            nn.Parameter(lent, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else lent
+        )
+        for owner, kind, attr in tensor_slots:
+            getattr(owner, kind)[attr] = value
+    return complete
 
 
 def mark_released(tensor: torch.Tensor) -> None:
@@ -97,13 +145,16 @@ def mark_released(tensor: torch.Tensor) -> None:
 
 
 def guard_eager_calls(module: nn.Module, probe: str) -> Any:
-    """Make a call of `module` itself fail clearly while slot `probe` holds a released tensor.
+    """Make a call of `module` itself fail clearly while slot `probe` holds a released tensor
+    (unless `restore_lent` can put every tensor back).
 
     ``apply``'s calls pass: they fill every slot first. Returns the hook's handle.
     """
 
     def refuse_released(called: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling() or not is_released(tensor_at(called, probe)):
+            return
+        if restore_lent(called):  # the caller still holds every tensor: the module as it was
             return
         raise ValueError(
             f"the {type(called).__name__} was called by itself, but a loss computed so does not "

@@ -107,6 +107,12 @@ def _owner(pending: list[tuple[str, Any, Any]]) -> tuple[Any, dict[str, str | in
     for label, place, tensor in pending:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "meta":
             continue
+        if ownership.is_released(tensor):
+            raise ValueError(
+                f"fully_shard: {label} is a placeholder: its values were taken by the state of an "
+                "earlier step.init, which released the module. Continue from that state, or "
+                "keep the params functionalize returned"
+            )
         found = ownership.owner_of(tensor)
         if found is None:
             raise ValueError(
