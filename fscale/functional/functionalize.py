@@ -25,7 +25,6 @@ result depends only on its arguments:
   forked RNG seeded with ``fscale.random.seed(key)``: dropout draws the same masks as the eager
   module run right after ``torch.manual_seed(fscale.random.seed(key))``, and the ambient RNG is
   untouched. ``key=None`` draws from the ambient torch RNG (and advances it), as eager code does.
-
 - **Checked at the boundary.** A param of another shape (or kind of dtype) than the module's
   is refused naming the leaf, and a module flagged for ``torch.utils.checkpoint`` recompute
   (transformers' ``gradient_checkpointing_enable()``) is refused (`fscale.functional.checks`).
@@ -39,14 +38,14 @@ The module after step.init
 Once a training state has taken the tensors (`fscale.Step.init` keeps, copies or shards them),
 the module's slots hold meta tensors (`FunctionalModule.release`, `fscale.functional.ownership`),
 so no rank keeps a second copy of the model; ``apply`` is given every tensor and runs as before.
-`FunctionalModule.load` puts trained tensors back into the module to run it eagerly.
+While the caller still holds the tensors (its ``params``), functionalizing or calling the
+module puts them back (no copy); `FunctionalModule.load` gives it trained ones.
 
 Modules on the meta device
 --------------------------
-A module built under ``with torch.device("meta"):`` is functionalized with ``init=`` (its own
-``reset_parameters`` or a per-submodule function); ``params`` and ``buffers`` are then meta
-tensors. `fscale.fully_shard`'s init creates only this rank's shards from them, one submodule at
-a time; `FunctionalModule.materialize` creates the whole model (`fscale.functional.materialize`).
+A module built under ``with torch.device("meta"):`` is functionalized with ``init=``; its meta
+``params`` and ``buffers`` get values from `fscale.fully_shard`'s init (this rank's shards only)
+or `FunctionalModule.materialize` (the whole model), see `fscale.functional.materialize`.
 
 Parameters materialized at their point of use
 ---------------------------------------------
@@ -294,8 +293,9 @@ class FunctionalModule:
         """Put meta tensors in the module's slots of `names` (default: all), freeing its copy.
 
         `fscale.Step.init` calls it for the tensors its state took. Calls of ``self`` are not
-        affected (they are given every tensor); the module itself can no longer run eagerly
-        until `load` gives it tensors again.
+        affected (they are given every tensor). The module runs eagerly again when `load`
+        gives it tensors, or when the tensors `functionalize` handed out are still alive
+        (they are put back; see the module docstring).
 
         Raises:
             ValueError: a name is not one of the module's params or buffers.
@@ -334,10 +334,9 @@ class FunctionalModule:
     def materialize(self, key: torch.Tensor | int = 0) -> tuple[Tensors, Tensors]:
         """Full ``(params, buffers)`` of a module built on the meta device, made by `init`.
 
-        One process's worth of memory; `fscale.fully_shard` makes only each rank's shards
-        (bit for bit the same values: see `fscale.functional.materialize`), from the key given
-        to ``step.init``. The tensors are seeded with ``fscale.random.seed(key)`` (an int `key`
-        is a seed for ``fscale.random.key``). The module keeps meta tensors.
+        `fscale.fully_shard` makes only each rank's shards of these values, from the key given
+        to ``step.init``: both are seeded with ``fscale.random.seed(key)`` (an int `key` is a
+        seed for ``fscale.random.key``). The module keeps meta tensors.
 
         Raises:
             ValueError: `functionalize` was given no `init`, a tensor is not on the meta device,
