@@ -39,6 +39,7 @@ import torch
 from fscale import nonfinite, purity, spmd, tree
 from fscale import optim as optim_lib
 from fscale import random as fsrandom
+from fscale.functional import ownership
 from fscale.grad import GRAD_MODES, value_and_grad
 from fscale.optim.hyper import check_bool
 from fscale.plan import Context, GradAux, LocalPlan, Plan, TrainState
@@ -68,8 +69,8 @@ class Step:
         grad_mode: ``"autograd"`` or ``"func"`` (see `fscale.grad.value_and_grad`).
         donate: when True the step may update the incoming state's parameter and optimizer
             buffers in place (as JAX's buffer donation): faster, but the caller must not use the
-            old state again. That includes the params given to `init`, which the first step
-            updates in place (after `fscale.functionalize` they share memory with the module).
+            old state again. That includes the params given to `init` on one process, which
+            the first step updates in place (the state holds those very tensors).
             Default False: the input state is never mutated. A state given to a donated step
             is refused afterwards, and one whose donated update raised part way is marked
             invalid (see `fscale.purity`).
@@ -102,11 +103,21 @@ class Step:
         `key` is a `fscale.random` key or an int seed (default seed 0). Under a plan with data
         axes, the ranks first check that they build the same model (an error names the first
         difference) and then all start from index 0's params, buffers and key.
+
+        The state takes the tensors: on one process it holds the given tensors themselves (no
+        copy; a donating step updates them in place), under data axes copies of index 0's,
+        under `fscale.fully_shard` this rank's shards only. The module `fscale.functionalize`
+        handed them out from is then released (its slots hold meta tensors, see
+        `fscale.FunctionalModule.release`), so once the caller drops its own `params` and
+        `buffers` no full copy outside the state remains. Meta tensors (a module built on the
+        meta device) are accepted by plans that create them: `fully_shard` makes only this
+        rank's shards, with the module's ``init`` seeded by `key`.
         """
-        _check_params(params)
         if buffers is None:
             buffers = {}
+        _check_params(params, buffers, _materializes(self.plan))
         start_key = _key(key)
+        given = (params, buffers)
         mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
         if mesh is not None and axes:
             lines = [*spmd.describe_tree(params), "buffers:", *spmd.describe_tree(buffers)]
@@ -116,10 +127,10 @@ class Step:
                 )
                 self._check_configuration_agrees(mesh, axis)
             for axis in axes:
-                params, buffers, start_key = spmd.broadcast_tree(
-                    (params, buffers, start_key), mesh, axis
-                )
-        return self.plan.init(self, params, buffers, start_key, Context())
+                params, buffers, start_key = _broadcast(params, buffers, start_key, mesh, axis)
+        state = self.plan.init(self, params, buffers, start_key, Context())
+        ownership.release_taken(given)
+        return state
 
     def gradients(self, state: TrainState, batch: Batch) -> tuple[PyTree, GradAux]:
         """The gradient phase: ``(grads, aux)``, grads in the plan's layout (full, reduced or
@@ -246,7 +257,28 @@ def _check_state(state: Any) -> None:
         )
 
 
-def _check_params(params: PyTree) -> None:
+def _materializes(plan: Plan) -> bool:
+    """Whether a layer of `plan` creates the values of meta tensors at init."""
+    return any(getattr(layer, "materializes_meta", False) for layer in plan.layers())
+
+
+def _broadcast(params: PyTree, buffers: PyTree, key: torch.Tensor, mesh: Any, axis: str) -> Any:
+    """Index 0's values along `axis`; meta tensors (no values yet) are passed through."""
+    leaves, treedef = tree.flatten((params, buffers, key))
+    real = [i for i, leaf in enumerate(leaves) if not _is_meta(leaf)]
+    if len(real) == len(leaves):
+        return spmd.broadcast_tree((params, buffers, key), mesh, axis)
+    copies = spmd.broadcast_tree([leaves[i] for i in real], mesh, axis)
+    for i, copy in zip(real, copies):
+        leaves[i] = copy
+    return tree.unflatten(treedef, leaves)
+
+
+def _is_meta(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.device.type == "meta"
+
+
+def _check_params(params: PyTree, buffers: PyTree, materializes: bool) -> None:
     if isinstance(params, torch.nn.Module):
         raise TypeError(
             "Step.init: `params` is an nn.Module; pass its parameter pytree, e.g. "
@@ -265,12 +297,29 @@ def _check_params(params: PyTree) -> None:
                 f"Step.init: params leaf `{path}` has dtype {leaf.dtype}; trained parameters must "
                 "be floating point (keep integer state in `buffers`)"
             )
-        if leaf.device.type == "meta":
-            raise ValueError(
-                f"Step.init: params leaf `{path}` is on the meta device (it has a shape but no "
-                "values); materialise the model first, e.g. module.to_empty(device='cpu') and "
-                "initialise or load its weights, then functionalize it"
-            )
+    if materializes:
+        return
+    for what, values in (("params", params), ("buffers", buffers)):
+        paths, leaves, _ = tree.flatten_with_paths(values)
+        for path, leaf in zip(paths, leaves):
+            if _is_meta(leaf):
+                raise ValueError(_meta_message(what, path, leaf))
+
+
+def _meta_message(what: str, path: str, leaf: torch.Tensor) -> str:
+    if ownership.is_released(leaf):
+        return (
+            f"Step.init: {what} leaf `{path}` is a placeholder: its values were taken by the "
+            "state of an earlier step.init, which released the module. Continue from that "
+            "state, or functionalize the module once and keep its params"
+        )
+    return (
+        f"Step.init: {what} leaf `{path}` is on the meta device (it has a shape but no values) "
+        "and this plan cannot create values; shard it with fscale.fully_shard, which creates "
+        "only this rank's shards (fscale.functionalize(module, init=...)), or materialise the "
+        "whole model first: `apply.materialize(key)`, or module.to_empty(device='cpu') and "
+        "initialise or load its weights, then functionalize it"
+    )
 
 
 def train_step(

@@ -25,7 +25,6 @@ result depends only on its arguments:
   forked RNG seeded with ``fscale.random.seed(key)``: dropout draws the same masks as the eager
   module run right after ``torch.manual_seed(fscale.random.seed(key))``, and the ambient RNG is
   untouched. ``key=None`` draws from the ambient torch RNG (and advances it), as eager code does.
-
 - **Checked at the boundary.** A param of another shape (or kind of dtype) than the module's
   is refused naming the leaf, and a module flagged for ``torch.utils.checkpoint`` recompute
   (transformers' ``gradient_checkpointing_enable()``) is refused (`fscale.functional.checks`).
@@ -33,6 +32,20 @@ result depends only on its arguments:
 ``params`` and ``buffers`` share memory with the module (they are detached views, not copies).
 ``apply`` works under ``torch.autograd.grad`` (give the ``params`` leaves ``requires_grad``),
 ``torch.func.grad`` and ``torch.func.vjp``.
+
+The module after step.init
+--------------------------
+Once a training state has taken the tensors (`fscale.Step.init` keeps, copies or shards them),
+the module's slots hold meta tensors (`FunctionalModule.release`, `fscale.functional.ownership`),
+so no rank keeps a second copy of the model; ``apply`` is given every tensor and runs as before.
+While the caller still holds the tensors (its ``params``), functionalizing or calling the
+module puts them back (no copy); `FunctionalModule.load` gives it trained ones.
+
+Modules on the meta device
+--------------------------
+A module built under ``with torch.device("meta"):`` is functionalized with ``init=``; its meta
+``params`` and ``buffers`` get values from `fscale.fully_shard`'s init (this rank's shards only)
+or `FunctionalModule.materialize` (the whole model), see `fscale.functional.materialize`.
 
 Parameters materialized at their point of use
 ---------------------------------------------
@@ -43,7 +56,7 @@ that submodule's call; ``fscale.functional.unit_calls`` states how.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -52,7 +65,8 @@ from torch import nn
 from fscale import random as fsrandom
 from fscale import tree
 from fscale.functional import buffers as buffers_lib
-from fscale.functional import checks, rng, unit_calls
+from fscale.functional import checks, ownership, rng, unit_calls
+from fscale.functional import materialize as materialize_lib
 from fscale.functional import slots as slots_lib
 from fscale.functional.units import ParamUnit, UnitParams
 
@@ -62,13 +76,22 @@ Tensors = dict[str, torch.Tensor]
 
 
 def functionalize(
-    module: nn.Module, *, train: bool = True
+    module: nn.Module,
+    *,
+    train: bool = True,
+    init: str | materialize_lib.InitFn | None = None,
+    init_device: str | torch.device = "cpu",
 ) -> tuple[FunctionalModule, Tensors, Tensors]:
     """Split `module` into a pure function and the state it reads.
 
     Args:
-        module: the model. It is not modified, neither here nor by ``apply``.
+        module: the model. It is not modified here nor by ``apply``; `fscale.Step.init`
+            releases the tensors its state takes (see "The module after step.init").
         train: the mode ``apply`` runs in when its own ``train`` argument is not given.
+        init: how to give values to a module built on the meta device (see "Modules on the meta
+            device"): ``"reset_parameters"``, or ``init(path, submodule)`` that sets the
+            submodule's own parameters and buffers. None: the module must have values.
+        init_device: where `init` creates the tensors.
 
     Returns:
         ``(apply, params, buffers)``. ``params`` maps the name of every trainable parameter to
@@ -88,7 +111,9 @@ def functionalize(
             f"functionalize: `module` must be a torch.nn.Module, got {type(module).__name__}"
         )
     _check_bool("functionalize", "train", train)
+    init_fn = materialize_lib.check_init(init, "functionalize")
     checks.refuse_torch_checkpointing("functionalize", list(module.named_modules()))
+    ownership.restore_lent(module)  # a released module whose tensors the caller still holds
     params: Tensors = {}
     buffers: Tensors = {}
     for name, parameter in module.named_parameters():
@@ -102,8 +127,14 @@ def functionalize(
         param_names=tuple(params),
         frozen_names=frozen_names,
         buffer_names=tuple(name for name in buffers if name not in frozen_names),
-        aliases=_aliases(module),
+        aliases=ownership.tied_names(module),
+        init=init_fn,
+        init_device=torch.device(init_device),
     )
+    for name, tensor in [*params.items(), *buffers.items()]:
+        if ownership.is_released(ownership.tensor_at(module, name)):
+            ownership.mark_released(tensor)  # so that an error can say where its values went
+    ownership.record(apply, {**params, **buffers})
     return apply, params, buffers
 
 
@@ -122,6 +153,8 @@ class FunctionalModule:
         frozen_names: names of the frozen parameters (held in ``buffers``).
         aliases: for each tied tensor, its leaf name mapped to all the names it is registered
             under (the leaf name first).
+        init: ``init(path, submodule)`` for a module on the meta device, or None.
+        init_device: where `init` creates tensors.
     """
 
     def __init__(
@@ -133,8 +166,12 @@ class FunctionalModule:
         frozen_names: tuple[str, ...],
         buffer_names: tuple[str, ...],
         aliases: dict[str, tuple[str, ...]],
+        init: materialize_lib.InitFn | None = None,
+        init_device: torch.device | None = None,
     ) -> None:
         self.module = module
+        self.init = init
+        self.init_device = torch.device("cpu") if init_device is None else init_device
         self.train = train
         self.param_names = param_names
         self.frozen_names = frozen_names
@@ -145,6 +182,7 @@ class FunctionalModule:
         self._submodules = [submodule for _, submodule in self._named_submodules]
         self._param_check = checks.ParamCheck((n, module.get_parameter(n)) for n in param_names)
         self._state_dict_names = tuple(module.state_dict(keep_vars=True))
+        self._guard: Any = None  # the hook refusing eager calls of a released module
 
     def __repr__(self) -> str:
         return (
@@ -249,6 +287,71 @@ class FunctionalModule:
         new_buffers = self._new_buffers(buffers, passed_buffers, versions_before, captured, mode)
         return output, new_buffers
 
+    def release(self, names: Iterable[str] | None = None) -> None:
+        """Put meta tensors in the module's slots of `names` (default: all), freeing its copy.
+
+        `fscale.Step.init` calls it for the tensors its state took. Calls of ``self`` are not
+        affected (they are given every tensor). The module runs eagerly again when `load`
+        gives it tensors, or when the tensors `functionalize` handed out are still alive
+        (they are put back; see the module docstring).
+
+        Raises:
+            ValueError: a name is not one of the module's params or buffers.
+        """
+        known = self.param_names + self.buffer_names + self.frozen_names
+        names = list(known if names is None else names)
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise ValueError(f"release: `names` {unknown} are not params or buffers of the module")
+        ownership.release_slots(self.module, names, self.aliases, ownership.handed_out(self))
+        if names and self._guard is None:
+            self._guard = ownership.guard_eager_calls(self.module, names[0])
+
+    def load(
+        self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]
+    ) -> nn.Module:
+        """Put `params` and `buffers` (e.g. a `fscale.consolidate`-d state's) into the module.
+
+        The module then holds these very tensors (as parameters where it has parameters, one
+        object for all names of a tied tensor) and runs eagerly, e.g. to ``save_pretrained``.
+        It works on a released module, where ``module.load_state_dict`` would copy into meta
+        tensors (a no-op). Returns the module.
+
+        Raises:
+            TypeError, ValueError: the names, shapes or dtypes do not match, as for a call.
+        """
+        self._check_names("params", params, self.param_names, caller="load")
+        self._check_names("buffers", buffers, self.buffer_names + self.frozen_names, caller="load")
+        self._param_check.check(params)
+        ownership.load_into(self.module, {**params, **buffers}, self.param_names, self.aliases)
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+        return self.module
+
+    def materialize(self, key: torch.Tensor | int = 0) -> tuple[Tensors, Tensors]:
+        """Full ``(params, buffers)`` of a module built on the meta device, made by `init`.
+
+        `fscale.fully_shard` makes only each rank's shards of these values, from the key given
+        to ``step.init``: both are seeded with ``fscale.random.seed(key)`` (an int `key` is a
+        seed for ``fscale.random.key``). The module keeps meta tensors.
+
+        Raises:
+            ValueError: `functionalize` was given no `init`, a tensor is not on the meta device,
+                or `init` left one unset.
+        """
+        tensors = materialize_lib.materialize(
+            self.module,
+            self.param_names + self.frozen_names + self.buffer_names,
+            init=materialize_lib.require_init(self.init, self.module, "materialize"),
+            device=self.init_device,
+            seed=fsrandom.seed(fsrandom.key(key) if isinstance(key, int) else key),
+            aliases=self.aliases,
+            keep=lambda name, tensor: tensor,
+        )
+        params = {name: tensors[name] for name in self.param_names}
+        return params, {name: tensors[name] for name in self.frozen_names + self.buffer_names}
+
     def state_dict(
         self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]
     ) -> Tensors:
@@ -342,18 +445,6 @@ class FunctionalModule:
         if name in self.buffer_names:
             return " (a buffer: it belongs in `buffers`)"
         return ""
-
-
-def _aliases(module: nn.Module) -> dict[str, tuple[str, ...]]:
-    """For each tensor registered under several names: first name -> all names, in order."""
-    names_by_tensor: dict[int, list[str]] = {}
-    registered = [
-        *module.named_parameters(remove_duplicate=False),
-        *module.named_buffers(remove_duplicate=False),
-    ]
-    for name, tensor in registered:
-        names_by_tensor.setdefault(id(tensor), []).append(name)
-    return {names[0]: tuple(names) for names in names_by_tensor.values() if len(names) > 1}
 
 
 def _check_bool(function: str, argument: str, value: object) -> None:

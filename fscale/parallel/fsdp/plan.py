@@ -23,6 +23,7 @@ from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.functional import UnitParams
 from fscale.parallel.fsdp.gather import Gatherer, ShardedUnit
+from fscale.parallel.fsdp.materialize import has_meta, sharded_init
 from fscale.parallel.fsdp.units import ROOT, ShardLayout, UnitSpec, assign_units
 from fscale.plan import Plan, Precision
 from fscale.state_agreement import check_same_values
@@ -124,6 +125,9 @@ class FullyShardPlan(Plan):
     # The model's units, recorded by `init` (or `shard_state`): what turns a state's shards back
     # into named parameters. One entry; a new init replaces it.
     _layout: list[ShardLayout] = dataclasses.field(default_factory=list, compare=False, repr=False)
+    # `Step.init` lets meta tensors through to this layer: init makes this rank's shards of a
+    # model on the meta device (`fscale.parallel.fsdp.materialize`).
+    materializes_meta = True
 
     @property
     def name(self) -> str:
@@ -192,7 +196,11 @@ class FullyShardPlan(Plan):
         spmd.check_same_on_all_ranks(
             self.mesh, self.axis, layout.describe(), "the units", "fully_shard"
         )
-        shards = layout.shard(params, self.mesh.rank(self.axis))
+        rank = self.mesh.rank(self.axis)
+        if has_meta(params, buffers):
+            shards, buffers = sharded_init(layout, rank, params, buffers, key)
+        else:
+            shards = layout.shard(params, rank)
         self.record_layout(layout)
         return self.inner.init(step, shards, buffers, key, ctx.replace(optimizer=self.role()))
 
