@@ -60,7 +60,10 @@ def test_zero1_reports_the_full_gradient_it_holds_at_its_peak(capsys):
     assert len(rows) == 2
     for _rank, params, params_unit, grads, grads_unit, *_ in rows:
         # ZeRO-1 keeps every full gradient until backward ends: as large as the parameters.
-        assert (grads, grads_unit) == (params, params_unit)
+        # A bucket's shard is made while the collective may still hold the full bucket (gloo
+        # lets it go from its own thread), so the peak may also count one shard: 1/2 at N = 2.
+        assert grads_unit == params_unit
+        assert float(params) <= float(grads) <= 1.5 * float(params) + 0.1
 
 
 def test_peak_grad_bytes_is_the_larger_of_the_two_metrics():
