@@ -161,7 +161,8 @@ def _loss_scaled(injections, precision, steps=4):
     mesh = fs.Mesh(pp=2)
     step = fs.pipeline([_first, _last], _mse, fs.optim.sgd(LR), mesh, micro_batches=MICRO)
     step = fs.loss_scale(step, init=2.0**10, growth_interval=2)
-    plain = fs.loss_scale(fs.train_step(_full_loss, fs.optim.sgd(LR)), init=2.0**10, growth_interval=2)
+    plain = fs.train_step(_full_loss, fs.optim.sgd(LR))
+    plain = fs.loss_scale(plain, init=2.0**10, growth_interval=2)
     if precision is not None:
         step = fs.mixed_precision(step, param_dtype=precision, output_dtype=torch.float32)
         plain = fs.mixed_precision(plain, param_dtype=precision, output_dtype=torch.float32)
@@ -198,6 +199,25 @@ def test_an_overflow_on_one_stage_skips_every_stage(injections, precision):
         assert params[0]["w"].dtype == torch.float32
         assert_trees_close(params, plain_params, rtol=tolerance, atol=tolerance)
     assert results[0][0][0][0] == results[1][0][0][0]
+
+
+def _counting(p, b, x, key):
+    _SEEN.append((b["n"].dtype, p["w"].dtype))
+    return torch.tanh(x @ p["w"]), {"n": b["n"] + 1}
+
+
+def test_buffers_are_seen_in_buffer_dtype_and_kept_in_their_own():
+    step = fs.pipeline([_counting], _mse, fs.optim.sgd(LR), fs.Mesh(pp=1), micro_batches=2)
+    step = fs.mixed_precision(step, param_dtype=BF16, buffer_dtype=torch.float16)
+    _SEEN.clear()
+    state = step.init([_model()[0]], [{"n": torch.zeros(())}])
+    inputs, _ = _data(4)
+    state, _ = step(state, (inputs, torch.zeros(4, 6)))
+    assert set(_SEEN) == {(torch.float16, BF16)}
+    (buffers,) = fs.consolidate(step, state).buffers
+    assert buffers["n"].dtype == torch.float32  # one count per micro-batch
+    assert float(buffers["n"].detach()) == 2.0
+    assert state.params[0]["w"].dtype == torch.float32
 
 
 # ---- refusals -------------------------------------------------------------------------------

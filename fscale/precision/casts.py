@@ -76,7 +76,9 @@ def policy_loss_fn(
         if policy.buffer_dtype is not None:
             seen = cast_floating(buffers, policy.buffer_dtype)
         out = normalize_loss_output(loss_fn(params, seen, batch, key), seen)
-        new_buffers = out.buffers if seen is buffers else restore_buffers(buffers, seen, out.buffers)
+        new_buffers = out.buffers
+        if seen is not buffers:
+            new_buffers = restore_buffers(buffers, seen, out.buffers)
         loss = out.loss if policy.output_dtype is None else out.loss.to(policy.output_dtype)
         return loss, new_buffers, out.metrics
 

@@ -11,10 +11,10 @@ Under a pipeline, whose loss function is the schedule, the pipeline layer applie
 where each stage runs (`fscale.parallel.pipeline.precision`); this layer only checks.
 
 Plans it refuses, naming the argument: a policy inside a pipeline (``per_stage=``: the casts
-would wrap the schedule, not the stages) or over fully sharded stages, a second policy, and a `reduce_dtype` narrower than the master dtype under a
-layer that reduces the state's master-dtype gradients as they are (``data_parallel``,
-``shard_optimizer``, and any other layer with data axes but ``fully_shard``, whose
-reduce-scatter casts its gradient first).
+would wrap the schedule, not the stages) or over fully sharded stages, a second policy, and a
+`reduce_dtype` narrower than the master dtype under a layer that reduces the state's
+master-dtype gradients as they are (``data_parallel``, ``shard_optimizer``, and any other
+layer with data axes but ``fully_shard``, whose reduce-scatter casts its gradient first).
 """
 
 from __future__ import annotations

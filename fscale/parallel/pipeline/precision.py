@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
+
 from fscale.plan import Context, Plan
 from fscale.precision.casts import cast_floating, restore_buffers
 from fscale.precision.policy import Policy
@@ -88,7 +90,7 @@ class StagePolicy(NamedTuple):
             out = loss_fn(outputs, targets)
             if isinstance(out, tuple) and len(out) == 2:  # (mean, count)
                 return (out[0].to(dtype), out[1])
-            return out.to(dtype) if hasattr(out, "to") else out
+            return out.to(dtype) if isinstance(out, torch.Tensor) else out
 
         return loss_in_output_dtype
 
@@ -97,7 +99,7 @@ def stage_policy(plan: Plan, ctx: Context, caller: str = "pipeline") -> StagePol
     """The `StagePolicy` of the whole `plan` (the step's) under `ctx`.
 
     Which policies a pipeline can honour is checked by the policy's layer
-    (`fscale.precision.check_plan`).
+    (`fscale.precision.plan.check_plan`).
     """
     names = [layer.name for layer in plan.layers()]
     pipe = names.index("pipeline")
