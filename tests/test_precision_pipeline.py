@@ -220,6 +220,21 @@ def test_buffers_are_seen_in_buffer_dtype_and_kept_in_their_own():
     assert state.params[0]["w"].dtype == torch.float32
 
 
+def test_the_plan_shows_the_wire_dtype_of_the_pipeline():
+    mesh = fs.Mesh(dp=1, pp=1)
+    step = fs.pipeline(
+        [_first],
+        _mse,
+        fs.optim.sgd(LR),
+        mesh,
+        micro_batches=1,
+        per_stage=lambda s: fs.data_parallel(s, mesh, "dp"),
+    )
+    text = repr(fs.mixed_precision(step, param_dtype=BF16).plan)
+    assert "pipeline[pp]: send activations and their gradients bfloat16" in text
+    assert "data_parallel[dp]: all_reduce grads float32" in text
+
+
 # ---- refusals -------------------------------------------------------------------------------
 
 
