@@ -16,7 +16,8 @@ pipeline reaches the inner plan only through the Plan protocol:
   whatever the inner plan does with a loss's gradient — DDP's bucketed all-reduce, ZeRO's
   reduce-scatter, accumulation's seeding and weighting — it does with the pipeline's,
   unchanged. The value is the mean loss over the batch, summed from the last stage over the
-  pipeline axis, equal on every rank;
+  pipeline axis, equal on every rank. A mixed-precision policy or loss scale around the
+  pipeline is applied inside the schedule (`fscale.parallel.pipeline.precision`);
 - ``apply_gradients`` is the inner plan's: each rank updates its own stages;
 - ``consolidate`` / ``shard_state`` map the inner plan's full state of the local stages to and
   from the whole model's (an all-gather of the pieces over the pipeline axis).
