@@ -235,6 +235,32 @@ def test_the_plan_shows_the_wire_dtype_of_the_pipeline():
     assert "data_parallel[dp]: all_reduce grads float32" in text
 
 
+def _tiny_loss(out, targets):
+    # fp32 before the factor: the scale, not the loss's dtype, must keep fp16's backward in range
+    return _mse(out.float(), targets.float()) * 1e-9
+
+
+def test_the_scale_reaches_each_micro_batchs_float16_backward():
+    """Gradients of ~1e-9 flush to zero in float16 unless the scale is in the backward itself."""
+    scale = 2.0**20
+
+    def build(precision):
+        step = fs.pipeline([_first], _tiny_loss, fs.optim.sgd(LR), fs.Mesh(pp=1), micro_batches=2)
+        if precision is None:
+            return step
+        step = fs.loss_scale(step, init=scale)
+        return fs.mixed_precision(step, param_dtype=precision, output_dtype=torch.float32)
+
+    batch = (_data(4)[0], torch.zeros(4, 6))
+    params = [_model()[0]]
+    low = build(torch.float16)
+    scaled, _ = low.gradients(low.init(params, None), batch)
+    exact, _ = build(None).gradients(build(None).init(params, None), batch)
+    scaled_w, exact_w = scaled[0]["w"], exact[0]["w"]
+    assert scaled_w.dtype == torch.float32 and bool((scaled_w != 0).all())
+    torch.testing.assert_close(scaled_w / scale, exact_w, rtol=1e-2, atol=1e-12)
+
+
 # ---- refusals -------------------------------------------------------------------------------
 
 
