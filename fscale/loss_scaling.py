@@ -37,8 +37,10 @@ Composition: `loss_scale` wraps any plan and may sit inside or outside `data_par
 `shard_optimizer`, `fully_shard` and `accumulate` (outside or inside it, the check covers the
 sum over all micro-batches, since the update runs once per step). With a mixed-precision policy
 put it outside the policy, so that the low-precision backward sees the scaled loss and the
-check and unscaling run on the gradients the policy reduces. A pipeline step is refused: its
-schedule weights each micro-batch's loss itself, without the context's loss weight.
+check and unscaling run on the gradients the policy reduces. Around `fscale.pipeline`, the
+schedule multiplies each micro-batch's loss by the scale before that micro-batch's backward
+(`fscale.parallel.pipeline.precision`), and the check's all-reduce spans every axis of the
+mesh, the pipeline axis included: an overflow in one stage's gradients makes every stage skip.
 
 Metrics: ``loss`` stays the unscaled loss; ``loss_scale`` is the scale after this step's update
 (the one the next step uses, as ``GradScaler.get_scale()`` after ``update()``), a Python float
@@ -267,8 +269,8 @@ def loss_scale(
     Raises:
         TypeError: `step` is not a Step, or an argument is not a number (an int for
             `growth_interval`).
-        ValueError: an argument out of its range; the step already scales its loss, is a
-            pipeline, or was built with ``on_nonfinite`` other than ``"propagate"``.
+        ValueError: an argument out of its range; the step already scales its loss, or was
+            built with ``on_nonfinite`` other than ``"propagate"``.
 
     Example:
         >>> import torch, fscale as fs
@@ -312,12 +314,6 @@ def loss_scale(
 def _check_composition(step: Step) -> None:
     if step.plan.find("loss_scale") is not None:
         raise ValueError("loss_scale: the step already scales its loss; apply loss_scale once")
-    if step.plan.find("pipeline") is not None:
-        raise ValueError(
-            "loss_scale: a pipeline step weights each micro-batch's loss inside its schedule, "
-            "not through the step's loss weight, so the loss would not be scaled; train the "
-            "pipeline without loss scaling (bfloat16 needs none)"
-        )
     if step.on_nonfinite != "propagate":
         raise ValueError(
             f"loss_scale: the step was built with on_nonfinite={step.on_nonfinite!r}; loss "

@@ -157,8 +157,9 @@ def test_plans_it_cannot_honour_are_refused():
         fs.Mesh(pp=1),
         micro_batches=1,
         balance=[1],
+        per_stage=fs.mixed_precision,
     )
-    with pytest.raises(ValueError, match="pipelined"):
+    with pytest.raises(ValueError, match="applied inside the pipeline"):
         fs.mixed_precision(stages)
     with pytest.raises(TypeError, match="`step` must be a Step"):
         fs.mixed_precision(step.loss_fn)

@@ -26,7 +26,7 @@ from fscale import tree
 from fscale.grad import normalize_loss_output
 from fscale.precision.policy import Policy
 
-__all__ = ["cast_floating", "policy_loss_fn"]
+__all__ = ["cast_floating", "policy_loss_fn", "restore_buffers"]
 
 PyTree = Any
 
@@ -42,7 +42,7 @@ def cast_floating(values: PyTree, dtype: torch.dtype) -> PyTree:
     return tree.map(cast, values)
 
 
-def _restore(state_buffers: PyTree, seen: PyTree, returned: PyTree) -> PyTree:
+def restore_buffers(state_buffers: PyTree, seen: PyTree, returned: PyTree) -> PyTree:
     """The loss's new buffers in the state's dtypes; unchanged ones as the state's tensors."""
     state_leaves, state_def = tree.flatten(state_buffers)
     seen_leaves = tree.leaves(seen)
@@ -76,7 +76,9 @@ def policy_loss_fn(
         if policy.buffer_dtype is not None:
             seen = cast_floating(buffers, policy.buffer_dtype)
         out = normalize_loss_output(loss_fn(params, seen, batch, key), seen)
-        new_buffers = out.buffers if seen is buffers else _restore(buffers, seen, out.buffers)
+        new_buffers = out.buffers
+        if seen is not buffers:
+            new_buffers = restore_buffers(buffers, seen, out.buffers)
         loss = out.loss if policy.output_dtype is None else out.loss.to(policy.output_dtype)
         return loss, new_buffers, out.metrics
 

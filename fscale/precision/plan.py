@@ -7,11 +7,14 @@ master weights, and in the gradient phase it hands the layers inside it a loss f
 the policy's casts (`fscale.precision.casts`). The update needs nothing: the optimizer runs on
 the state's parameters, which are the master weights, so its state is in the master dtype too.
 
-Plans it refuses, naming the argument: a pipelined step (the casts would wrap the schedule,
-not the stages), a second policy, and a `reduce_dtype` narrower than the master dtype under a
-layer that reduces the state's master-dtype gradients as they are (``data_parallel``,
-``shard_optimizer``, and any other layer with data axes but ``fully_shard``, whose
-reduce-scatter casts its gradient first).
+Under a pipeline, whose loss function is the schedule, the pipeline layer applies the casts
+where each stage runs (`fscale.parallel.pipeline.precision`); this layer only checks.
+
+Plans it refuses, naming the argument: a policy inside a pipeline (``per_stage=``: the casts
+would wrap the schedule, not the stages) or over fully sharded stages, a second policy, and a
+`reduce_dtype` narrower than the master dtype under a layer that reduces the state's
+master-dtype gradients as they are (``data_parallel``, ``shard_optimizer``, and any other
+layer with data axes but ``fully_shard``, whose reduce-scatter casts its gradient first).
 """
 
 from __future__ import annotations
@@ -35,13 +38,9 @@ _CASTING_REDUCERS = ("fully_shard",)
 def check_plan(plan: Plan, policy: Policy, caller: str) -> None:
     """Raise unless every layer of `plan` can honour `policy` (see the module docstring)."""
     layers = list(plan.layers())
-    if any(layer.name == "pipeline" for layer in layers):
-        raise ValueError(
-            f"{caller}: the step is pipelined; a mixed-precision policy over a pipeline would "
-            "cast the schedule's inputs rather than each stage's parameters, which is not "
-            "supported: train the pipeline without a policy (a policy per stage is not "
-            "available yet)"
-        )
+    names = [layer.name for layer in layers]
+    if "pipeline" in names:
+        _check_pipeline(names, caller)
     policies = [layer for layer in layers if layer.own_precision() is not None]
     if len(policies) > 1:
         raise ValueError(
@@ -58,6 +57,22 @@ def check_plan(plan: Plan, policy: Policy, caller: str) -> None:
                     f"reduce_dtype={dtype_name(policy.master_dtype)} (a narrower reduction is "
                     "supported under fully_shard alone)"
                 )
+
+
+def _check_pipeline(names: list[str], caller: str) -> None:
+    inside = names[names.index("pipeline") + 1 :]
+    if "mixed_precision" in inside:
+        raise ValueError(
+            f"{caller}: the policy is applied inside the pipeline (`per_stage`), where it would "
+            "cast the schedule rather than each stage's parameters; apply it around the "
+            "pipeline: mixed_precision(pipeline(...), param_dtype=...)"
+        )
+    if "fully_shard" in inside:
+        raise ValueError(
+            f"{caller}: a policy over a pipeline whose stages are fully sharded "
+            "(`per_stage`=fully_shard) is not supported; use data_parallel or shard_optimizer "
+            "per stage"
+        )
 
 
 def check_master_params(params: Any, policy: Policy, caller: str) -> None:
@@ -99,6 +114,10 @@ class MixedPrecisionPlan(Plan):
 
     def gradients(self, step, state, batch, ctx):
         check_plan(step.plan, self.policy, "mixed_precision")
+        if step.plan.find("pipeline") is not None:
+            # The pipeline casts each stage's parameters and micro-batches itself
+            # (`fscale.parallel.pipeline.precision`); its loss function is the schedule.
+            return self.inner.gradients(step, state, batch, ctx)
         # Under fully_shard the loss receives gathered units, cast before their all-gather.
         cast_params = step.plan.find("fully_shard") is None
         loss_fn = policy_loss_fn(step.loss_fn, self.policy, cast_params=cast_params)

@@ -9,6 +9,9 @@ The layers of the built-in plans place these collectives on parameters and gradi
 - ``shard_optimizer``: reduce-scatters of those gradients and all-gathers of the updated master
   parameters.
 - any other layer with data axes reduces what it is given: the master dtype's gradients.
+- ``pipeline``: sends of the activations between stages, and of their gradients back, in
+  ``param_dtype`` (each stage computes in it); its stages' gradient reductions are the layers
+  inside it (``per_stage=``).
 
 Metrics and buffers are averaged by the `fscale.Step` in their own dtypes, as without a policy.
 """
@@ -36,6 +39,10 @@ def collective_dtypes(plan: Any, policy: Policy) -> list[str]:
     entries = []
     for layer in plan.layers():
         axes = ",".join(layer.own_data_axes())
+        if layer.name == "pipeline":
+            axis = getattr(layer, "axis", "?")
+            entries.append(f"pipeline[{axis}]: send activations and their gradients {param}")
+            continue
         if not axes:
             continue
         if layer.name == "fully_shard":

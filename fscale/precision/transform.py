@@ -25,8 +25,12 @@ the plan shards them) plus the 2Ψ-byte bf16 working copy during the step (under
 collective's dtype; `fscale.distributed.comm_ledger` records it per collective.
 
 A `fscale.parallel.tensor_parallel` model (a model transformation, not a plan layer) computes on
-the casts like any model, so its activation collectives carry ``param_dtype``. A pipelined step
-is refused.
+the casts like any model, so its activation collectives carry ``param_dtype``. Over
+`fscale.pipeline` each stage's forward sees casts of its master weights and the micro-batches'
+floating-point leaves are cast, so the activations sent between stages are in ``param_dtype``;
+each micro-batch's weight gradient is cast back to ``master_dtype`` before it joins the step's
+sum, which ``per_stage`` reducers (data_parallel, shard_optimizer) then reduce. A policy inside
+the pipeline (``per_stage=``) or over fully sharded stages is refused.
 
 float16 needs dynamic loss scaling (its range ends at 65504, and small gradients flush to
 zero): without a ``loss_scale`` layer in the step, float16 is warned about at construction.

@@ -5,7 +5,8 @@
 (`check`); each rank executes its rows (`runner`) with the stage-to-stage send/recv pair
 (`transport`), after the first step's check of what the stages pass (`contract`); zero-bubble
 schedules split each backward into its input and weight halves (`split_backward`); the layer
-that joins it to the Plan protocol is `layer`. `balance` cuts layers into even stages,
+that joins it to the Plan protocol is `layer`, which applies the step's mixed-precision policy
+and loss scale where the stages run (`precision`). `balance` cuts layers into even stages,
 `batchnorm` keeps BatchNorm's statistics those of the whole batch, `chart` draws a schedule,
 `timeline` measures the steps as they run.
 """

@@ -16,7 +16,8 @@ pipeline reaches the inner plan only through the Plan protocol:
   whatever the inner plan does with a loss's gradient — DDP's bucketed all-reduce, ZeRO's
   reduce-scatter, accumulation's seeding and weighting — it does with the pipeline's,
   unchanged. The value is the mean loss over the batch, summed from the last stage over the
-  pipeline axis, equal on every rank;
+  pipeline axis, equal on every rank. A mixed-precision policy or loss scale around the
+  pipeline is applied inside the schedule (`fscale.parallel.pipeline.precision`);
 - ``apply_gradients`` is the inner plan's: each rank updates its own stages;
 - ``consolidate`` / ``shard_state`` map the inner plan's full state of the local stages to and
   from the whole model's (an all-gather of the pieces over the pipeline axis).
@@ -39,6 +40,7 @@ from fscale.distributed import collectives
 from fscale.distributed.comm import Comm, resolve_comm
 from fscale.distributed.mesh import Mesh
 from fscale.parallel.pipeline.contract import probe_stages
+from fscale.parallel.pipeline.precision import stage_policy
 from fscale.parallel.pipeline.runner import RankResult, run_schedule
 from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.stages import Stages
@@ -116,35 +118,48 @@ class PipelinePlan(Plan):
         return self.inner.init(step, local_params, local_buffers, key, ctx)
 
     def gradients(self, step, state, batch, ctx):
+        # The step's policy and loss scale, applied where the stages run (`precision`).
+        casts = stage_policy(step.plan, ctx)
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            batch = (casts.cast_batch(batch[0]), casts.cast_batch(batch[1]))
         inputs, targets, real_sizes = self._micro_batches(batch)
+        loss_fn = casts.loss_fn(self.loss_fn)
 
         def run_rank(live_params: PyTree, buffers: PyTree, _batch: Any, key: torch.Tensor):
             pieces = self._from_flat(live_params) if self.flat_params else live_params
+            seen_buffers = casts.cast_buffers(buffers)
             comm = self._comm()
-            shapes = self._contract(comm, pieces, buffers, inputs[0], targets[0], key)
+            shapes = self._contract(
+                comm, casts.cast_params(pieces), seen_buffers, inputs[0], targets[0], key, loss_fn
+            )
             result = run_schedule(
                 self.schedule,
                 self.index,
                 comm,
                 self.stages,
                 pieces,
-                buffers,
+                seen_buffers,
                 inputs,
                 targets,
-                self.loss_fn,
+                loss_fn,
                 key,
                 self.checkpoint,
                 shapes,
                 real_sizes,
+                param_cast=casts.param_cast(),
+                loss_weight=casts.loss_weight,
             )
+            new_buffers = casts.restore_buffers(buffers, seen_buffers, result.buffers)
             loss, count = _reduce_loss(result, comm, self.mesh, self.axis)
             grads = tree.leaves(result.grads)
             if count is not None:  # weighted by counts: divide by the global count
                 grads = [g / count.to(g.dtype) for g in grads]
             live = tree.leaves(pieces)
             dtype = live[0].dtype if live else loss.dtype
-            return loss.to(dtype) + _carrying(grads, live), result.buffers
+            return loss.to(dtype) + _carrying(grads, live), new_buffers
 
+        if casts.loss_weight != 1.0:  # already in every micro-batch's backward
+            ctx = ctx.replace(loss_weight=1.0)
         return self.inner.gradients(step.replace(loss_fn=run_rank), state, batch, ctx)
 
     # ---- state in and out ----------------------------------------------------------------
@@ -306,7 +321,7 @@ class PipelinePlan(Plan):
             real,
         )
 
-    def _contract(self, comm, params, buffers, inputs, targets, key):
+    def _contract(self, comm, params, buffers, inputs, targets, key, loss_fn):
         signature = (
             tree.structure(inputs),
             tuple((tuple(t.shape), t.dtype) for t in tree.leaves(inputs)),
@@ -325,7 +340,7 @@ class PipelinePlan(Plan):
                 buffers,
                 inputs,
                 targets,
-                self.loss_fn,
+                loss_fn,
                 key,
             )
             self._shapes[signature] = shapes

@@ -30,7 +30,7 @@ GPipe's drain, so recomputing it saves nothing), ``"never"`` keeps every activat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -109,13 +109,20 @@ def run_schedule(
     checkpoint: str,
     shapes: dict[int, StageOutput],
     real_sizes: Sequence[int] | None = None,
+    *,
+    param_cast: Callable[[PyTree], PyTree] | None = None,
+    loss_weight: float = 1.0,
 ) -> RankResult:
     """Run rank `index`'s actions of `schedule` (see the module docstring).
 
     `params` / `buffers` hold one pytree per local stage (in `schedule.local_stages(index)`
     order) and are not modified; `shapes[s]` is what stage s passes on. `real_sizes`, with
     padding, is the number of real samples of each micro-batch, out of the batch's
-    ``sum(real_sizes)``; `targets` then hold the real samples only.
+    ``sum(real_sizes)``; `targets` then hold the real samples only. `param_cast` maps a
+    stage's parameters to what its forward sees (a mixed-precision policy's working copy):
+    applied once per step, differentiably, so every micro-batch's weight gradient is cast back
+    to the parameters' own dtype before it joins the sum. `loss_weight` multiplies each
+    micro-batch's loss for its backward (a loss scale); the returned loss sum is unweighted.
     """
     local = schedule.local_stages(index)
     position = {stage: i for i, stage in enumerate(local)}
@@ -127,6 +134,9 @@ def run_schedule(
     leaves = [[t.detach().requires_grad_(True) for t in tree.leaves(p)] for p in params]
     treedefs = [tree.structure(p) for p in params]
     stage_params = [tree.unflatten(d, ls) for d, ls in zip(treedefs, leaves)]
+    if param_cast is not None:
+        with torch.enable_grad():
+            stage_params = [param_cast(p) for p in stage_params]
     split_grads: list[list[Tensor | None]] = [[None] * len(ls) for ls in leaves]
     owned: list[list[bool]] = [[False] * len(ls) for ls in leaves]
     stage_buffers = list(buffers)
@@ -198,7 +208,7 @@ def run_schedule(
             counts.append(count)
         root = loss * (share if count is None else count)
         loss_sum = root.detach() if loss_sum is None else loss_sum + root.detach()
-        return [root]
+        return [root if loss_weight == 1.0 else root * loss_weight]
 
     def seeds(m: int, stage: int, unit: _Unit) -> tuple[list[Tensor], list[Tensor | None]]:
         if stage == last:
