@@ -182,6 +182,15 @@ class FunctionalModule:
         self._submodules = [submodule for _, submodule in self._named_submodules]
         self._param_check = checks.ParamCheck((n, module.get_parameter(n)) for n in param_names)
         self._state_dict_names = tuple(module.state_dict(keep_vars=True))
+        # Every name a call fills, resolved to its slot once (None: the general path).
+        self._slots = slots_lib.named_slots(
+            module,
+            [
+                alias
+                for name in param_names + frozen_names + buffer_names
+                for alias in aliases.get(name, (name,))
+            ],
+        )
         self._guard: Any = None  # the hook refusing eager calls of a released module
 
     def __repr__(self) -> str:
@@ -275,7 +284,7 @@ class FunctionalModule:
             # name must be given, so a name this wrapper failed to map is an error.
             try:
                 output, captured = buffers_lib.call(
-                    self.module, tensors, args, kwargs, self.buffer_names
+                    self.module, tensors, args, kwargs, self.buffer_names, self._slots
                 )
             except Exception as error:
                 note = self._param_check.dtype_note(params)
