@@ -30,27 +30,33 @@ class _Tied(nn.Module):
 
 def test_named_slots_resolves_every_alias_and_refuses_plain_attributes() -> None:
     net = _Tied()
-    names = ["embed.weight", "head.weight", "norm.running_mean", "calls"]
-    found = slots_lib.named_slots(net, names)
+    names = ["embed.weight", "norm.running_mean", "calls"]
+    found = slots_lib.named_slots(net, names, {"embed.weight": ("embed.weight", "head.weight")})
     assert found is not None
     assert found["head.weight"] == (net.head, "_parameters", "weight")
     assert found["norm.running_mean"] == (net.norm, "_buffers", "running_mean")
     assert found["calls"] == (net, "_buffers", "calls")
     net.plain = torch.zeros(1)  # an attribute, not a registered tensor
-    assert slots_lib.named_slots(net, ["plain"]) is None
-    assert slots_lib.named_slots(net, ["missing.weight"]) is None
+    assert slots_lib.named_slots(net, ["plain"], {}) is None
+    assert slots_lib.named_slots(net, ["missing.weight"], {}) is None
 
 
 def test_holding_named_swaps_and_restores_even_when_the_block_raises() -> None:
     net = _Tied()
     own = net.embed.weight
-    found = slots_lib.named_slots(net, ["embed.weight", "head.weight"])
+    found = slots_lib.named_slots(net, ["embed.weight", "head.weight"], {})
     assert found is not None
     given = torch.ones(5, 3)
-    with pytest.raises(ValueError, match="inside"):
+    seen = []
+
+    def fails_inside() -> None:
         with slots_lib.holding_named(found, {"embed.weight": given, "head.weight": given}):
-            assert net.embed.weight is given and net.head.weight is given
+            seen.append(net.embed.weight is given and net.head.weight is given)
             raise ValueError("inside")
+
+    with pytest.raises(ValueError, match="inside"):
+        fails_inside()
+    assert seen == [True]
     assert net.embed.weight is own and net.head.weight is own
 
 
@@ -88,8 +94,12 @@ def test_apply_walks_no_module_tree_and_keeps_tied_and_rebound_tensors() -> None
 def test_seeded_by_restores_the_ambient_rng_when_the_block_raises() -> None:
     torch.manual_seed(0)
     ambient = torch.random.get_rng_state()
-    with pytest.raises(ValueError, match="inside"):
+
+    def fails_inside() -> None:
         with rng.seeded_by(fsrandom.key(1), lambda: [torch.zeros(1)]):
             torch.rand(3)
             raise ValueError("inside")
+
+    with pytest.raises(ValueError, match="inside"):
+        fails_inside()
     assert torch.equal(torch.random.get_rng_state(), ambient)

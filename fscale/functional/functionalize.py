@@ -182,14 +182,8 @@ class FunctionalModule:
         self._submodules = [submodule for _, submodule in self._named_submodules]
         self._param_check = checks.ParamCheck((n, module.get_parameter(n)) for n in param_names)
         self._state_dict_names = tuple(module.state_dict(keep_vars=True))
-        # Every name a call fills, resolved to its slot once (None: the general path).
-        self._slots = slots_lib.named_slots(
-            module,
-            [
-                alias
-                for name in param_names + frozen_names + buffer_names
-                for alias in aliases.get(name, (name,))
-            ],
+        self._slots = slots_lib.named_slots(  # resolved once; None: the general path
+            module, param_names + frozen_names + buffer_names, aliases
         )
         self._guard: Any = None  # the hook refusing eager calls of a released module
 
@@ -280,8 +274,7 @@ class FunctionalModule:
             rng.seeded_by(key, lambda: [*tensors.values(), *tree.leaves((args, kwargs))]),
             unit_calls.forwards(self.module, module_units),
         ):
-            # The aliases are mapped above, so tying by the call itself is not needed; every
-            # name must be given, so a name this wrapper failed to map is an error.
+            # Aliases are mapped above (the call ties nothing); every name must be given.
             try:
                 output, captured = buffers_lib.call(
                     self.module, tensors, args, kwargs, self.buffer_names, self._slots

@@ -57,15 +57,19 @@ def state_slots(module: nn.Module) -> tuple[list[torch.Tensor], list[list[Slot]]
     return tensors, slots, num_parameters
 
 
-def named_slots(module: nn.Module, names: Sequence[str]) -> dict[str, Slot] | None:
-    """The slot of each parameter or buffer name of `module`, or None if one is not in a slot.
+def named_slots(
+    module: nn.Module, names: Sequence[str], aliases: Mapping[str, Sequence[str]]
+) -> dict[str, Slot] | None:
+    """The slot of every name of `names` and its `aliases`, or None if one is not in a slot.
+
+    `aliases` maps a tied tensor's name to all the names it is registered under (itself first).
 
     Resolving a dotted name walks the module tree; a call that swaps the same names every time
     resolves them once here instead. None (an attribute that is not a registered parameter or
     buffer) leaves the caller on the general ``torch.func`` reparametrisation.
     """
     found: dict[str, Slot] = {}
-    for name in names:
+    for name in (alias for leaf in names for alias in aliases.get(leaf, (leaf,))):
         prefix, _, attr = name.rpartition(".")
         try:
             owner = module.get_submodule(prefix)
