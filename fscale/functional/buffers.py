@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.nn.utils import stateless
 
+from fscale.functional import slots as slots_lib
+
 __all__ = ["call", "capture", "check_not_modified", "versions"]
 
 
@@ -29,19 +31,32 @@ def call(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     names: Sequence[str],
+    slots: Mapping[str, slots_lib.Slot] | None = None,
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """``module(*args, **kwargs)`` on `tensors`, and its buffers `names` as the forward left them.
 
     As ``torch.func.functional_call(module, tensors, args, kwargs, tie_weights=False,
     strict=True)``: every parameter and buffer name must be given, and a tensor given under
-    several names is not tied by the call itself.
+    several names is not tied by the call itself. `slots` (`slots_lib.named_slots` of exactly
+    the names of `tensors`, resolved once by the caller) swaps the tensors straight into their
+    slots, which skips the module-tree walks of ``functional_call``'s name checks and lookups
+    (most of an eager call's fixed cost); under ``torch.compile`` the traced path is taken.
     """
+    if slots is not None and not torch.compiler.is_compiling():
+        with slots_lib.holding_named(slots, tensors):
+            output = module(*args, **kwargs)
+            captured = {name: _slot_table(slots[name])[slots[name][2]] for name in names}
+        return output, captured
     # torch.func.functional_call runs exactly this context around the forward; Dynamo traces it
     # (it has a rule for it), and the buffers are read before it restores the module's own.
     with stateless._reparametrize_module(module, tensors, tie_weights=False, strict=True):
         output = module(*args, **kwargs)
         captured = {name: module.get_buffer(name) for name in names}
     return output, captured
+
+
+def _slot_table(slot: slots_lib.Slot) -> dict[str, Any]:
+    return getattr(slot[0], slot[1])
 
 
 @contextlib.contextmanager

@@ -182,6 +182,9 @@ class FunctionalModule:
         self._submodules = [submodule for _, submodule in self._named_submodules]
         self._param_check = checks.ParamCheck((n, module.get_parameter(n)) for n in param_names)
         self._state_dict_names = tuple(module.state_dict(keep_vars=True))
+        self._slots = slots_lib.named_slots(  # resolved once; None: the general path
+            module, param_names + frozen_names + buffer_names, aliases
+        )
         self._guard: Any = None  # the hook refusing eager calls of a released module
 
     def __repr__(self) -> str:
@@ -271,11 +274,10 @@ class FunctionalModule:
             rng.seeded_by(key, lambda: [*tensors.values(), *tree.leaves((args, kwargs))]),
             unit_calls.forwards(self.module, module_units),
         ):
-            # The aliases are mapped above, so tying by the call itself is not needed; every
-            # name must be given, so a name this wrapper failed to map is an error.
+            # Aliases are mapped above (the call ties nothing); every name must be given.
             try:
                 output, captured = buffers_lib.call(
-                    self.module, tensors, args, kwargs, self.buffer_names
+                    self.module, tensors, args, kwargs, self.buffer_names, self._slots
                 )
             except Exception as error:
                 note = self._param_check.dtype_note(params)

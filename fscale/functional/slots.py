@@ -11,12 +11,20 @@ check (the values are plain tensors). Modes are set the same way: every module's
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["Slot", "holding", "mode", "state_slots", "training_modes"]
+__all__ = [
+    "Slot",
+    "holding",
+    "holding_named",
+    "mode",
+    "named_slots",
+    "state_slots",
+    "training_modes",
+]
 
 Slot = tuple[nn.Module, str, str]
 """(owner module, "_parameters" or "_buffers", attribute name)."""
@@ -47,6 +55,49 @@ def state_slots(module: nn.Module) -> tuple[list[torch.Tensor], list[list[Slot]]
                     num_parameters += kind == "_parameters"
                 slots[i].append((owner, kind, attr))
     return tensors, slots, num_parameters
+
+
+def named_slots(
+    module: nn.Module, names: Sequence[str], aliases: Mapping[str, Sequence[str]]
+) -> dict[str, Slot] | None:
+    """The slot of every name of `names` and its `aliases`, or None if one is not in a slot.
+
+    `aliases` maps a tied tensor's name to all the names it is registered under (itself first).
+
+    Resolving a dotted name walks the module tree; a call that swaps the same names every time
+    resolves them once here instead. None (an attribute that is not a registered parameter or
+    buffer) leaves the caller on the general ``torch.func`` reparametrisation.
+    """
+    found: dict[str, Slot] = {}
+    for name in (alias for leaf in names for alias in aliases.get(leaf, (leaf,))):
+        prefix, _, attr = name.rpartition(".")
+        try:
+            owner = module.get_submodule(prefix)
+        except AttributeError:
+            return None
+        kind = next((k for k in ("_parameters", "_buffers") if attr in getattr(owner, k)), None)
+        if kind is None:
+            return None
+        found[name] = (owner, kind, attr)
+    return found
+
+
+@contextlib.contextmanager
+def holding_named(slots: Mapping[str, Slot], values: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """The slot of each name of `slots` holds ``values[name]`` inside the block; restored after.
+
+    `values` must hold exactly the names of `slots`.
+    """
+    swapped: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor | None]] = []
+    try:
+        for name, (owner, kind, attr) in slots.items():
+            table = owner.__dict__[kind]
+            swapped.append((table, attr, table[attr]))
+            table[attr] = values[name]
+        yield
+    finally:
+        for table, attr, previous in reversed(swapped):
+            table[attr] = previous
 
 
 @contextlib.contextmanager

@@ -88,10 +88,14 @@ def _check_like_params(
     leaves: list[Any],
     params: list[torch.Tensor],
     params_tree: PyTree,
+    expected: list[tuple[Any, ...] | None],
     why: str = _NOT_THIS_STATE,
 ) -> None:
-    """Each leaf of `what` must be a tensor of its parameter's shape, dtype and device."""
-    if [_signature(t) for t in leaves] == [_signature(p) for p in params]:
+    """Each leaf of `what` must be a tensor of its parameter's shape, dtype and device.
+
+    `expected` holds the params' signatures, computed once per step for every tree checked.
+    """
+    if [_signature(t) for t in leaves] == expected:
         return
     for path, leaf, p in zip(tree.paths(params_tree), leaves, params):
         if _signature(leaf) != _signature(p):
@@ -143,8 +147,15 @@ def step_inputs(
         )
     param_leaves, treedef = tree.flatten(params)
     grad_leaves = _leaves_like(name, "grads", grads, treedef)
+    expected = [_signature(p) for p in param_leaves]
     _check_like_params(
-        name, "grads", grad_leaves, param_leaves, params, "each gradient must match its parameter"
+        name,
+        "grads",
+        grad_leaves,
+        param_leaves,
+        params,
+        expected,
+        "each gradient must match its parameter",
     )
     grad_leaves = contiguous(grad_leaves)
     packed = packed and is_packed(grad_leaves)
@@ -155,7 +166,7 @@ def step_inputs(
             continue
         leaves = _leaves_like(name, f"state.{field}", state_tree, treedef)
         if param_shaped is None or field in param_shaped:
-            _check_like_params(name, f"state.{field}", leaves, param_leaves, params)
+            _check_like_params(name, f"state.{field}", leaves, param_leaves, params, expected)
         state_leaves[field] = writable(leaves, donate, packed=packed)
     if copy_params:
         param_leaves = writable(param_leaves, donate, packed=packed)

@@ -1,0 +1,105 @@
+"""The slots a functional call swaps: resolved once, swapped directly, restored on any exit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fscale
+import fscale.random as fsrandom
+from fscale.functional import rng
+from fscale.functional import slots as slots_lib
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+        self.norm = nn.BatchNorm1d(3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1  # rebinds the buffer
+        return self.head(self.norm(self.embed(tokens)))
+
+
+def test_named_slots_resolves_every_alias_and_refuses_plain_attributes() -> None:
+    net = _Tied()
+    names = ["embed.weight", "norm.running_mean", "calls"]
+    found = slots_lib.named_slots(net, names, {"embed.weight": ("embed.weight", "head.weight")})
+    assert found is not None
+    assert found["head.weight"] == (net.head, "_parameters", "weight")
+    assert found["norm.running_mean"] == (net.norm, "_buffers", "running_mean")
+    assert found["calls"] == (net, "_buffers", "calls")
+    net.plain = torch.zeros(1)  # an attribute, not a registered tensor
+    assert slots_lib.named_slots(net, ["plain"], {}) is None
+    assert slots_lib.named_slots(net, ["missing.weight"], {}) is None
+
+
+def test_holding_named_swaps_and_restores_even_when_the_block_raises() -> None:
+    net = _Tied()
+    own = net.embed.weight
+    found = slots_lib.named_slots(net, ["embed.weight", "head.weight"], {})
+    assert found is not None
+    given = torch.ones(5, 3)
+    seen = []
+
+    def fails_inside() -> None:
+        with slots_lib.holding_named(found, {"embed.weight": given, "head.weight": given}):
+            seen.append(net.embed.weight is given and net.head.weight is given)
+            raise ValueError("inside")
+
+    with pytest.raises(ValueError, match="inside"):
+        fails_inside()
+    assert seen == [True]
+    assert net.embed.weight is own and net.head.weight is own
+
+
+def test_apply_walks_no_module_tree_and_keeps_tied_and_rebound_tensors() -> None:
+    net = _Tied()
+    apply, params, buffers = fscale.functionalize(net)
+    tokens = torch.tensor([0, 1, 2, 4])
+    expected = copy.deepcopy(net)(tokens)
+    walks = []
+    originals = {
+        name: getattr(nn.Module, name)
+        for name in ("named_modules", "named_parameters", "named_buffers", "get_submodule")
+    }
+
+    def counting(name):
+        def method(self, *args, **kwargs):
+            walks.append(name)
+            return originals[name](self, *args, **kwargs)
+
+        return method
+
+    try:
+        for name in originals:
+            setattr(nn.Module, name, counting(name))
+        output, new_buffers = apply(params, buffers, tokens)
+    finally:
+        for name, method in originals.items():
+            setattr(nn.Module, name, method)
+    assert walks == []
+    assert torch.equal(output, expected)
+    assert float(new_buffers["calls"]) == 1.0 and float(buffers["calls"]) == 0.0
+    assert net.head.weight is net.embed.weight
+
+
+def test_seeded_by_restores_the_ambient_rng_when_the_block_raises() -> None:
+    torch.manual_seed(0)
+    ambient = torch.random.get_rng_state()
+
+    def fails_inside() -> None:
+        with rng.seeded_by(fsrandom.key(1), lambda: [torch.zeros(1)]):
+            torch.rand(3)
+            raise ValueError("inside")
+
+    with pytest.raises(ValueError, match="inside"):
+        fails_inside()
+    assert torch.equal(torch.random.get_rng_state(), ambient)
