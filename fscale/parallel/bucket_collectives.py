@@ -117,6 +117,17 @@ def all_reduce_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> Bucket
     return BucketPending(flat, work)
 
 
+def _divided_comm(flat: torch.Tensor, axis: str, mesh: Mesh, caller: str) -> Comm:
+    """`_comm`, for a collective that cuts `flat` into one equal part per rank."""
+    comm = _comm(flat, axis, mesh, caller)
+    if flat.numel() % comm.size:
+        raise ValueError(
+            f"{caller}: `flat` has {flat.numel()} elements, which the {comm.size} ranks of "
+            f"axis {axis!r} do not divide; pad the bucket to a multiple"
+        )
+    return comm
+
+
 def reduce_scatter_bucket_start(
     flat: torch.Tensor, axis: str, mesh: Mesh
 ) -> BucketPending | Pending:
@@ -127,12 +138,7 @@ def reduce_scatter_bucket_start(
         ValueError: `flat` is not a contiguous 1-D tensor, `axis` is not on `mesh`, or the
             axis size does not divide ``flat.numel()``.
     """
-    comm = _comm(flat, axis, mesh, "reduce_scatter_bucket_start")
-    if flat.numel() % comm.size:
-        raise ValueError(
-            f"reduce_scatter_bucket_start: `flat` has {flat.numel()} elements, which the "
-            f"{comm.size} ranks of axis {axis!r} do not divide; pad the bucket to a multiple"
-        )
+    comm = _divided_comm(flat, axis, mesh, "reduce_scatter_bucket_start")
     if comm.size == 1 or dist.get_backend(comm.group) != "gloo":
         return collectives.reduce_scatter_start(flat, axis, 0, "mean", mesh=mesh)
     size, rank = comm.size, comm.index
@@ -158,12 +164,7 @@ def all_gather_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> Bucket
         ValueError: `flat` is not a contiguous 1-D tensor, `axis` is not on `mesh`, or the
             axis size does not divide ``flat.numel()``.
     """
-    comm = _comm(flat, axis, mesh, "all_gather_bucket_start")
-    if flat.numel() % comm.size:
-        raise ValueError(
-            f"all_gather_bucket_start: `flat` has {flat.numel()} elements, which the "
-            f"{comm.size} ranks of axis {axis!r} do not divide; pad the bucket to a multiple"
-        )
+    comm = _divided_comm(flat, axis, mesh, "all_gather_bucket_start")
     if comm.size == 1:
         return BucketPending(flat, None)
     shard_numel = flat.numel() // comm.size
