@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-__all__ = ["RngState", "fold_in", "is_key", "key", "seed", "split"]
+__all__ = ["RngState", "fold_in", "fold_in_seeds", "is_key", "key", "seed", "split"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -96,7 +96,27 @@ def split(k: torch.Tensor, num: int = 2) -> list[torch.Tensor]:
 def seed(k: torch.Tensor) -> int:
     """A non-negative 63-bit torch seed determined by `k` (for `torch.manual_seed`)."""
     hi, lo = _words(k)
-    return _mix64(hi ^ (lo << 1)) & ((1 << 63) - 1)
+    return _seed_of_words(hi, lo)
+
+
+def fold_in_seeds(k: torch.Tensor, data: Iterable[int]) -> list[int]:
+    """``[seed(fold_in(k, d)) for d in data]``, without building the keys.
+
+    The seeds of many layers under one micro-batch's key, for a loop that reseeds torch's
+    generator before each layer: building a key tensor per layer costs more than the mixing."""
+    hi, lo = _words(k)
+    seeds = []
+    for d in data:
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"fold_in_seeds: `data` must hold ints, got {type(d).__name__}")
+        d &= _MASK64
+        new_hi = _mix64(hi ^ _mix64(d))
+        seeds.append(_seed_of_words(new_hi, _mix64(lo ^ _mix64(d ^ new_hi))))
+    return seeds
+
+
+def _seed_of_words(hi: int, lo: int) -> int:
+    return _mix64(hi ^ ((lo << 1) & _MASK64)) & ((1 << 63) - 1)
 
 
 class RngState:

@@ -17,7 +17,7 @@ import torch
 
 from fscale import random as fsrandom
 
-__all__ = ["seeded_by"]
+__all__ = ["reseeding", "seeded_by"]
 
 
 @contextlib.contextmanager
@@ -61,3 +61,41 @@ def seeded_by(key: torch.Tensor | None, call_tensors: Callable[[], list[Any]]) -
             device_module = torch.get_device_module(device_type)
             getattr(device_module, "manual_seed_all", device_module.manual_seed)(seed)
         yield
+
+
+@contextlib.contextmanager
+def reseeding(call_tensors: Callable[[], list[Any]]) -> Iterator[Callable[[int], None]]:
+    """A block that seeds the RNGs several times (``reseed(seed)``, e.g. before each layer of a
+    pipeline stage); the ambient RNGs are saved once on entry and restored once on exit.
+
+    Equal to one `seeded_by` block per seed, for the cost of one: a stage of many layers pays
+    the save and restore of the generators once per micro-batch instead of once per layer.
+    `call_tensors` is as for `seeded_by`.
+    """
+    device_types = sorted(
+        {t.device.type for t in call_tensors() if isinstance(t, torch.Tensor)} - {"cpu", "meta"}
+    )
+    generator = torch.default_generator
+    if not device_types and not torch.compiler.is_compiling():
+        ambient = generator.get_state()
+        try:
+            yield generator.manual_seed  # type: ignore[misc]
+        finally:
+            generator.set_state(ambient)
+        return
+    device_modules = [torch.get_device_module(t) for t in device_types]
+
+    def reseed(seed: int) -> None:
+        generator.manual_seed(seed)
+        for device_module in device_modules:
+            getattr(device_module, "manual_seed_all", device_module.manual_seed)(seed)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        for device_type, device_module in zip(device_types, device_modules):
+            stack.enter_context(
+                torch.random.fork_rng(
+                    devices=list(range(device_module.device_count())), device_type=device_type
+                )
+            )
+        yield reseed

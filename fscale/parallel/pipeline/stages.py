@@ -30,7 +30,7 @@ from torch import nn
 from fscale import random as fsrandom
 from fscale import tree
 from fscale.functional import functionalize
-from fscale.functional.rng import seeded_by
+from fscale.functional.rng import reseeding
 
 __all__ = ["StageCall", "Stages", "function_stages", "module_stages"]
 
@@ -146,18 +146,24 @@ class _StageLayers(nn.Module):
 
     def __init__(self, layers: list[tuple[int, str, nn.Module]]) -> None:
         super().__init__()
-        self._indices: list[tuple[int, str]] = []
+        self._layer_indices: list[int] = []
         for index, name, layer in layers:
             self.add_module(name, layer)
-            self._indices.append((index, name))
+            self._layer_indices.append(index)
+        # Plain references in call order: the functional call swaps tensors inside the
+        # modules, never the modules themselves.
+        self._layers: list[nn.Module] = [layer for _, _, layer in layers]
 
     def forward(self, x: PyTree, key: torch.Tensor) -> PyTree:
-        # The stage's input tells the accelerator in use (the layers' tensors live with it),
-        # which is cheaper to ask than every layer's parameters.
+        # Layer i runs under the seed of fold_in(key, i), as under `seeded_by`; the generators
+        # are saved and restored once per stage. The stage's input tells the accelerator in
+        # use (the layers' tensors live with it), cheaper to ask than every layer's parameters.
         inputs = tree.leaves(x)
-        for index, name in self._indices:
-            with seeded_by(fsrandom.fold_in(key, index), lambda: inputs):
-                x = self.get_submodule(name)(x)
+        seeds = fsrandom.fold_in_seeds(key, self._layer_indices)
+        with reseeding(lambda: inputs) as reseed:
+            for layer, seed in zip(self._layers, seeds):
+                reseed(seed)
+                x = layer(x)
         return x
 
 
