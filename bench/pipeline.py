@@ -1,12 +1,15 @@
 """Benchmark: `fscale.pipeline` against `torch.distributed.pipelining` on gloo ranks.
 
 Usage: ``python bench/pipeline.py [--quick] [--steps N] [--warmup N] [--ranks 2 4]
-[--micro-batches 4 8]``
+[--micro-batches 4 8] [--balance time|even]``
 
 For every (ranks P, micro-batches M, schedule) one `fscale.launch` starts P gloo ranks (one
 thread each) that train the same GPT-style ``nn.Sequential`` — token and position embeddings,
-the blocks, and a head (final LayerNorm and an untied output layer) — cut by the same balance,
-with AdamW, round by round alternating (`_util.interleave`, a barrier before every step):
+the blocks, and a head (final LayerNorm and an untied output layer) — cut by the same balance
+(``--balance time``, the default: `fscale.balance_by_time` of the layers with the head and the
+loss counted, measured once in the parent process for each stage count; ``--balance even``:
+the same number of layers per stage, which leaves the head's stage the slowest), with AdamW,
+round by round alternating (`_util.interleave`, a barrier before every step):
 
 * ``torch``: ``PipelineStage`` per local stage and ``ScheduleGPipe`` / ``Schedule1F1B`` /
   ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``, ``torch.optim.AdamW``;
@@ -88,6 +91,27 @@ def _balance(num_layers: int, num_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
+def _stage_balance(options: dict[str, Any], cfg: GPTConfig, num_stages: int) -> list[int]:
+    """The layers per stage: measured in the parent process (the same on every rank and for
+    both variants), or even."""
+    measured = options.get("balances", {})
+    return measured.get(num_stages) or _balance(cfg.n_layers + 2, num_stages)
+
+
+def _measured_balances(quick: bool, stage_counts: set[int]) -> dict[int, list[int]]:
+    """`fscale.balance_by_time` of the model for each stage count, the head and loss counted,
+    on one micro-batch."""
+    torch.set_num_threads(1)
+    cfg = _config(quick)
+    batch = _util.lm_batch(cfg, SEQUENCES_PER_MICRO_BATCH, 0)
+    return {
+        count: fs.balance_by_time(
+            _layers(cfg), batch.inputs, count, loss_fn=_loss, targets=batch.targets, repeats=5
+        )
+        for count in sorted(stage_counts)
+    }
+
+
 def _torch_variant(cfg, balance, num_stages, schedule, micro_batches):
     from torch.distributed import pipelining
 
@@ -164,11 +188,11 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
     num_stages = world * (2 if schedule in ("interleaved", "zero_bubble") else 1)
     if schedule == "zero_bubble":
         num_stages = world  # fscale's ZB-H1 is one stage per rank; torch's needs v stages
-    balance = _balance(cfg.n_layers + 2, num_stages)
+    balance = _stage_balance(options, cfg, num_stages)
     batch = _util.lm_batch(cfg, SEQUENCES_PER_MICRO_BATCH * micro_batches, 0)
     tokens, targets = batch.inputs, batch.targets
     torch_stages = world * 2 if schedule in ("interleaved", "zero_bubble") else world
-    torch_balance = _balance(cfg.n_layers + 2, torch_stages)
+    torch_balance = _stage_balance(options, cfg, torch_stages)
     variants: dict[str, Any] = {}
     peaks: dict[str, int] = {}
     try:
@@ -224,18 +248,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     parser.add_argument("--measure", type=int, default=None, help="steps under record_timeline")
+    parser.add_argument(
+        "--balance",
+        choices=["time", "even"],
+        default="time",
+        help="layers per stage: fscale.balance_by_time (default) or an even count",
+    )
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (5 if args.quick else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.measure = args.measure if args.measure is not None else (3 if args.quick else 5)
     rows = []
     with _util.MachineLoad() as load:
+        args.balances = {}
+        if args.balance == "time":
+            counts = {
+                p * (2 if s in ("interleaved", "zero_bubble") else 1)
+                for p in args.ranks
+                for s in args.schedules
+            } | set(args.ranks)
+            args.balances = _measured_balances(args.quick, counts)
+            print(f"balance_by_time: {args.balances}", flush=True)
         _run_all(args, steps, warmup, rows)
     print(_format(rows))
     print(_goals(rows))
     print(load.describe())
     _util.write_results(
-        "pipeline", {"rows": rows, "steps": steps, "warmup": warmup, "load": load.describe()}
+        "pipeline",
+        {
+            "rows": rows,
+            "steps": steps,
+            "warmup": warmup,
+            "balances": {str(k): v for k, v in args.balances.items()},
+            "load": load.describe(),
+        },
     )
     return {"rows": rows}
 
@@ -251,6 +297,7 @@ def _run_all(args: Any, steps: int, warmup: int, rows: list[dict[str, Any]]) -> 
                     "schedule": schedule,
                     "micro_batches": micro_batches,
                     "measure": args.measure,
+                    "balances": args.balances,
                 }
                 results = fs.launch(
                     rank_main,

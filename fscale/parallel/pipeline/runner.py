@@ -30,7 +30,8 @@ GPipe's drain, so recomputing it saves nothing), ``"never"`` keeps every activat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -39,6 +40,7 @@ from fscale import random as fsrandom
 from fscale import tree
 from fscale.distributed.comm import Comm
 from fscale.grad import normalize_loss_output
+from fscale.parallel.pipeline.deferred_linear import LinearStore, deferring
 from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.split_backward import WeightWork, input_backward, weight_backward
 from fscale.parallel.pipeline.stages import Stages
@@ -75,7 +77,16 @@ class RankResult(NamedTuple):
 class _Unit:
     """One (micro-batch, stage) between its forward and its last backward action."""
 
-    __slots__ = ("checkpointed", "held", "input_leaves", "out_link", "outputs", "roots", "work")
+    __slots__ = (
+        "checkpointed",
+        "held",
+        "input_leaves",
+        "out_link",
+        "outputs",
+        "roots",
+        "store",
+        "work",
+    )
 
     def __init__(self) -> None:
         # The input's leaves (None on stage 0); B differentiates w.r.t. the floating ones.
@@ -85,7 +96,8 @@ class _Unit:
         self.out_link: Link | None = None
         self.checkpointed = False
         self.work: WeightWork | None = None  # what B left for W
-        self.held: Sequence[Tensor | None] = ()  # weight gradients a checkpointed B computed
+        self.held: Sequence[Tensor | None] = ()  # weight gradients B computed (split)
+        self.store: LinearStore | None = None  # linear layers whose weight gradient waits
 
 
 def _cut(leaves: Sequence[Tensor]) -> list[Tensor]:
@@ -183,7 +195,11 @@ def run_schedule(
         if checkpoint == "always" or (checkpoint == "except_last" and m < micro_batches - 1):
             call = remat_checkpoint(call)
             unit.checkpointed = True
-        with torch.enable_grad():
+        # Split schedules leave the linear layers' weight gradients to W (`deferred_linear`);
+        # weights seen through a cast are not the leaves it looks for.
+        defer = split and not unit.checkpointed and param_cast is None
+        with torch.enable_grad(), deferring(leaves[i]) if defer else _no_store() as store:
+            unit.store = store
             y, stage_buffers[i] = call(stage_params[i], stage_buffers[i], x, keys[m])
             if stage == last:
                 unit.roots = _loss_roots(y, m)
@@ -230,7 +246,8 @@ def run_schedule(
         if roots and not split:
             torch.autograd.backward(roots, grad_roots, inputs=wanted + weights)
             found = [x.grad for x in wanted]
-        elif roots and unit.checkpointed:
+        elif roots and (unit.checkpointed or (unit.store is not None and unit.store.entries)):
+            # One backward for the input and every weight but the deferred linear layers'.
             everything = _grad(roots, grad_roots, wanted + weights)
             found, unit.held = everything[: len(wanted)], everything[len(wanted) :]
         elif roots:
@@ -252,6 +269,8 @@ def run_schedule(
             add(i, weight_backward(unit.work, leaves[i]))
         else:
             add(i, unit.held)
+        if unit.store is not None and unit.store.entries:
+            add(i, unit.store.weight_grads(len(leaves[i])))
 
     def run(kind: str, m: int, stage: int) -> None:
         if kind == "F":
@@ -296,6 +315,11 @@ def run_schedule(
         )
     count_sum = torch.stack(counts).sum() if counts else None
     return RankResult(tuple(stage_grads), tuple(stage_buffers), loss_sum, count_sum)
+
+
+@contextlib.contextmanager
+def _no_store() -> Iterator[None]:
+    yield None
 
 
 def _receive_of(schedule: Schedule, index: int, action: Any) -> tuple[int, int, bool] | None:

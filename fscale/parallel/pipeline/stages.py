@@ -31,6 +31,7 @@ from fscale import random as fsrandom
 from fscale import tree
 from fscale.functional import functionalize
 from fscale.functional.rng import reseeding
+from fscale.parallel.pipeline import deferred_linear
 
 __all__ = ["StageCall", "Stages", "function_stages", "module_stages"]
 
@@ -153,6 +154,7 @@ class _StageLayers(nn.Module):
         # Plain references in call order: the functional call swaps tensors inside the
         # modules, never the modules themselves.
         self._layers: list[nn.Module] = [layer for _, _, layer in layers]
+        self._linears = deferred_linear.linear_layers(self)
 
     def forward(self, x: PyTree, key: torch.Tensor) -> PyTree:
         # Layer i runs under the seed of fold_in(key, i), as under `seeded_by`; the generators
@@ -160,7 +162,7 @@ class _StageLayers(nn.Module):
         # use (the layers' tensors live with it), cheaper to ask than every layer's parameters.
         inputs = tree.leaves(x)
         seeds = fsrandom.fold_in_seeds(key, self._layer_indices)
-        with reseeding(lambda: inputs) as reseed:
+        with reseeding(lambda: inputs) as reseed, deferred_linear.recording(self._linears):
             for layer, seed in zip(self._layers, seeds):
                 reseed(seed)
                 x = layer(x)

@@ -1,0 +1,75 @@
+"""Deferred linear layers: B is the whole backward less the linear weights, W their products."""
+
+import pytest
+import torch
+from torch import nn
+
+from fscale.parallel.pipeline.deferred_linear import deferring, linear_layers, recording
+
+
+class _Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 6, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.inner(x)))
+        # `out.weight` also used outside its layer: B owns that part of its gradient.
+        return self.out(h) + (h @ self.out.weight.T).sin()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_deferred_backward_equals_the_whole_backward_bit_for_bit(seed):
+    torch.manual_seed(seed)
+    stage = _Stage()
+    weights = list(stage.parameters())
+    x = torch.randn(2, 3, 6, requires_grad=True)
+    grad_y = torch.randn(2, 3, 6)
+    expected = torch.autograd.grad(stage(x), [x, *weights], grad_y)
+
+    linears = linear_layers(stage)
+    with deferring(weights) as store, recording(linears):
+        y = stage(x)
+    assert len(store.entries) == 2
+    in_b = torch.autograd.grad([y], [x, *weights], [grad_y], allow_unused=True)
+    index = {id(w): j for j, w in enumerate(weights)}
+    assert in_b[1 + index[id(stage.inner.weight)]] is None  # left to W
+    assert in_b[1 + index[id(stage.inner.bias)]] is None
+    assert in_b[1 + index[id(stage.norm.weight)]] is not None  # B's own
+    in_w = store.weight_grads(len(weights))
+    total = [b if w is None else w if b is None else b + w for b, w in zip(in_b[1:], in_w)]
+    assert torch.equal(in_b[0], expected[0])
+    for got, want in zip(total, expected[1:]):
+        assert torch.equal(got, want)
+
+
+def test_recording_changes_nothing_outside_a_deferring_block_and_restores_the_layers():
+    stage = _Stage()
+    linears = linear_layers(stage)
+    with recording(linears):
+        assert "forward" not in stage.inner.__dict__
+    with deferring(list(stage.parameters())), recording(linears):
+        assert "forward" in stage.inner.__dict__
+    assert all("forward" not in layer.__dict__ for layer in linears)
+
+
+def test_layers_on_other_tensors_or_without_grad_are_not_deferred():
+    stage = _Stage()
+    x = torch.randn(4, 6)
+    with deferring([stage.inner.weight]) as store, recording(linear_layers(stage)):
+        stage(x)  # inner's bias and out's weight are not among the weights
+        with torch.no_grad():
+            stage(x)
+    assert store.entries == []
+
+
+class _Scaled(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_a_linear_subclass_is_left_alone():
+    model = nn.Sequential(_Scaled(3, 3), nn.Linear(3, 3))
+    assert linear_layers(model) == [model[1]]
