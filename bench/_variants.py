@@ -1,4 +1,4 @@
-"""The training steps the strategy benchmarks compare: each fscale strategy and its peers, one workload.
+"""The training steps the strategy benchmarks compare: each fscale strategy and its peers.
 
 A `Workload` is a model family (the GPT language model of `_util.gpt_config`, or the ResNet of
 `bench/oss.py`), its loss, the submodules that form its sharding units and its checkpointed
@@ -87,7 +87,9 @@ def deepspeed_status() -> str | None:
     try:
         import deepspeed  # noqa: F401  # pyright: ignore[reportMissingImports]
     except Exception as error:
-        return f"DeepSpeed ZeRO-2 absent: `import deepspeed` failed ({type(error).__name__}: {error})"
+        return (
+            f"DeepSpeed ZeRO-2 absent: `import deepspeed` failed ({type(error).__name__}: {error})"
+        )
     return None
 
 
@@ -133,7 +135,7 @@ class Workload:
         return fs.models.resnet(self.config, seed=0)
 
     def units(self, model: nn.Module) -> list[str]:
-        """Paths of the submodules sharded as units (GPT blocks, ResNet stages); the rest is root."""
+        """Paths of the submodules sharded as units (GPT blocks, ResNet stages); rest: root."""
         container = "blocks" if self.model == "gpt" else "stages"
         return [f"{container}.{i}" for i in range(len(model.get_submodule(container)))]
 
@@ -206,7 +208,9 @@ def build(name: str, workload: Workload) -> Variant:
         for path in workload.block_paths(model):
             parent, _, child = path.rpartition(".")
             block = model.get_submodule(path)
-            wrapped = fs.checkpoint(block) if name.startswith("fscale") else _TorchCheckpointed(block)
+            wrapped = (
+                fs.checkpoint(block) if name.startswith("fscale") else _TorchCheckpointed(block)
+            )
             model.get_submodule(parent).register_module(child, wrapped)
     variant = Variant(name, workload, model)
     if name.startswith("fscale"):

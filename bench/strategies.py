@@ -84,7 +84,7 @@ def rank_main(model: str, names: list[str], options: dict[str, Any]) -> dict[str
 
 
 def slowest_rank(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:
-    """Per variant and round, the slowest rank's time: a synchronous step ends with its last rank."""
+    """Per variant and round, the slowest rank's time (a synchronous step ends with its last)."""
     return {
         name: [max(samples) for samples in zip(*(times[name] for times in per_rank))]
         for name in per_rank[0]
