@@ -83,7 +83,11 @@ def fairscale_status() -> str | None:
 
 
 def deepspeed_status() -> str | None:
-    """None when ``import deepspeed`` works, else why it does not (its rows are then absent)."""
+    """None when ``import deepspeed`` works, else why not; `build` makes no DeepSpeed variant.
+
+    DeepSpeed is not installed where these benchmarks were written, so there is no DeepSpeed
+    step to compare yet: the benchmarks report it absent with this reason.
+    """
     try:
         import deepspeed  # noqa: F401  # pyright: ignore[reportMissingImports]
     except Exception as error:

@@ -14,8 +14,8 @@ memory (``VmHWM``) is that variant's alone. The strategies and their peers:
 * ZeRO-1: ``fscale ZeRO-1`` (``fscale.shard_optimizer(shard_grads=False)``) beside ``torch DDP
   + ZeRO-1`` (DDP + ``ZeroRedundancyOptimizer``, bucket view);
 * ZeRO-2: ``fscale ZeRO-2`` (``fscale.shard_optimizer()``) beside ``FairScale OSS +
-  ShardedDDP`` (when ``import fairscale`` works) and DeepSpeed ZeRO-2 (when ``import
-  deepspeed`` works; otherwise reported absent);
+  ShardedDDP`` (when ``import fairscale`` works); DeepSpeed ZeRO-2 has no variant, the run
+  reports whether ``import deepspeed`` works;
 * ZeRO-3: ``fscale ZeRO-3`` (``fscale.fully_shard``) beside ``torch FSDP2`` (``fully_shard``
   per block, then the root);
 * remat: ``fscale DDP + checkpoint`` (``fscale.checkpoint`` around every block) beside ``torch
@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         absent.update(dict.fromkeys(_variants.FAIRSCALE, fairscale))
     if deepspeed:
         absent["DeepSpeed ZeRO-2"] = deepspeed
+    else:
+        print("DeepSpeed imports, but no DeepSpeed variant is built: ZeRO-2 has FairScale only")
     for reason in sorted(set(absent.values())):
         print(reason)
     names = [

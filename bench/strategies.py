@@ -13,8 +13,8 @@ update):
 
 * ``torch DDP`` and ``fscale DDP`` (``fscale.data_parallel``, donated);
 * ``fscale ZeRO-2`` (``fscale.shard_optimizer``) beside ``FairScale OSS + ShardedDDP`` (when
-  ``import fairscale`` works; DeepSpeed ZeRO-2 when ``import deepspeed`` works, else reported
-  absent);
+  ``import fairscale`` works; DeepSpeed ZeRO-2 has no variant: the run reports whether
+  ``import deepspeed`` works);
 * ``fscale ZeRO-3`` (``fscale.fully_shard``) beside ``torch FSDP2``, the same units (GPT blocks,
   ResNet stages) and root;
 * GPT only: ``fscale DDP + checkpoint`` beside ``torch DDP + checkpoint``
@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for reason in (fairscale, deepspeed):
         if reason:
             print(reason)
+    if deepspeed is None:
+        print("DeepSpeed imports, but no DeepSpeed variant is built: ZeRO-2 has FairScale only")
 
     runs, table, verdicts = [], [], []
     for model in args.models:
