@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in args.variants
         if name not in absent and (args.model == "gpt" or "checkpoint" not in name)
     ]
+    if args.model == "cnn" and any(name.endswith("checkpoint") for name in args.variants):
+        print("the checkpoint pair trains the GPT only: skipped on the CNN")
     if args.model == "gpt":
         cfg = _util.gpt_config(args.quick)
         config: dict[str, Any] = {
