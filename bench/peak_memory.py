@@ -1,27 +1,36 @@
-"""Benchmark: per-rank peak resident memory of each strategy beside its torch peer, one run.
+"""Benchmark: per-rank peak resident memory of each fscale strategy beside its peers, one run.
 
-Usage: ``python bench/peak_memory.py [--quick] [--world N] [--steps N] [--fixed-mmap-threshold]
-[--variants NAME ...]``
+Usage: ``python bench/peak_memory.py [--quick] [--world N] [--steps N] [--model gpt|cnn]
+[--fixed-mmap-threshold] [--variants NAME ...]``
 
-Every variant trains the GPT language model of the other benchmarks (`_util.gpt_config`, seed 0,
-8 sequences per rank, AdamW) on ``--world`` gloo ranks, each variant in its own `fscale.launch`,
-so that a rank's peak resident memory (``VmHWM``) is that variant's alone:
+Every variant of `_variants` trains the same model (default the GPT language model of the
+other benchmarks, `_util.gpt_config`, seed 0, 8 sequences per rank; ``--model cnn``: the
+ResNet of ``bench/oss.py``, 32 images per rank, without the checkpoint pair) with AdamW on
+``--world`` gloo ranks, each variant in its own `fscale.launch`, so that a rank's peak resident
+memory (``VmHWM``) is that variant's alone. The strategies and their peers:
 
-* ``torch DDP`` / ``torch DDP + checkpoint``: ``DistributedDataParallel`` with
-  ``torch.optim.AdamW(fused=True)``, the second with ``torch.utils.checkpoint`` (non-reentrant)
-  around every block;
-* ``fscale DDP`` / ``fscale DDP donate=False``: ``fscale.data_parallel`` (donated and pure);
-* ``fscale ZeRO-1`` / ``fscale ZeRO-2``: ``fscale.shard_optimizer(shard_grads=False / True)``;
-* ``fscale DDP + checkpoint``: ``fscale.checkpoint`` around every block, under data_parallel.
+* DDP: ``fscale DDP`` / ``fscale DDP donate=False`` (``fscale.data_parallel``, donated and
+  pure) beside ``torch DDP`` (``DistributedDataParallel`` + ``torch.optim.AdamW(fused=True)``);
+* ZeRO-1: ``fscale ZeRO-1`` (``fscale.shard_optimizer(shard_grads=False)``) beside ``torch DDP
+  + ZeRO-1`` (DDP + ``ZeroRedundancyOptimizer``, bucket view);
+* ZeRO-2: ``fscale ZeRO-2`` (``fscale.shard_optimizer()``) beside ``FairScale OSS +
+  ShardedDDP`` (when ``import fairscale`` works); DeepSpeed ZeRO-2 has no variant, the run
+  reports whether ``import deepspeed`` works;
+* ZeRO-3: ``fscale ZeRO-3`` (``fscale.fully_shard``) beside ``torch FSDP2`` (``fully_shard``
+  per block, then the root);
+* remat: ``fscale DDP + checkpoint`` (``fscale.checkpoint`` around every block) beside ``torch
+  DDP + checkpoint`` (``torch.utils.checkpoint``, non-reentrant).
 
 Per rank: the resident memory after two warm-up steps (the state at rest, the module and the
-batches included), the peak over the following steps, and the peak of the gradient phase and of
-the update phase of one step (``step.gradients`` / ``step.apply_gradients``) above the memory
-before it (fscale variants). With ``--fixed-mmap-threshold`` each rank first fixes glibc's mmap
-threshold at 64 KiB (``mallopt``), so every tensor of that size gets its own mapping and is
-returned to the kernel when freed: resident memory then follows the live tensors, without the
-heap the allocator keeps after a phase's transient buffers are freed. Writes
-``bench/results/peak_memory.json``.
+batches included), the peak over the following steps, and for the fscale variants the peak of
+the gradient phase and of the update phase of one step (``step.gradients`` /
+``step.apply_gradients``) above the memory before it. Then, per strategy, each fscale variant
+beside its best peer (the one with the lowest peak; a peak is the highest over the ranks) and
+whether fscale's peak is at or below it, the goal of issue 11. With ``--fixed-mmap-threshold``
+each rank first fixes glibc's mmap threshold at 64 KiB (``mallopt``), so every tensor of that
+size gets its own mapping and is returned to the kernel when freed: resident memory then
+follows the live tensors, without the heap the allocator keeps after a phase's transient
+buffers are freed. Writes ``bench/results/peak_memory.json`` (``peak_memory_fixed_mmap.json``).
 """
 
 from __future__ import annotations
@@ -31,89 +40,43 @@ import ctypes
 from typing import Any
 
 import _util
+import _variants
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 import fscale as fs
-from fscale.models import GPT, lm_loss
 
-VARIANTS = (
-    "torch DDP",
-    "torch DDP + checkpoint",
-    "fscale DDP",
-    "fscale DDP donate=False",
-    "fscale ZeRO-1",
-    "fscale ZeRO-2",
-    "fscale DDP + checkpoint",
+VARIANTS = _variants.FSCALE + _variants.PEERS
+CLASSES = (
+    # (strategy, fscale variants, peers)
+    ("DDP", ("fscale DDP", "fscale DDP donate=False"), ("torch DDP",)),
+    ("ZeRO-1", ("fscale ZeRO-1",), ("torch DDP + ZeRO-1",)),
+    ("ZeRO-2", ("fscale ZeRO-2",), ("FairScale OSS + ShardedDDP",)),
+    ("ZeRO-3", ("fscale ZeRO-3",), ("torch FSDP2",)),
+    ("remat", ("fscale DDP + checkpoint",), ("torch DDP + checkpoint",)),
 )
-SEQUENCES_PER_RANK = 8
-LEARNING_RATE = 1e-3
 MIB = 2**20
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 
 
-class _TorchCheckpointed(nn.Module):
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
-
-
-def _torch_step(model: nn.Module, batches: list) -> Any:
-    ddp = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE, fused=True)
-
-    def run(index: int) -> None:
-        batch = batches[index]
-        optimizer.zero_grad(set_to_none=True)
-        lm_loss(ddp(batch.inputs), batch.targets).backward()
-        optimizer.step()
-
-    return run, None
-
-
-def _fscale_step(variant: str, model: nn.Module, batches: list, mesh: fs.Mesh) -> Any:
-    apply, params, buffers = fs.functionalize(model)
-
-    def loss_fn(params, buffers, batch, key):
-        logits, new_buffers = apply(params, buffers, batch.inputs, key=key)
-        return lm_loss(logits, batch.targets), new_buffers
-
-    step = fs.train_step(
-        loss_fn, fs.optim.adamw(LEARNING_RATE), donate=not variant.endswith("donate=False")
-    )
-    if "ZeRO" in variant:
-        step = fs.shard_optimizer(step, mesh, shard_grads=variant.endswith("2"))
-    else:
-        step = fs.data_parallel(step, mesh)
-    holder = {"state": step.init(params, buffers)}
-    del params
-
-    def run(index: int) -> None:
-        holder["state"], _ = step(holder["state"], batches[index])
-
-    def phases(index: int) -> dict[str, float]:
-        """Peaks of the two phases of one step above the resident memory before each."""
-        dist.barrier()
-        start = _util.rss_bytes()
-        _util.reset_peak_rss()
-        grads, aux = step.gradients(holder["state"], batches[index])
-        gradient_peak = _util.peak_rss_bytes() - start
-        _util.reset_peak_rss()
-        before_update = _util.rss_bytes()
-        holder["state"], _ = step.apply_gradients(holder["state"], grads, aux)
-        del grads, aux
-        update_peak = _util.peak_rss_bytes() - before_update
-        return {
-            "gradient_phase_peak_mib": gradient_peak / MIB,
-            "update_phase_peak_mib": update_peak / MIB,
-        }
-
-    return run, phases
+def _phases(variant: _variants.Variant, batch: Any) -> dict[str, float]:
+    """Peaks of the two phases of one fscale step above the resident memory before each."""
+    step, holder = variant.fscale_step, variant.holder
+    assert step is not None
+    dist.barrier()
+    start = _util.rss_bytes()
+    _util.reset_peak_rss()
+    grads, aux = step.gradients(holder["state"], batch)
+    gradient_peak = _util.peak_rss_bytes() - start
+    _util.reset_peak_rss()
+    before_update = _util.rss_bytes()
+    holder["state"], _ = step.apply_gradients(holder["state"], grads, aux)
+    del grads, aux
+    update_peak = _util.peak_rss_bytes() - before_update
+    return {
+        "gradient_phase_peak_mib": gradient_peak / MIB,
+        "update_phase_peak_mib": update_peak / MIB,
+    }
 
 
 def rank_main(variant: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -122,44 +85,63 @@ def rank_main(variant: str, options: dict[str, Any]) -> dict[str, Any]:
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
     fs.distributed.set_debug(False)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = _util.gpt_config(options["quick"])
     steps = options["steps"]
-    batches = [
-        fs.data.split_batch(_util.lm_batch(cfg, SEQUENCES_PER_RANK * world, i), rank, world)
-        for i in range(steps + 3)
-    ]
-    model = GPT(cfg, seed=0)
-    if variant.endswith("checkpoint"):
-        for i, block in enumerate(model.blocks):
-            is_torch = variant.startswith("torch")
-            model.blocks[i] = _TorchCheckpointed(block) if is_torch else fs.checkpoint(block)
-    if variant.startswith("torch"):
-        run, phases = _torch_step(model, batches)
-    else:
-        run, phases = _fscale_step(variant, model, batches, fs.Mesh(dp=world))
-    run(0)
-    run(1)
+    workload = _variants.Workload(options["model"], options["quick"], steps + 3, rank, world)
+    run = _variants.build(variant, workload)
+    run()
+    run()
     dist.barrier()
     at_rest = _util.rss_bytes()
     _util.reset_peak_rss()
-    for index in range(2, 2 + steps):
-        run(index)
+    for _ in range(steps):
+        run()
     result = {
         "rank": rank,
         "at_rest_mib": at_rest / MIB,
         "peak_mib": _util.peak_rss_bytes() / MIB,
         "peak_above_rest_mib": (_util.peak_rss_bytes() - at_rest) / MIB,
     }
-    if phases is not None:
-        result.update(phases(2 + steps))
+    if run.fscale_step is not None:
+        result.update(_phases(run, workload.batch(2 + steps)))
     return result
+
+
+def verdicts(rows: list[dict[str, Any]], absent: dict[str, str]) -> list[dict[str, Any]]:
+    """Per strategy and fscale variant: its peak beside the best measured peer's.
+
+    A variant's peak is the highest over its ranks. `absent` maps a peer that could not run to
+    the reason, stored with the strategy's row.
+    """
+    peak = {row["variant"]: max(r["peak_mib"] for r in row["ranks"]) for row in rows}
+    out = []
+    for strategy, ours, peers in CLASSES:
+        measured = [p for p in peers if p in peak]
+        best = min(measured, key=peak.__getitem__) if measured else None
+        missing = {p: absent[p] for p in peers if p in absent}
+        if strategy == "ZeRO-2" and "DeepSpeed ZeRO-2" in absent:
+            missing["DeepSpeed ZeRO-2"] = absent["DeepSpeed ZeRO-2"]
+        for name in ours:
+            if name not in peak:
+                continue
+            entry: dict[str, Any] = {
+                "strategy": strategy,
+                "fscale": name,
+                "fscale_peak_mib": peak[name],
+                "best_peer": best,
+                "best_peer_peak_mib": None if best is None else peak[best],
+                "peers_absent": missing,
+            }
+            entry["at_or_below_best_peer"] = None if best is None else peak[name] <= peak[best]
+            out.append(entry)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the small GPT")
+    parser.add_argument("--quick", action="store_true", help="the small models")
     parser.add_argument("--world", type=int, default=2, help="number of gloo ranks")
     parser.add_argument("--steps", type=int, default=4, help="steps after the two warm-up steps")
+    parser.add_argument("--model", default="gpt", choices=["gpt", "cnn"], help="the workload")
     parser.add_argument(
         "--fixed-mmap-threshold",
         action="store_true",
@@ -171,18 +153,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("--world and --steps must be >= 1")
     options = {
         "quick": args.quick,
+        "model": args.model,
         "steps": args.steps,
         "fixed_mmap_threshold": args.fixed_mmap_threshold,
     }
-    cfg = _util.gpt_config(args.quick)
-    print(
-        f"GPT vocab={cfg.vocab_size} d_model={cfg.d_model} layers={cfg.n_layers} "
-        f"seq={cfg.seq_len}, {SEQUENCES_PER_RANK} sequences per rank, {args.world} gloo ranks, "
-        f"{args.steps} steps after 2; fixed mmap threshold: {args.fixed_mmap_threshold}"
-    )
+    absent: dict[str, str] = {}
+    fairscale, deepspeed = _variants.fairscale_status(), _variants.deepspeed_status()
+    if fairscale:
+        absent.update(dict.fromkeys(_variants.FAIRSCALE, fairscale))
+    if deepspeed:
+        absent["DeepSpeed ZeRO-2"] = deepspeed
+    else:
+        print("DeepSpeed imports, but no DeepSpeed variant is built: ZeRO-2 has FairScale only")
+    for reason in sorted(set(absent.values())):
+        print(reason)
+    names = [
+        name
+        for name in args.variants
+        if name not in absent and (args.model == "gpt" or "checkpoint" not in name)
+    ]
+    if args.model == "cnn" and any(name.endswith("checkpoint") for name in args.variants):
+        print("the checkpoint pair trains the GPT only: skipped on the CNN")
+    if args.model == "gpt":
+        cfg = _util.gpt_config(args.quick)
+        config: dict[str, Any] = {
+            **cfg.__dict__,
+            "sequences_per_rank": _variants.SEQUENCES_PER_RANK,
+        }
+        print(
+            f"GPT vocab={cfg.vocab_size} d_model={cfg.d_model} layers={cfg.n_layers} "
+            f"seq={cfg.seq_len}, {_variants.SEQUENCES_PER_RANK} sequences per rank, "
+            f"{args.world} gloo ranks, {args.steps} steps after 2; fixed mmap threshold: "
+            f"{args.fixed_mmap_threshold}"
+        )
+    else:
+        config = {
+            "model": "resnet",
+            "quick": args.quick,
+            "images_per_rank": _variants.IMAGES_PER_RANK,
+        }
+        print(
+            f"ResNet ({'quick' if args.quick else 'full'}), {_variants.IMAGES_PER_RANK} images "
+            f"per rank, {args.world} gloo ranks, {args.steps} steps after 2; fixed mmap "
+            f"threshold: {args.fixed_mmap_threshold}"
+        )
     rows = []
     with _util.MachineLoad() as load:
-        for variant in args.variants:
+        for variant in names:
             per_rank = fs.launch(
                 rank_main, args.world, variant, options, backend="gloo", timeout=3600
             )
@@ -210,11 +227,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     )
     print("each cell: rank 0 / rank 1 / ...; MiB of resident memory (VmRSS / VmHWM)")
+    comparison = verdicts(rows, absent)
+    print()
+    print(
+        _util.format_table(
+            ["strategy", "fscale", "peak MiB", "best peer", "peak MiB", "fscale - peer", "goal"],
+            [
+                [
+                    entry["strategy"],
+                    entry["fscale"],
+                    entry["fscale_peak_mib"],
+                    entry["best_peer"] or "none measured",
+                    entry["best_peer_peak_mib"],
+                    None
+                    if entry["best_peer"] is None
+                    else entry["fscale_peak_mib"] - entry["best_peer_peak_mib"],
+                    {True: "at or below", False: "above", None: "-"}[
+                        entry["at_or_below_best_peer"]
+                    ],
+                ]
+                for entry in comparison
+            ],
+            float_format="{:.0f}",
+        )
+    )
+    print("peak: the highest per-rank peak RSS over the ranks; goal: fscale's peak <= best peer's")
+    for reason in sorted(set(absent.values())):
+        print(reason)
     payload = {
-        "config": {**cfg.__dict__, "sequences_per_rank": SEQUENCES_PER_RANK, "world": args.world},
+        "config": {**config, "world": args.world},
         "options": options,
         "machine_load": load.as_dict(),
         "rows": rows,
+        "strategies": comparison,
+        "absent": absent,
     }
     path = _util.write_results(
         "peak_memory_fixed_mmap" if args.fixed_mmap_threshold else "peak_memory", payload

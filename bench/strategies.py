@@ -1,0 +1,242 @@
+"""Benchmark: the step time of every fscale strategy beside its peers, one run per model and ranks.
+
+Usage: ``python bench/strategies.py [--quick] [--ranks N ...] [--models gpt cnn] [--rounds N]
+[--warmup N]``
+
+For each model (the GPT language model of `_util.gpt_config`, 8 sequences per rank, and the
+ResNet of ``bench/oss.py``, 32 images per rank) and each number of gloo ranks (default 2 and 4,
+one thread each), one `fscale.launch` builds every variant of `_variants` listed below in the
+same processes and times them round by round (`_util.interleave`: the order rotates, a barrier
+precedes every step, and a round's time is the slowest rank's). All train the same model
+(seed 0) on the same batches with AdamW (fused kernels for torch, fscale's own flat fused
+update):
+
+* ``torch DDP`` and ``fscale DDP`` (``fscale.data_parallel``, donated);
+* ``fscale ZeRO-2`` (``fscale.shard_optimizer``) beside ``FairScale OSS + ShardedDDP`` (when
+  ``import fairscale`` works; DeepSpeed ZeRO-2 has no variant: the run reports whether
+  ``import deepspeed`` works);
+* ``fscale ZeRO-3`` (``fscale.fully_shard``) beside ``torch FSDP2``, the same units (GPT blocks,
+  ResNet stages) and root;
+* GPT only: ``fscale DDP + checkpoint`` beside ``torch DDP + checkpoint``
+  (``torch.utils.checkpoint``), every block recomputed. The ResNet's BatchNorm statistics
+  would be updated twice by torch's recompute, so it has no checkpoint pair.
+
+Reported per variant: median step time with its IQR and the global mean loss after the last
+step; per strategy: the ratio of its median to the median of the peer issue 11 names (ZeRO-2
+and DDP against torch DDP, ZeRO-3 against FSDP2, remat against torch's checkpoint), the median
+of the round-by-round ratios, and whether the goal (<= 1.00x; ZeRO-3 <= 0.95x) is met, judged
+on the ratio of medians. ``--quick``: the small models, 4 timed rounds after 2. Writes
+``bench/results/strategies.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import _util
+import _variants
+import torch
+import torch.distributed as dist
+
+import fscale as fs
+
+COMPARISONS = (
+    # (strategy, fscale variant, the peer the goal is set against, goal, other peers shown)
+    ("DDP", "fscale DDP", "torch DDP", 1.00, ()),
+    ("ZeRO-2", "fscale ZeRO-2", "torch DDP", 1.00, ("FairScale OSS + ShardedDDP",)),
+    ("ZeRO-3", "fscale ZeRO-3", "torch FSDP2", 0.95, ()),
+    ("remat", "fscale DDP + checkpoint", "torch DDP + checkpoint", 1.00, ()),
+)
+VARIANTS = (
+    "torch DDP",
+    "fscale DDP",
+    "fscale ZeRO-2",
+    "FairScale OSS + ShardedDDP",
+    "fscale ZeRO-3",
+    "torch FSDP2",
+    "fscale DDP + checkpoint",
+    "torch DDP + checkpoint",
+)
+
+
+def variants_for(model: str, with_fairscale: bool) -> list[str]:
+    """The variants timed on `model`: no checkpoint pair on the CNN, FairScale when it imports."""
+    return [
+        name
+        for name in VARIANTS
+        if (model == "gpt" or "checkpoint" not in name)
+        and (with_fairscale or name not in _variants.FAIRSCALE)
+    ]
+
+
+def rank_main(model: str, names: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    """One rank: build the variants, time them interleaved, then reduce their last losses."""
+    torch.set_num_threads(1)
+    fs.distributed.set_debug(False)  # the cross-rank metadata check is a test aid, not timed
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rounds, warmup = options["rounds"], options["warmup"]
+    workload = _variants.Workload(model, options["quick"], warmup + rounds, rank, world)
+    variants = {name: _variants.build(name, workload) for name in names}
+    times = _util.interleave(variants, rounds, warmup, before_each=dist.barrier)
+    losses = {name: variant.global_loss() for name, variant in variants.items()}
+    return {"rank": rank, "times": times, "final_loss": losses}
+
+
+def slowest_rank(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Per variant and round, the slowest rank's time (a synchronous step ends with its last)."""
+    return {
+        name: [max(samples) for samples in zip(*(times[name] for times in per_rank))]
+        for name in per_rank[0]
+    }
+
+
+def compare(per_round: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """One row per strategy whose fscale variant and goal peer were both timed."""
+    rows = []
+    for strategy, ours, peer, goal, others in COMPARISONS:
+        if ours not in per_round or peer not in per_round:
+            continue
+        median = _util.summarize(per_round[ours]).median
+        row: dict[str, Any] = {
+            "strategy": strategy,
+            "fscale": ours,
+            "peer": peer,
+            "goal": goal,
+            "fscale_median_s": median,
+            "peer_median_s": _util.summarize(per_round[peer]).median,
+        }
+        row["ratio"] = median / row["peer_median_s"]
+        paired = _util.paired_ratios(per_round[ours], per_round[peer])
+        row["paired_ratio"] = _util.summarize(paired).as_dict()
+        row["goal_met"] = row["ratio"] <= goal
+        row["other_peers"] = {
+            other: median / _util.summarize(per_round[other]).median
+            for other in others
+            if other in per_round
+        }
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models, 4 rounds after 2")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="gloo ranks")
+    parser.add_argument("--models", nargs="+", default=["gpt", "cnn"], choices=["gpt", "cnn"])
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first")
+    args = parser.parse_args(argv)
+    rounds = args.rounds if args.rounds is not None else (4 if args.quick else 20)
+    warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
+    if rounds < 1 or warmup < 0 or any(n < 1 for n in args.ranks):
+        parser.error("--rounds and every --ranks must be >= 1, --warmup >= 0")
+    options = {"quick": args.quick, "rounds": rounds, "warmup": warmup}
+    fairscale = _variants.fairscale_status()
+    deepspeed = _variants.deepspeed_status()
+    for reason in (fairscale, deepspeed):
+        if reason:
+            print(reason)
+    if deepspeed is None:
+        print("DeepSpeed imports, but no DeepSpeed variant is built: ZeRO-2 has FairScale only")
+
+    runs, table, verdicts = [], [], []
+    for model in args.models:
+        names = variants_for(model, fairscale is None)
+        for world in args.ranks:
+            with _util.MachineLoad() as load:
+                per_rank = fs.launch(
+                    rank_main, world, model, names, options, backend="gloo", timeout=3600
+                )
+            per_round = slowest_rank([r["times"] for r in per_rank])
+            comparisons = compare(per_round)
+            variants = [
+                {
+                    "variant": name,
+                    "step_s": _util.summarize(samples).as_dict(),
+                    "round_s": samples,
+                    "final_loss": per_rank[0]["final_loss"][name],
+                }
+                for name, samples in per_round.items()
+            ]
+            runs.append(
+                {
+                    "model": model,
+                    "ranks": world,
+                    "variants": variants,
+                    "comparisons": comparisons,
+                    "machine_load": load.as_dict(),
+                }
+            )
+            print(f"{model}, {world} ranks: {load.describe()}", flush=True)
+            for row in variants:
+                step = row["step_s"]
+                table.append(
+                    [
+                        model,
+                        world,
+                        row["variant"],
+                        step["median"] * 1e3,
+                        step["iqr"] * 1e3,
+                        f"{row['final_loss']:.6f}",
+                    ]
+                )
+            for row in comparisons:
+                paired = row["paired_ratio"]
+                verdicts.append(
+                    [
+                        model,
+                        world,
+                        row["strategy"],
+                        row["peer"],
+                        row["fscale_median_s"] * 1e3,
+                        row["peer_median_s"] * 1e3,
+                        f"{row['ratio']:.3f}x",
+                        f"{paired['median']:.3f} ({paired['iqr']:.3f})",
+                        f"<= {row['goal']:.2f}x",
+                        "met" if row["goal_met"] else "missed",
+                        ", ".join(f"{v:.3f}x {k}" for k, v in row["other_peers"].items()) or "-",
+                    ]
+                )
+    print(
+        _util.format_table(
+            ["model", "ranks", "variant", "median ms", "IQR ms", "final loss"], table
+        )
+    )
+    print()
+    print(
+        _util.format_table(
+            [
+                "model",
+                "ranks",
+                "strategy",
+                "peer",
+                "fscale ms",
+                "peer ms",
+                "ratio",
+                "paired (IQR)",
+                "goal",
+                "verdict",
+                "fscale also vs",
+            ],
+            verdicts,
+            float_format="{:.2f}",
+        )
+    )
+    print(
+        f"{rounds} interleaved rounds after {warmup}; a round's time is its slowest rank's; "
+        "ratio = fscale median / peer median"
+    )
+    payload = {
+        "options": {**options, "ranks": args.ranks, "models": args.models},
+        "fairscale": fairscale or "imported",
+        "deepspeed": deepspeed or "imported (no DeepSpeed variant is built)",
+        "runs": runs,
+    }
+    path = _util.write_results("strategies", payload)
+    print(f"wrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
