@@ -22,7 +22,15 @@ import torch
 
 from fscale import tree
 from fscale.optim.base import Optimizer, Sharding
-from fscale.optim.packing import contiguous, device_groups, is_packed, packed_full, writable
+from fscale.optim.packing import (
+    Signature,
+    contiguous,
+    device_groups,
+    is_packed,
+    packed_full,
+    signatures,
+    writable,
+)
 
 PyTree = Any
 # What torch's `_foreach_*` kernels take and return (their results are tuples, not lists).
@@ -71,7 +79,7 @@ def check_state_type(name: str, state: Any, state_type: type) -> None:
         )
 
 
-def _signature(t: Any) -> tuple[Any, ...] | None:
+def _signature(t: Any) -> Signature:
     return (t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None
 
 
@@ -88,14 +96,15 @@ def _check_like_params(
     leaves: list[Any],
     params: list[torch.Tensor],
     params_tree: PyTree,
-    expected: list[tuple[Any, ...] | None],
+    expected: list[Signature],
     why: str = _NOT_THIS_STATE,
 ) -> None:
     """Each leaf of `what` must be a tensor of its parameter's shape, dtype and device.
 
-    `expected` holds the params' signatures, computed once per step for every tree checked.
+    `expected` holds the params' signatures, computed once per step for every tree checked
+    (both read from `fscale.optim.packing`'s records for the buffers it packed).
     """
-    if [_signature(t) for t in leaves] == expected:
+    if signatures(leaves) == expected:
         return
     for path, leaf, p in zip(tree.paths(params_tree), leaves, params):
         if _signature(leaf) != _signature(p):
@@ -147,7 +156,7 @@ def step_inputs(
         )
     param_leaves, treedef = tree.flatten(params)
     grad_leaves = _leaves_like(name, "grads", grads, treedef)
-    expected = [_signature(p) for p in param_leaves]
+    expected = signatures(param_leaves)
     _check_like_params(
         name,
         "grads",

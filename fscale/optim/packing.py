@@ -4,26 +4,106 @@ The optimizers' state lives packed (one fresh 1-D buffer per device and dtype, t
 of it, as `init` creates it), so that a step's copy of leaves that are consecutive views of one
 storage is a single `clone` of their span rather than one copy per leaf, and fused kernels can
 take whole buffers.
+
+Layouts are decided once per list of tensor objects, not once per step. The buffers made here
+(`packed_full`, `packed_copy`) are recorded as they are built, and a list that `span` finds to
+be consecutive views of one storage is recorded when found; a record is keyed by the list's
+first tensor and holds the others, so asking again about the same tensors, in the same order,
+costs one identity comparison per leaf and reads no tensor's address, shape or dtype. A record
+lives as long as its first tensor: its values are the other views of that tensor's storage,
+which the first keeps alive anyway, so records hold no tensor memory of their own. Only lists
+whose first tensor is a view are recorded (a record of a base tensor's views would keep the
+base alive forever). A recorded tensor whose storage or shape is later changed in place
+(``Tensor.set_``, assigning ``.data``, ``resize_``) is not re-checked; fscale never does that
+to the buffers it packs, and the caller gives donated buffers up.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 
 import torch
 from torch._utils import _unflatten_dense_tensors
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fscale.flat import FlatBuffer
 
 __all__ = [
+    "Signature",
     "contiguous",
     "device_groups",
     "is_packed",
     "packed_copy",
     "packed_full",
+    "signatures",
     "span",
     "writable",
 ]
+
+# What an optimizer checks every state and gradient leaf against: its parameter's
+# (shape, dtype, device); None for a leaf that is not a tensor.
+Signature = tuple[torch.Size, torch.dtype, torch.device] | None
+
+
+class _Record:
+    """What is known about one list of tensors (see the module docstring)."""
+
+    __slots__ = ("rest", "signatures", "whole")
+
+    def __init__(
+        self,
+        rest: tuple[torch.Tensor, ...],
+        whole: torch.Tensor,
+        signatures: list[Signature] | None,
+    ) -> None:
+        self.rest = rest  # the leaves after the first (the key), in order
+        self.whole = whole  # the 1-D span over all of them
+        self.signatures = signatures  # read on first use: spans of new gradients never need it
+
+
+_records: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _recorded(leaves: Sequence[torch.Tensor]) -> _Record | None:
+    """The record of exactly these tensor objects in this order, or None."""
+    if not leaves or not isinstance(leaves[0], torch.Tensor):
+        return None
+    record = _records.get(leaves[0])
+    if record is None or len(record.rest) != len(leaves) - 1:
+        return None
+    if not all(map(operator.is_, itertools.islice(leaves, 1, None), record.rest)):
+        return None
+    return record
+
+
+def _remember(
+    leaves: Sequence[torch.Tensor],
+    whole: torch.Tensor,
+    signatures: list[Signature] | None = None,
+) -> None:
+    first = leaves[0]
+    if first._base is None:  # a base tensor: its views, held by the record, would keep it
+        return
+    _records[first] = _Record(tuple(leaves[1:]), whole, signatures)
+
+
+def signatures(leaves: Sequence[object]) -> list[Signature]:
+    """``(shape, dtype, device)`` of each leaf (None for a non-tensor); recorded lists reuse
+    one list, so that comparing two lists that share their tuples is a pointer comparison."""
+    record = _recorded(leaves)  # type: ignore[arg-type]
+    if record is None:
+        return [
+            (t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None for t in leaves
+        ]
+    if record.signatures is None:
+        record.signatures = _tensor_signatures(leaves)  # type: ignore[arg-type]
+    return record.signatures
+
+
+def _tensor_signatures(leaves: Sequence[torch.Tensor]) -> list[Signature]:
+    return [(t.shape, t.dtype, t.device) for t in leaves]
 
 
 def packed_full(leaves: Sequence[torch.Tensor], fill: float = 0.0) -> list[torch.Tensor]:
@@ -37,6 +117,7 @@ def packed_full(leaves: Sequence[torch.Tensor], fill: float = 0.0) -> list[torch
         else:
             data = torch.full((total,), fill, dtype=group[0].dtype, device=group[0].device)
             views = FlatBuffer(group, data=data).views()
+            _remember(views, data, signatures(group))
         for i, view in zip(indices, views):
             out[i] = view
     return out  # type: ignore[return-value]
@@ -50,6 +131,8 @@ def device_groups(leaves: Sequence[torch.Tensor]) -> list[list[int]]:
     """
     if not leaves:
         return []
+    if _recorded(leaves) is not None:
+        return [list(range(len(leaves)))]
     first = leaves[0]
     dtype, device = first.dtype, first.device
     if all(t.dtype == dtype for t in leaves) and all(t.device == device for t in leaves):
@@ -63,25 +146,45 @@ def device_groups(leaves: Sequence[torch.Tensor]) -> list[list[int]]:
 def span(leaves: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """A 1-D view over `leaves` if they are consecutive, contiguous pieces of one allocation.
 
-    Consecutive addresses inside the first leaf's storage are what makes a single `clone` of the
-    span equal to copying every leaf; leaves of separate allocations return None.
+    Consecutive addresses inside the first leaf's storage (and one dtype) are what makes a
+    single `clone` of the span equal to copying every leaf; leaves of separate allocations
+    return None. The answer for the same tensors is recorded (see the module docstring).
     """
-    anchor = next((t for t in leaves if t.numel()), None)
-    if anchor is None:
+    record = _recorded(leaves)
+    if record is not None:
+        return record.whole
+    whole = _find_span(leaves)
+    if whole is not None and len(leaves) > 1:
+        _remember(leaves, whole)
+    return whole
+
+
+def _find_span(leaves: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    # The per-leaf reads run in C (map), not in a Python loop: gradients are new tensors every
+    # step, so this runs every step for them.
+    sizes = list(map(torch.Tensor.numel, leaves))
+    if 0 in sizes:  # an empty leaf has no address of its own: leave it out
+        leaves = [t for t, n in zip(leaves, sizes) if n]
+        sizes = [n for n in sizes if n]
+    if not leaves:
         return None
-    itemsize = anchor.element_size()
+    anchor = leaves[0]
+    itemsize, dtype = anchor.element_size(), anchor.dtype
+    starts = list(itertools.accumulate(map(operator.mul, sizes, itertools.repeat(itemsize))))
     start = anchor.data_ptr()
-    expected = start
-    for t in leaves:
-        if not t.numel():
-            continue
-        if t.data_ptr() != expected or not t.is_contiguous():
-            return None
-        expected += t.numel() * itemsize
-    storage = anchor.untyped_storage()
-    if start < storage.data_ptr() or expected > storage.data_ptr() + storage.nbytes():
+    expected = [start, *map(start.__add__, starts[:-1])]
+    if list(map(torch.Tensor.data_ptr, leaves)) != expected:
         return None
-    return anchor.as_strided(((expected - start) // itemsize,), (1,))
+    dtypes = map(operator.attrgetter("dtype"), leaves)
+    if not all(map(operator.is_, dtypes, itertools.repeat(dtype))):
+        return None
+    if not all(map(torch.Tensor.is_contiguous, leaves)):
+        return None
+    storage = anchor.untyped_storage()
+    end = start + starts[-1]
+    if start < storage.data_ptr() or end > storage.data_ptr() + storage.nbytes():
+        return None
+    return anchor.as_strided((starts[-1] // itemsize,), (1,))
 
 
 def packed_copy(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -97,7 +200,10 @@ def packed_copy(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             flat = torch.empty(total, dtype=group[0].dtype, device=group[0].device)
             if total:
                 torch.cat([t.reshape(-1) for t in group], out=flat)
-        for i, view in zip(indices, _unflatten_dense_tensors(flat, group)):
+        views = _unflatten_dense_tensors(flat, group)
+        if flat.numel():
+            _remember(views, flat, signatures(group))
+        for i, view in zip(indices, views):
             out[i] = view
     return out  # type: ignore[return-value]
 
@@ -121,10 +227,14 @@ def writable(
 
 
 def is_packed(leaves: list[torch.Tensor]) -> bool:
+    """Whether each (device, dtype) group of `leaves` is one `span`."""
+    if _recorded(leaves) is not None:
+        return True
     return all(span([leaves[i] for i in group]) is not None for group in device_groups(leaves))
 
 
 def contiguous(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    if all(map(torch.Tensor.is_contiguous, leaves)):  # the common case, without a Python loop
+    """`leaves`, with each non-contiguous one replaced by a contiguous copy."""
+    if _recorded(leaves) is not None or all(map(torch.Tensor.is_contiguous, leaves)):
         return leaves
     return [t if t.is_contiguous() else t.contiguous() for t in leaves]
