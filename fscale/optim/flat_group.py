@@ -11,11 +11,19 @@ differently).
 A group is flattened when its params, its gradients and every state buffer are consecutive
 views of one allocation each. The gradients are the caller's: a flat gradient buffer in the
 params' order is one span; gradients in separate tensors (what autograd returns) keep the
-per-leaf call, since packing them takes a fresh buffer every step, and on CPU that allocation
-and copy cost more than the one call saves (measured: ``bench/optim.py``). Params and state
-are made one span by `fscale.optim.core` (``packed=True``): copies are packed anyway, and
+per-leaf call, since packing them costs a copy every step, and on CPU that copy costs more
+than the one call saves (measured on torch 2.13, one thread, AVX2: a `torch._foreach_copy_` of
+200 gradients of 25,000 elements into one buffer takes 3.3 ms, while the one call saves 0.7 ms
+of the 6.2 ms per-leaf call; on 2,000 of 1,000 elements 4.2 ms against 3.3 ms). Params and
+state are made one span by `fscale.optim.core` (``packed=True``): copies are packed anyway, and
 when the gradients are packed, donated leaves that are not yet packed (the caller's own
 tensors, at the first step) are copied once into one buffer, which later steps update in place.
+
+The decision costs no per-leaf work once made: `fscale.optim.packing` records the layout of
+the buffers it builds and of each list it finds to be one span, so a step whose params, state
+and gradients are the tensors of an earlier step (a donated step, a flat gradient buffer that
+is refilled) reads no leaf's address; gradients that are new tensors every step have their
+addresses read once per step, in C loops.
 """
 
 from __future__ import annotations

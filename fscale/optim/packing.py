@@ -170,6 +170,8 @@ def _find_span(leaves: Sequence[torch.Tensor]) -> torch.Tensor | None:
         return None
     anchor = leaves[0]
     itemsize, dtype = anchor.element_size(), anchor.dtype
+    if len(leaves) > 1 and leaves[1].data_ptr() != anchor.data_ptr() + sizes[0] * itemsize:
+        return None  # separate tensors (autograd's gradients) fail here, before the C loops
     starts = list(itertools.accumulate(map(operator.mul, sizes, itertools.repeat(itemsize))))
     start = anchor.data_ptr()
     expected = [start, *map(start.__add__, starts[:-1])]
