@@ -135,7 +135,11 @@ def device_groups(leaves: Sequence[torch.Tensor]) -> list[list[int]]:
         return [list(range(len(leaves)))]
     first = leaves[0]
     dtype, device = first.dtype, first.device
-    if all(t.dtype == dtype for t in leaves) and all(t.device == device for t in leaves):
+    dtypes = map(operator.attrgetter("dtype"), leaves)
+    devices = map(operator.attrgetter("device"), leaves)
+    if all(map(operator.is_, dtypes, itertools.repeat(dtype))) and all(
+        map(operator.eq, devices, itertools.repeat(device))
+    ):
         return [list(range(len(leaves)))]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(leaves):
