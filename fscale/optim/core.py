@@ -26,7 +26,7 @@ from fscale.optim.packing import (
     Signature,
     contiguous,
     device_groups,
-    is_packed,
+    gradient_runs,
     packed_full,
     signatures,
     writable,
@@ -146,9 +146,10 @@ def step_inputs(
     names both structures. The leaves of the fields in `param_shaped` (default: every field)
     must have their parameter's shape, dtype and device: a state from other params (a layer
     widened, params cast) would otherwise reach the fused kernels, which do not check.
-    `packed`: when the gradients are packed (one buffer per device and dtype), the writable
-    leaves are packed even when donated (see `writable`), so that update math can run on whole
-    buffers; with gradients in separate tensors that copy would buy nothing.
+    `packed`: when the gradients lie in few buffers (`fscale.optim.packing.gradient_runs`), the
+    writable leaves are made one span per gradient run even when donated (see `writable`), so
+    that update math can run on whole buffers; with gradients in separate tensors that copy
+    would buy nothing.
     """
     if params is None:
         raise ValueError(
@@ -167,7 +168,7 @@ def step_inputs(
         "each gradient must match its parameter",
     )
     grad_leaves = contiguous(grad_leaves)
-    packed = packed and is_packed(grad_leaves)
+    runs = gradient_runs(grad_leaves) if packed else None
     state_leaves: dict[str, list[torch.Tensor] | None] = {}
     for field, state_tree in states.items():
         if state_tree is None:
@@ -176,9 +177,9 @@ def step_inputs(
         leaves = _leaves_like(name, f"state.{field}", state_tree, treedef)
         if param_shaped is None or field in param_shaped:
             _check_like_params(name, f"state.{field}", leaves, param_leaves, params, expected)
-        state_leaves[field] = writable(leaves, donate, packed=packed)
+        state_leaves[field] = writable(leaves, donate, runs=runs)
     if copy_params:
-        param_leaves = writable(param_leaves, donate, packed=packed)
+        param_leaves = writable(param_leaves, donate, runs=runs)
     return StepInputs(treedef, grad_leaves, param_leaves, state_leaves)
 
 

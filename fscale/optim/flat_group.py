@@ -31,27 +31,28 @@ from __future__ import annotations
 import torch
 
 from fscale.optim.core import Group
-from fscale.optim.packing import span
+from fscale.optim.packing import gradient_runs, run_spans
 
 __all__ = ["flattened"]
 
 
 def flattened(group: Group) -> Group | None:
-    """`group` with each of its params, grads and buffers as one 1-D span, or None.
+    """`group` with its params, grads and buffers as one 1-D span per gradient run, or None.
 
-    None when the params, the grads or a state buffer are not consecutive pieces of one
-    allocation (or the group holds no elements); the caller then runs the per-leaf update.
+    None when the gradients do not lie in few runs (`fscale.optim.packing.gradient_runs`), or
+    the params or a state buffer are not one span per run in the gradients' order; the caller
+    then runs the per-leaf update.
     """
-    params = span(group.params)
+    runs = gradient_runs(group.grads)
+    if runs is None:
+        return None
+    params = run_spans(group.params, runs)
     if params is None:
         return None
     buffers: dict[str, list[torch.Tensor]] = {}
     for field, leaves in group.buffers.items():
-        whole = span(leaves)
-        if whole is None or whole.numel() != params.numel():
+        pieces = run_spans(leaves, runs)
+        if pieces is None:
             return None
-        buffers[field] = [whole]
-    grads = span(group.grads)
-    if grads is None or grads.numel() != params.numel():
-        return None
-    return Group([params], [grads], buffers, group.step, group.lr)
+        buffers[field] = pieces
+    return Group(params, runs.spans, buffers, group.step, group.lr)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch._utils import _unflatten_dense_tensors
@@ -31,12 +32,16 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fscale.flat import FlatBuffer
 
 __all__ = [
+    "Runs",
     "Signature",
+    "arranged",
     "contiguous",
     "device_groups",
+    "gradient_runs",
     "is_packed",
     "packed_copy",
     "packed_full",
+    "run_spans",
     "signatures",
     "span",
     "writable",
@@ -50,17 +55,19 @@ Signature = tuple[torch.Size, torch.dtype, torch.device] | None
 class _Record:
     """What is known about one list of tensors (see the module docstring)."""
 
-    __slots__ = ("rest", "signatures", "whole")
+    __slots__ = ("rest", "runs", "signatures", "whole")
 
     def __init__(
         self,
         rest: tuple[torch.Tensor, ...],
-        whole: torch.Tensor,
+        whole: torch.Tensor | None,
         signatures: list[Signature] | None,
+        runs: Runs | None = None,
     ) -> None:
         self.rest = rest  # the leaves after the first (the key), in order
-        self.whole = whole  # the 1-D span over all of them
+        self.whole = whole  # the 1-D span over all of them; None: they are `runs`
         self.signatures = signatures  # read on first use: spans of new gradients never need it
+        self.runs = runs
 
 
 _records: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -80,13 +87,14 @@ def _recorded(leaves: Sequence[torch.Tensor]) -> _Record | None:
 
 def _remember(
     leaves: Sequence[torch.Tensor],
-    whole: torch.Tensor,
+    whole: torch.Tensor | None,
     signatures: list[Signature] | None = None,
+    runs: Runs | None = None,
 ) -> None:
     first = leaves[0]
     if first._base is None:  # a base tensor: its views, held by the record, would keep it
         return
-    _records[first] = _Record(tuple(leaves[1:]), whole, signatures)
+    _records[first] = _Record(tuple(leaves[1:]), whole, signatures, runs)
 
 
 def signatures(leaves: Sequence[object]) -> list[Signature]:
@@ -155,8 +163,10 @@ def span(leaves: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return None. The answer for the same tensors is recorded (see the module docstring).
     """
     record = _recorded(leaves)
-    if record is not None:
+    if record is not None and (record.whole is not None or record.runs is None):
         return record.whole
+    if record is not None:
+        return None  # recorded as several runs
     whole = _find_span(leaves)
     if whole is not None and len(leaves) > 1:
         _remember(leaves, whole)
@@ -193,6 +203,117 @@ def _find_span(leaves: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return anchor.as_strided((starts[-1] // itemsize,), (1,))
 
 
+class Runs(NamedTuple):
+    """Leaves that lie in few buffers, as `gradient_runs` finds them.
+
+    Attributes:
+        order: the leaf indices run after run, each run's in the order they lie in memory.
+        spans: per run, a 1-D span over its leaves (consecutive in `order`).
+        numels: the elements of each run.
+        bounds: per run, its ``(start, stop)`` positions in `order`.
+    """
+
+    order: Sequence[int]
+    spans: list[torch.Tensor]
+    numels: list[int]
+    bounds: list[tuple[int, int]]
+
+
+def gradient_runs(leaves: Sequence[torch.Tensor]) -> Runs | None:
+    """`leaves` as runs of consecutive views of one storage each, or None if that saves little.
+
+    A reducer's gradient buckets hand over views of a few flat buffers, in the buckets' order
+    (not the params' tree order); sorted by address, such leaves form one run per bucket. None
+    when the leaves are of several dtypes or devices, or form more than half as many runs as
+    there are leaves (separate tensors: one run each). Recorded like `span`.
+    """
+    record = _recorded(leaves)
+    if record is not None:
+        if record.runs is None and record.whole is not None:
+            record.runs = _one_run(leaves, record.whole)
+        return record.runs
+    whole = span(leaves)
+    if whole is not None:
+        return _one_run(leaves, whole)
+    runs = _find_runs(leaves)
+    if runs is not None:
+        _remember(leaves, None, runs=runs)
+    return runs
+
+
+def _one_run(leaves: Sequence[torch.Tensor], whole: torch.Tensor) -> Runs:
+    return Runs(range(len(leaves)), [whole], [whole.numel()], [(0, len(leaves))])
+
+
+def _find_runs(leaves: Sequence[torch.Tensor]) -> Runs | None:
+    if len(leaves) < 2 or len(device_groups(leaves)) != 1:
+        return None
+    if not all(map(torch.Tensor.is_contiguous, leaves)):
+        return None
+    sizes = list(map(torch.Tensor.numel, leaves))
+    itemsize = leaves[0].element_size()
+    ptrs = list(map(torch.Tensor.data_ptr, leaves))
+    # Empty leaves (a shard's fragment of a tensor that another rank holds) have no place in
+    # memory: they join the last run, where they add nothing.
+    empty = [i for i, n in enumerate(sizes) if not n]
+    by_address = sorted((i for i, n in enumerate(sizes) if n), key=ptrs.__getitem__)
+    if not by_address:
+        return None
+    starts = [ptrs[i] for i in by_address]
+    ends = [ptrs[i] + sizes[i] * itemsize for i in by_address]
+    breaks = [j for j in range(1, len(by_address)) if starts[j] != ends[j - 1]]
+    if 2 * (len(breaks) + 1) > len(by_address):
+        return None
+    bounds = list(zip([0, *breaks], [*breaks, len(by_address)]))
+    # Runs in a stable order (their lowest leaf index), not by address: buffers allocated anew
+    # each step may lie in another order, and the state packed in the runs' order stays valid.
+    bounds.sort(key=lambda b: min(by_address[b[0] : b[1]]))
+    spans, numels, order, positions = [], [], [], [0]
+    for first, stop in bounds:
+        anchor = leaves[by_address[first]]
+        storage = anchor.untyped_storage()
+        begin, end = starts[first], ends[stop - 1]
+        if begin < storage.data_ptr() or end > storage.data_ptr() + storage.nbytes():
+            return None  # adjacent allocations, not one buffer
+        numel = (end - begin) // itemsize
+        spans.append(anchor.as_strided((numel,), (1,)))
+        numels.append(numel)
+        order += by_address[first:stop]
+        positions.append(len(order))
+    order += empty
+    positions[-1] = len(order)
+    return Runs(order, spans, numels, list(itertools.pairwise(positions)))
+
+
+def run_spans(leaves: Sequence[torch.Tensor], runs: Runs) -> list[torch.Tensor] | None:
+    """Per run of `runs`, a 1-D span over `leaves` in its order, or None where one is not.
+
+    One span over all of `leaves` in the runs' order (what `writable` packs) is cut at the
+    runs' bounds; else each run's leaves must be a span of their own (buffers that mirror the
+    gradients' layout, as a sharded optimizer's parameter fragments do).
+    """
+    in_order = arranged(leaves, runs.order)
+    whole = span(in_order)
+    if whole is not None:
+        if whole.numel() != sum(runs.numels):
+            return None
+        return [whole] if len(runs.numels) == 1 else list(whole.split(runs.numels))
+    pieces = []
+    for (start, stop), numel in zip(runs.bounds, runs.numels):
+        piece = span(in_order[start:stop])
+        if piece is None or piece.numel() != numel:
+            return None
+        pieces.append(piece)
+    return pieces
+
+
+def arranged(leaves: Sequence[torch.Tensor], order: Sequence[int]) -> Sequence[torch.Tensor]:
+    """`leaves` in `order` (`leaves` itself for the identity order)."""
+    if isinstance(order, range):
+        return leaves
+    return [leaves[i] for i in order]
+
+
 def packed_copy(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Fresh copies of `leaves`, packed in one new buffer per (device, dtype)."""
     out: list[torch.Tensor | None] = [None] * len(leaves)
@@ -216,20 +337,31 @@ def packed_copy(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def writable(
-    leaves: list[torch.Tensor], donate: bool, *, packed: bool = False
+    leaves: list[torch.Tensor], donate: bool, *, runs: Runs | None = None
 ) -> list[torch.Tensor]:
     """Tensors with the values of `leaves` that the step may update in place.
 
     With `donate`, the caller gave its tensors up, so they are used as they are (a non-contiguous
     leaf is replaced by a contiguous copy, which kernels need); otherwise they are copied.
-    `packed` asks for one buffer per (device, dtype) also when donating: donated leaves that are
-    not consecutive pieces of one are then copied once (the step returns them packed).
+    `runs` (the gradients' `gradient_runs`) asks for leaves that are one span per run also when
+    donating: donated leaves that are not (`run_spans`) are then copied once into one buffer,
+    in the runs' order (the step returns them packed so). Without it copies are packed in leaf
+    order, one buffer per (device, dtype).
     Copies are made without autograd: an optimizer step is not differentiated, and leaves that
     require grad (``nn.Parameter``, ``dict(model.named_parameters())``) must give plain values.
     """
-    if not donate or (packed and not is_packed(leaves)):
-        return packed_copy(leaves)
-    return contiguous(leaves)
+    if runs is None:
+        return contiguous(leaves) if donate else packed_copy(leaves)
+    order = runs.order
+    if donate and run_spans(leaves, runs) is not None:
+        return leaves
+    copies = packed_copy(arranged(leaves, runs.order))
+    if isinstance(order, range):
+        return copies
+    out: list[torch.Tensor | None] = [None] * len(leaves)
+    for i, copy in zip(order, copies):
+        out[i] = copy
+    return out  # type: ignore[return-value]
 
 
 def is_packed(leaves: list[torch.Tensor]) -> bool:
