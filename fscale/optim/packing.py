@@ -16,6 +16,10 @@ whose first tensor is a view are recorded (a record of a base tensor's views wou
 base alive forever). A recorded tensor whose storage or shape is later changed in place
 (``Tensor.set_``, assigning ``.data``, ``resize_``) is not re-checked; fscale never does that
 to the buffers it packs, and the caller gives donated buffers up.
+
+Gradients that lie in a few buffers in another order than the leaves' (a reducer's buckets)
+are described by `gradient_runs`; `writable` can pack params and state to follow them, and
+`run_spans` cuts buffers packed so into one span per run (`fscale.optim.flat_group`).
 """
 
 from __future__ import annotations
