@@ -43,6 +43,15 @@ def test_a_changed_list_is_checked_again():
     assert packing.span([leaves[0], torch.zeros(4), leaves[2]]) is None  # a replaced leaf
     assert packing.span([leaves[0], leaves[2], leaves[1]]) is None  # another order
     assert packing.span(leaves[:2]) is not None  # a prefix is a span of its own
+    separate = [torch.zeros(3), torch.zeros(4), torch.zeros(5)]
+    assert packing.gradient_runs(separate) is None  # one run per leaf: nothing to merge
+    runs = packing.gradient_runs([leaves[2], leaves[0], torch.zeros(3), leaves[1]])
+    assert runs is not None and runs.numels == [12, 3] and list(runs.order) == [1, 3, 0, 2]
+    late, early = _views(torch.zeros(6), [2, 4]), _views(torch.zeros(9), [4, 5])
+    grads = [early[0], late[1], early[1], late[0]]
+    runs = packing.gradient_runs(grads)
+    assert runs is not None and runs.numels == [9, 6] and list(runs.order) == [0, 2, 3, 1]
+    assert not packing.is_packed(grads) and packing.span(grads) is None
     mixed = flat.view(torch.int32)[:8]  # same bytes, another dtype
     assert packing.span([leaves[0], mixed[4:8]]) is None
 

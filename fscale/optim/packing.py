@@ -10,8 +10,10 @@ Layouts are decided once per list of tensor objects, not once per step. The buff
 be consecutive views of one storage is recorded when found; a record is keyed by the list's
 first tensor and holds the others, so asking again about the same tensors, in the same order,
 costs one identity comparison per leaf and reads no tensor's address, shape or dtype. A record
-lives as long as its first tensor: its values are the other views of that tensor's storage,
-which the first keeps alive anyway, so records hold no tensor memory of their own. Only lists
+lives as long as its first tensor, and its values are the other tensors of the list (and spans
+over their storage): for a span those are views of the storage the first keeps alive anyway,
+for a list in several buffers (`gradient_runs`) the other buffers live as long as the first
+leaf does, which a step's gradients do not outlive. Only lists
 whose first tensor is a view are recorded (a record of a base tensor's views would keep the
 base alive forever). A recorded tensor whose storage or shape is later changed in place
 (``Tensor.set_``, assigning ``.data``, ``resize_``) is not re-checked; fscale never does that
@@ -370,7 +372,8 @@ def writable(
 
 def is_packed(leaves: list[torch.Tensor]) -> bool:
     """Whether each (device, dtype) group of `leaves` is one `span`."""
-    if _recorded(leaves) is not None:
+    record = _recorded(leaves)
+    if record is not None and record.whole is not None:
         return True
     return all(span([leaves[i] for i in group]) is not None for group in device_groups(leaves))
 
