@@ -12,8 +12,9 @@ Adam and AdamW also with ``exact=False`` (one fused call per flat buffer instead
 per-tensor views: not bit-identical to torch, see `fscale.optim.flat_group`), given the gradients
 as separate tensors (that path then keeps the per-tensor call) and as views of one flat buffer:
 the same view tensors every step ("flat-g", a refilled gradient buffer: the layout is known from
-the first step) or new views of the buffer every step ("new flat-g", as a bucketed reducer
-hands them over: their addresses are read every step).
+the first step) or new views of the buffer every step ("new flat-g": their addresses are read
+every step), and as new views of four buffers filled in reverse leaf order every step
+("buckets-g", as `fscale.data_parallel`'s reducer hands them over: one span per bucket).
 Variants are interleaved round by round; medians are reported with the ratio to torch's fused
 optimizer, printed as a table and written to ``bench/results/optim.json``.
 """
@@ -87,6 +88,16 @@ def flat_views(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.view(t.shape) for (k, t), v in zip(tensors.items(), views)}
 
 
+def bucket_views(tensors: dict[str, torch.Tensor], buckets: int = 4) -> dict[str, torch.Tensor]:
+    """The same values as views of `buckets` buffers, filled in reverse order (as a reducer's)."""
+    names = list(reversed(tensors))
+    views: dict[str, torch.Tensor] = {}
+    for b in range(buckets):
+        chunk = names[b * len(names) // buckets : (b + 1) * len(names) // buckets]
+        views.update(flat_views({k: tensors[k] for k in chunk}))
+    return {k: views[k] for k in tensors}
+
+
 def fresh_views(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """New view tensors of the same buffer, at the same places (what a new step hands over)."""
     return {k: v.view(v.shape) for k, v in views.items()}
@@ -97,6 +108,7 @@ def make_variants(name: str, params: dict[str, torch.Tensor]) -> dict:
     make_fscale, make_torch = OPTIMIZERS[name]
     grads = {k: torch.randn_like(v) * 1e-3 for k, v in params.items()}
     flat_grads = flat_views(grads)
+    bucket_grads = bucket_views(grads)
     variants = {}
     for kind in ("foreach", "fused"):
         torch_params = [torch.nn.Parameter(v.clone()) for v in params.values()]
@@ -110,6 +122,7 @@ def make_variants(name: str, params: dict[str, torch.Tensor]) -> dict:
             (" exact=False", {"exact": False}, lambda: grads),
             (" exact=False flat-g", {"exact": False}, lambda: flat_grads),
             (" exact=False new flat-g", {"exact": False}, lambda: fresh_views(flat_grads)),
+            (" exact=False buckets-g", {"exact": False}, lambda: fresh_views(bucket_grads)),
         ]
     for suffix, options, gradients in paths:
         for donate in (True, False):

@@ -83,12 +83,17 @@ def _recorded(leaves: Sequence[torch.Tensor]) -> _Record | None:
     """The record of exactly these tensor objects in this order, or None."""
     if not leaves or not isinstance(leaves[0], torch.Tensor):
         return None
-    record = _records.get(leaves[0])
-    if record is None or len(record.rest) != len(leaves) - 1:
-        return None
-    if not all(map(operator.is_, itertools.islice(leaves, 1, None), record.rest)):
-        return None
-    return record
+    for record in _records.get(leaves[0]) or ():
+        if len(record.rest) == len(leaves) - 1 and all(
+            map(operator.is_, itertools.islice(leaves, 1, None), record.rest)
+        ):
+            return record
+    return None
+
+
+# Records kept per first tensor: a buffer packed in the gradients' order is known both in that
+# order and in leaf order, and the two lists may start with the same tensor.
+_RECORDS_PER_TENSOR = 2
 
 
 def _remember(
@@ -100,7 +105,8 @@ def _remember(
     first = leaves[0]
     if first._base is None:  # a base tensor: its views, held by the record, would keep it
         return
-    _records[first] = _Record(tuple(leaves[1:]), whole, signatures, runs)
+    record = _Record(tuple(leaves[1:]), whole, signatures, runs)
+    _records[first] = (record, *(_records.get(first) or ()))[:_RECORDS_PER_TENSOR]
 
 
 def signatures(leaves: Sequence[object]) -> list[Signature]:
@@ -261,8 +267,8 @@ def _find_runs(leaves: Sequence[torch.Tensor]) -> Runs | None:
     ptrs = list(map(torch.Tensor.data_ptr, leaves))
     # Empty leaves (a shard's fragment of a tensor that another rank holds) have no place in
     # memory: they join the last run, where they add nothing.
-    empty = [i for i, n in enumerate(sizes) if not n]
-    by_address = sorted((i for i, n in enumerate(sizes) if n), key=ptrs.__getitem__)
+    empty = [i for i, n in enumerate(sizes) if not n] if 0 in sizes else []
+    by_address = sorted(itertools.compress(range(len(sizes)), sizes), key=ptrs.__getitem__)
     if not by_address:
         return None
     starts = [ptrs[i] for i in by_address]
@@ -367,6 +373,7 @@ def writable(
     out: list[torch.Tensor | None] = [None] * len(leaves)
     for i, copy in zip(order, copies):
         out[i] = copy
+    _remember(out, None, signatures(leaves))  # type: ignore[arg-type]  # known in leaf order too
     return out  # type: ignore[return-value]
 
 
