@@ -10,8 +10,11 @@ fscale's `step` with ``donate=True`` (params and state are the flat-buffer views
 step returned, updated in place) and with ``donate=False`` (pure: fresh params and state); for
 Adam and AdamW also with ``exact=False`` (one fused call per flat buffer instead of the list of
 per-tensor views: not bit-identical to torch, see `fscale.optim.flat_group`), given the gradients
-as separate tensors (that path then keeps the per-tensor call) and as views of one flat buffer
-("flat-g", as a bucketed reducer could hand them over).
+as separate tensors (that path then keeps the per-tensor call) and as views of one flat buffer:
+the same view tensors every step ("flat-g", a refilled gradient buffer: the layout is known from
+the first step) or new views of the buffer every step ("new flat-g": their addresses are read
+every step), and as new views of four buffers filled in reverse leaf order every step
+("buckets-g", as `fscale.data_parallel`'s reducer hands them over: one span per bucket).
 Variants are interleaved round by round; medians are reported with the ratio to torch's fused
 optimizer, printed as a table and written to ``bench/results/optim.json``.
 """
@@ -85,47 +88,69 @@ def flat_views(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.view(t.shape) for (k, t), v in zip(tensors.items(), views)}
 
 
+def bucket_views(tensors: dict[str, torch.Tensor], buckets: int = 4) -> dict[str, torch.Tensor]:
+    """The same values as views of `buckets` buffers, filled in reverse order (as a reducer's)."""
+    names = list(reversed(tensors))
+    views: dict[str, torch.Tensor] = {}
+    for b in range(buckets):
+        chunk = names[b * len(names) // buckets : (b + 1) * len(names) // buckets]
+        views.update(flat_views({k: tensors[k] for k in chunk}))
+    return {k: views[k] for k in tensors}
+
+
+def fresh_views(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """New view tensors of the same buffer, at the same places (what a new step hands over)."""
+    return {k: v.view(v.shape) for k, v in views.items()}
+
+
 def make_variants(name: str, params: dict[str, torch.Tensor]) -> dict:
-    """Each variant is a zero-argument callable running one optimizer step."""
+    """Each variant is ``(prepare, run)``: ``run(prepare())`` is one optimizer step."""
     make_fscale, make_torch = OPTIMIZERS[name]
     grads = {k: torch.randn_like(v) * 1e-3 for k, v in params.items()}
     flat_grads = flat_views(grads)
+    bucket_grads = bucket_views(grads)
     variants = {}
     for kind in ("foreach", "fused"):
         torch_params = [torch.nn.Parameter(v.clone()) for v in params.values()]
         for p, g in zip(torch_params, grads.values()):
             p.grad = g.clone()
-        variants[f"torch {kind}"] = make_torch(torch_params, **{kind: True}).step
-    paths = [("", {}, grads)]
+        torch_step = make_torch(torch_params, **{kind: True}).step
+        variants[f"torch {kind}"] = (lambda: None, lambda _, torch_step=torch_step: torch_step())
+    paths = [("", {}, lambda: grads)]
     if name in NON_EXACT:
         paths += [
-            (" exact=False", {"exact": False}, grads),
-            (" exact=False flat-g", {"exact": False}, flat_grads),
+            (" exact=False", {"exact": False}, lambda: grads),
+            (" exact=False flat-g", {"exact": False}, lambda: flat_grads),
+            (" exact=False new flat-g", {"exact": False}, lambda: fresh_views(flat_grads)),
+            (" exact=False buckets-g", {"exact": False}, lambda: fresh_views(bucket_grads)),
         ]
-    for suffix, options, given in paths:
+    for suffix, options, gradients in paths:
         for donate in (True, False):
             opt = make_fscale(**options)
             box = {"state": opt.init(params)}
             # one warm-up step: params and state are then the flat-buffer views fscale produces
-            box["params"], box["state"] = optim.step(opt, given, box["state"], params)
+            box["params"], box["state"] = optim.step(opt, gradients(), box["state"], params)
 
-            def run(opt=opt, box=box, donate=donate, given=given) -> None:
+            def run(given, opt=opt, box=box, donate=donate) -> None:
                 box["params"], box["state"] = optim.step(
                     opt, given, box["state"], box["params"], donate=donate
                 )
 
-            variants[f"fscale donate={donate}{suffix}"] = run
+            variants[f"fscale donate={donate}{suffix}"] = (gradients, run)
     return variants
 
 
 def measure(variants: dict, rounds: int) -> dict[str, float]:
+    """Median milliseconds of each variant; a variant is ``(prepare, run)``, and only
+    ``run(prepare())`` is timed (``prepare`` makes what a new step would be handed)."""
     times: dict[str, list[float]] = {k: [] for k in variants}
-    for fn in variants.values():  # warm-up
-        fn()
+    for prepare, run in variants.values():  # warm-up
+        run(prepare())
     for _ in range(rounds):
-        for label, fn in variants.items():
+        for label, (prepare, run) in variants.items():
+            given = prepare()
             start = time.perf_counter()
-            fn()
+            run(given)
             times[label].append(time.perf_counter() - start)
     return {label: statistics.median(ts) * 1e3 for label, ts in times.items()}
 
@@ -148,7 +173,7 @@ def main() -> None:
         f"torch {torch.__version__}, {args.threads} thread(s), {rounds} rounds, medians in ms; "
         "fscale donate=True: params/state are its own previous outputs, updated in place"
     )
-    header = f"{'params':<20} {'optimizer':<13} {'variant':<38} {'ms':>8} {'vs fused':>9}"
+    header = f"{'params':<20} {'optimizer':<13} {'variant':<42} {'ms':>8} {'vs fused':>9}"
     print(header)
     print("-" * len(header))
     for set_name, params in param_sets.items():
@@ -157,7 +182,7 @@ def main() -> None:
             medians = measure(make_variants(opt_name, params), rounds)
             fused = medians["torch fused"]
             for label, ms in medians.items():
-                print(f"{set_name:<20} {opt_name:<13} {label:<38} {ms:8.2f} {ms / fused:8.2f}x")
+                print(f"{set_name:<20} {opt_name:<13} {label:<42} {ms:8.2f} {ms / fused:8.2f}x")
                 results.append(
                     {
                         "params": set_name,

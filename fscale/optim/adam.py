@@ -10,10 +10,11 @@ in one buffer per dtype, which is what makes copies, checkpoints and sharding ch
 
 ``exact=False`` opts out of that: one call on the flat buffers themselves
 (`fscale.optim.flat_group`), within rounding of torch.optim instead of equal to it. The kernel
-alone runs faster on one buffer than on many small tensors (measured on torch 2.13 with one
-thread: 0.85x the per-tensor call on 200 tensors of 25,000 elements, 0.35x on 2,000 of 1,000),
-but the step checks the layout leaf by leaf to use it, so measure the whole step
-(``bench/optim.py``) before relying on it.
+runs faster on one buffer than on many small tensors (measured on torch 2.13 with one thread,
+AVX2: 0.88x the per-tensor call on 200 tensors of 25,000 elements, 0.40x on 2,000 of 1,000);
+it applies when the gradients lie in a few flat buffers (a flat gradient buffer, the reduced
+buckets of `fscale.data_parallel` and `fscale.shard_optimizer`), and the layout is decided
+once per set of tensors, not once per step (``bench/optim.py`` has both paths).
 """
 
 from __future__ import annotations
@@ -72,9 +73,10 @@ def adam(
         amsgrad: use the running maximum of the second moment (Reddi et al., 2018).
         maximize: ascend the objective instead of descending.
         exact: True (default): bit for bit torch.optim's fused Adam, one kernel call on the
-            list of per-parameter views. False: one call on each flat buffer (see
-            `fscale.optim.flat_group`) when params, grads and state each lie in one buffer,
-            else the per-parameter call; not bit-identical to torch.optim (last-bit
+            list of per-parameter views. False: one call on one span per gradient buffer (see
+            `fscale.optim.flat_group`) when the gradients lie in few buffers (a flat gradient
+            buffer, data_parallel's or shard_optimizer's buckets), else the per-parameter
+            call (autograd's separate gradients); not bit-identical to torch.optim (last-bit
             differences, a few 1e-6 after 50 steps) nor between sharded and unsharded runs.
 
     Returns:

@@ -22,7 +22,15 @@ import torch
 
 from fscale import tree
 from fscale.optim.base import Optimizer, Sharding
-from fscale.optim.packing import contiguous, device_groups, is_packed, packed_full, writable
+from fscale.optim.packing import (
+    Signature,
+    contiguous,
+    device_groups,
+    gradient_runs,
+    packed_full,
+    signatures,
+    writable,
+)
 
 PyTree = Any
 # What torch's `_foreach_*` kernels take and return (their results are tuples, not lists).
@@ -71,7 +79,7 @@ def check_state_type(name: str, state: Any, state_type: type) -> None:
         )
 
 
-def _signature(t: Any) -> tuple[Any, ...] | None:
+def _signature(t: Any) -> Signature:
     return (t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None
 
 
@@ -88,14 +96,15 @@ def _check_like_params(
     leaves: list[Any],
     params: list[torch.Tensor],
     params_tree: PyTree,
-    expected: list[tuple[Any, ...] | None],
+    expected: list[Signature],
     why: str = _NOT_THIS_STATE,
 ) -> None:
     """Each leaf of `what` must be a tensor of its parameter's shape, dtype and device.
 
-    `expected` holds the params' signatures, computed once per step for every tree checked.
+    `expected` holds the params' signatures, computed once per step for every tree checked
+    (both read from `fscale.optim.packing`'s records for the buffers it packed).
     """
-    if [_signature(t) for t in leaves] == expected:
+    if signatures(leaves) == expected:
         return
     for path, leaf, p in zip(tree.paths(params_tree), leaves, params):
         if _signature(leaf) != _signature(p):
@@ -137,9 +146,10 @@ def step_inputs(
     names both structures. The leaves of the fields in `param_shaped` (default: every field)
     must have their parameter's shape, dtype and device: a state from other params (a layer
     widened, params cast) would otherwise reach the fused kernels, which do not check.
-    `packed`: when the gradients are packed (one buffer per device and dtype), the writable
-    leaves are packed even when donated (see `writable`), so that update math can run on whole
-    buffers; with gradients in separate tensors that copy would buy nothing.
+    `packed`: when the gradients lie in few buffers (`fscale.optim.packing.gradient_runs`), the
+    writable leaves are made one span per gradient run even when donated (see `writable`), so
+    that update math can run on whole buffers; with gradients in separate tensors that copy
+    would buy nothing.
     """
     if params is None:
         raise ValueError(
@@ -147,7 +157,7 @@ def step_inputs(
         )
     param_leaves, treedef = tree.flatten(params)
     grad_leaves = _leaves_like(name, "grads", grads, treedef)
-    expected = [_signature(p) for p in param_leaves]
+    expected = signatures(param_leaves)
     _check_like_params(
         name,
         "grads",
@@ -158,7 +168,7 @@ def step_inputs(
         "each gradient must match its parameter",
     )
     grad_leaves = contiguous(grad_leaves)
-    packed = packed and is_packed(grad_leaves)
+    runs = gradient_runs(grad_leaves) if packed else None
     state_leaves: dict[str, list[torch.Tensor] | None] = {}
     for field, state_tree in states.items():
         if state_tree is None:
@@ -167,9 +177,9 @@ def step_inputs(
         leaves = _leaves_like(name, f"state.{field}", state_tree, treedef)
         if param_shaped is None or field in param_shaped:
             _check_like_params(name, f"state.{field}", leaves, param_leaves, params, expected)
-        state_leaves[field] = writable(leaves, donate, packed=packed)
+        state_leaves[field] = writable(leaves, donate, runs=runs)
     if copy_params:
-        param_leaves = writable(param_leaves, donate, packed=packed)
+        param_leaves = writable(param_leaves, donate, runs=runs)
     return StepInputs(treedef, grad_leaves, param_leaves, state_leaves)
 
 
