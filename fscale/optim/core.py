@@ -53,14 +53,21 @@ def new_count() -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def next_count(count: int) -> torch.Tensor:
+def next_count(count: int | torch.Tensor) -> torch.Tensor:
+    if isinstance(count, torch.Tensor):  # a tensor op: traces under torch.compile
+        return (count.reshape(()) + 1).to(torch.int64)
     return torch.tensor(count + 1, dtype=torch.int64)
 
 
 def read_count(name: str, count: Any) -> int:
+    return int(check_count(name, count))
+
+
+def check_count(name: str, count: Any) -> torch.Tensor:
+    """The state's step counter, checked; its value is read only where the update runs."""
     if not isinstance(count, torch.Tensor) or count.numel() != 1:
         raise TypeError(f"{name}: the state's `count` must be a scalar tensor, got {count!r}")
-    return int(count)
+    return count
 
 
 def check_state_type(name: str, state: Any, state_type: type) -> None:
@@ -293,20 +300,24 @@ def update_groups(
     update_group: Callable[[Group], None],
     inputs: StepInputs,
     buffers: Sequence[str],
-    step: int,
-    lr: float,
+    count: torch.Tensor,
+    lr: Callable[[int], float],
 ) -> None:
-    """`update_group` on each (device, dtype) group of `inputs`, outside any torch.compile graph.
+    """`update_group` on each (device, dtype) group of `inputs`, outside any torch.compile graph,
+    as update number ``count + 1`` at learning rate ``lr(count)``.
 
     Functionalization rejects torch's in-place fused kernels when an optional state list is
     empty (``_fused_adamw_`` without amsgrad: "mutating a non-functional tensor with a
     functional tensor"), so the kernels run eagerly, bit for bit as in an eager step. The loop
-    is inside: a graph break inside a loop would make Dynamo run the whole caller eagerly.
+    is inside: a graph break inside a loop would make Dynamo run the whole caller eagerly. The
+    step counter's value is read here too, outside the graph, where reading it costs no break.
     """
+    done = int(count)
+    step, rate = done + 1, lr(done)
     for indices in device_groups(inputs.params):
         pick = picker(indices, len(inputs.params))
         group_buffers = {field: pick(required_state(name, inputs, field)) for field in buffers}
-        update_group(Group(pick(inputs.params), pick(inputs.grads), group_buffers, step, lr))
+        update_group(Group(pick(inputs.params), pick(inputs.grads), group_buffers, step, rate))
 
 
 def pointwise_optimizer(
@@ -358,7 +369,7 @@ def pointwise_optimizer(
         donate: bool = False,
     ) -> tuple[PyTree, Any]:
         check_state_type(name, state, state_type)
-        count = read_count(name, state.count)
+        count = check_count(name, state.count)
         inputs = step_inputs(
             name,
             grads,
@@ -367,7 +378,7 @@ def pointwise_optimizer(
             donate=donate,
             packed=packed,
         )
-        update_groups(name, update_group, inputs, buffers, count + 1, lr(count))
+        update_groups(name, update_group, inputs, buffers, count, lr)
         unflatten = unflattener(inputs.treedef)
         new_buffers = {field: unflatten(leaves) for field, leaves in inputs.states.items()}
         new_state = state_type(count=next_count(count), **new_buffers)
