@@ -47,7 +47,7 @@ def seeded_by(key: torch.Tensor | None, call_tensors: Callable[[], list[Any]]) -
     device_types = sorted(
         {t.device.type for t in call_tensors() if isinstance(t, torch.Tensor)} - {"cpu", "meta"}
     )
-    if not device_types and not torch.compiler.is_compiling():
+    if not device_types:
         # What fork_rng(devices=[]) does for the CPU generator, without its context-manager
         # machinery: a sizeable part of a small call's fixed cost.
         generator = torch.default_generator
