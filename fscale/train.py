@@ -42,7 +42,7 @@ from fscale import random as fsrandom
 from fscale.functional import ownership
 from fscale.grad import GRAD_MODES, value_and_grad
 from fscale.optim.hyper import check_bool
-from fscale.plan import Context, GradAux, LocalPlan, Plan, PlainOptimizer, TrainState
+from fscale.plan import Context, GradAux, LocalPlan, PlainOptimizer, Plan, TrainState
 
 __all__ = ["LossFn", "Plan", "Step", "TrainState", "train_step", "value_and_grad"]
 

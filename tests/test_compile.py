@@ -61,6 +61,7 @@ EXPECTED_BREAKS = {
     "optim/core.py": 1,
 }
 
+
 class _Net(nn.Module):
     """Linear -> BatchNorm -> Linear: parameters and running statistics (buffers).
 
@@ -133,7 +134,8 @@ class _BreakSites(logging.Handler):
 @contextlib.contextmanager
 def _break_sites() -> Iterator[_BreakSites]:
     handler = _BreakSites()
-    loggers = [logging.getLogger(f"torch._dynamo.{name}.__graph_breaks") for name in handler.LOGGERS]
+    names = [f"torch._dynamo.{name}.__graph_breaks" for name in handler.LOGGERS]
+    loggers = [logging.getLogger(name) for name in names]
     torch._logging.set_logs(graph_breaks=True)
     for logger in loggers:
         logger.addHandler(handler)
@@ -194,7 +196,7 @@ def test_seed_generators_draw_as_seeded_by_and_restore_the_ambient_ones() -> Non
     key = fs.random.key(3)
     torch.manual_seed(11)
     ambient = torch.rand(3)
-    with rng.seeded_by(key, lambda: []):
+    with rng.seeded_by(key, list):
         expected = torch.rand(4)
     torch.manual_seed(11)
     saved = rng.seed_generators(key, lambda: [torch.ones(1)])
