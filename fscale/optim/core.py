@@ -53,9 +53,7 @@ def new_count() -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def next_count(count: int | torch.Tensor) -> torch.Tensor:
-    if isinstance(count, torch.Tensor):  # a tensor op: traces under torch.compile
-        return (count.reshape(()) + 1).to(torch.int64)
+def next_count(count: int) -> torch.Tensor:
     return torch.tensor(count + 1, dtype=torch.int64)
 
 
@@ -302,9 +300,9 @@ def update_groups(
     buffers: Sequence[str],
     count: torch.Tensor,
     lr: Callable[[int], float],
-) -> None:
+) -> torch.Tensor:
     """`update_group` on each (device, dtype) group of `inputs`, outside any torch.compile graph,
-    as update number ``count + 1`` at learning rate ``lr(count)``.
+    as update number ``count + 1`` at learning rate ``lr(count)``; returns the next count.
 
     Functionalization rejects torch's in-place fused kernels when an optional state list is
     empty (``_fused_adamw_`` without amsgrad: "mutating a non-functional tensor with a
@@ -318,6 +316,7 @@ def update_groups(
         pick = picker(indices, len(inputs.params))
         group_buffers = {field: pick(required_state(name, inputs, field)) for field in buffers}
         update_group(Group(pick(inputs.params), pick(inputs.grads), group_buffers, step, rate))
+    return next_count(done)
 
 
 def pointwise_optimizer(
@@ -378,10 +377,10 @@ def pointwise_optimizer(
             donate=donate,
             packed=packed,
         )
-        update_groups(name, update_group, inputs, buffers, count, lr)
+        following = update_groups(name, update_group, inputs, buffers, count, lr)
         unflatten = unflattener(inputs.treedef)
         new_buffers = {field: unflatten(leaves) for field, leaves in inputs.states.items()}
-        new_state = state_type(count=next_count(count), **new_buffers)
+        new_state = state_type(count=following, **new_buffers)
         return unflatten(inputs.params), new_state
 
     return Optimizer(init=init, update=derive_update(apply), apply=apply, pointwise=True)
