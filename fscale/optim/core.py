@@ -359,6 +359,10 @@ def pointwise_optimizer(
         filled = {field: tree.unflatten(treedef, packed_full(leaves, fill)) for field in buffers}
         return state_type(count=new_count(), **filled, **absent)
 
+    # Outside any torch.compile graph as a whole, like `update_groups`: Dynamo rebuilds the
+    # trees' specs held across that call's break wrongly (torch 2.13: "length mismatch" when
+    # unflattening the new state under data_parallel).
+    @torch.compiler.disable(recursive=True)
     def apply(
         grads: PyTree,
         state: Any,
