@@ -190,8 +190,9 @@ def main() -> None:
         if world == 1:
             per_model = _rank_main(args.models, args.quick, args.steps, args.warmup)
         else:
+            # Each rank compiles four variants: minutes on a small, shared machine.
             per_model = fs.launch(
-                _rank_main, world, args.models, args.quick, args.steps, args.warmup
+                _rank_main, world, args.models, args.quick, args.steps, args.warmup, timeout=1800.0
             )[0]
         results.extend(
             {"ranks": world, **row, "load": outcome["load"]}

@@ -82,14 +82,25 @@ def versions(leaves: list[Any]) -> list[int]:
 
 
 def check_not_written(what: str, values: PyTree, leaves: list[Any], before: list[int]) -> None:
-    """Raise naming the first leaf of `values` (a `what` tree) written since `before`."""
-    if versions(leaves) == before:
+    """Raise naming the first leaf of `values` (a `what` tree) written since `before`.
+
+    Not checked under ``torch.compile``: inside a graph the counters are symbolic, and the
+    compiled step's own replay of writes into its inputs (AOTAutograd copies them back) advances
+    counters the eager step leaves alone (measured under `fscale.fully_shard`: an assertion on
+    them fails for a loss that writes nothing). The eager step checks every call, so a new loss
+    function is checked by running its step eagerly once.
+    """
+    if torch.compiler.is_compiling() or versions(leaves) == before:
         return
     for path, version, previous in zip(tree.paths(values), versions(leaves), before):
         if version != previous:
-            raise ValueError(
-                f"loss_fn wrote into {what} leaf {path!r} in place (an in-place op, e.g. under "
-                "torch.no_grad), which changes the caller's state: a step never mutates its "
-                "input. Compute a new tensor instead (`w = w * 0.5`, not `w.mul_(0.5)`); state "
-                "that changes during the forward belongs in the buffers the loss returns."
-            )
+            raise ValueError(_written(what, path))
+
+
+def _written(what: str, path: str) -> str:
+    return (
+        f"loss_fn wrote into {what} leaf {path!r} in place (an in-place op, e.g. under "
+        "torch.no_grad), which changes the caller's state: a step never mutates its "
+        "input. Compute a new tensor instead (`w = w * 0.5`, not `w.mul_(0.5)`); state "
+        "that changes during the forward belongs in the buffers the loss returns."
+    )

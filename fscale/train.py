@@ -42,7 +42,7 @@ from fscale import random as fsrandom
 from fscale.functional import ownership
 from fscale.grad import GRAD_MODES, value_and_grad
 from fscale.optim.hyper import check_bool
-from fscale.plan import Context, GradAux, LocalPlan, Plan, TrainState
+from fscale.plan import Context, GradAux, LocalPlan, PlainOptimizer, Plan, TrainState
 
 __all__ = ["LossFn", "Plan", "Step", "TrainState", "train_step", "value_and_grad"]
 
@@ -51,6 +51,9 @@ Batch = Any
 LossFn = Callable[[PyTree, PyTree, Batch, torch.Tensor], Any]
 Metrics = dict[str, Any]
 UNUSED_PARAMS = ("auto", "skip", "zero")
+# Context's default optimizer role, given explicitly: Dynamo cannot trace a default argument
+# that is an object without a source (a graph break at every Context the step builds).
+_PLAIN = PlainOptimizer()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +141,7 @@ class Step:
         _check_state(state)
         purity.check_usable(state, "Step.gradients")
         key = _step_key(state, self.plan.data_mesh(), self.plan.data_axes())
-        return self.plan.gradients(self, state, batch, Context(key=key))
+        return self.plan.gradients(self, state, batch, Context(key=key, optimizer=_PLAIN))
 
     def apply_gradients(
         self, state: TrainState, grads: PyTree, aux: GradAux
@@ -154,7 +157,7 @@ class Step:
             )
         mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
         aux, skip = self._agree(state, grads, aux, mesh, axes)
-        ctx = Context(skip_update=skip)
+        ctx = Context(skip_update=skip, optimizer=_PLAIN)
         if self.donate:
             try:
                 new_state, metrics = self.plan.apply_gradients(self, state, grads, aux, ctx)
@@ -166,10 +169,7 @@ class Step:
         else:
             new_state, metrics = self.plan.apply_gradients(self, state, grads, aux, ctx)
         if mesh is not None and axes:
-            axis = spmd.axis_arg(axes)
-            buffers = spmd.average_updated_buffers(state.buffers, new_state.buffers, mesh, axis)
-            new_state = new_state._replace(buffers=buffers)
-            metrics = spmd.reduce_metrics(metrics, mesh, axis)
+            new_state, metrics = _reduce_over_data_axes(state, new_state, metrics, mesh, axes)
         if self.on_nonfinite == "skip":  # equal on every rank: added after the reduction
             metrics = {**metrics, "skipped": torch.tensor(float(skip))}
         return new_state, metrics
@@ -233,6 +233,22 @@ def _step_key(state: TrainState, mesh: Any, axes: tuple[str, ...]) -> torch.Tens
     # The key is mixed in 64-bit host integers from the step counter's value: under
     # torch.compile this runs outside the graph (a read of a tensor's value ends a graph).
     return spmd.rank_key(state.key, int(state.step), mesh, axes)
+
+
+@torch.compiler.disable(recursive=True)
+def _reduce_over_data_axes(
+    state: TrainState, new_state: TrainState, metrics: Metrics, mesh: Any, axes: tuple[str, ...]
+) -> tuple[TrainState, Metrics]:
+    """`new_state` with the buffers the loss updated averaged over `axes`, and the metrics'
+    means over them.
+
+    Under torch.compile this runs outside the graph: its collectives end a graph anyway (c10d
+    with the ledger's and watchdog's host bookkeeping), and Dynamo rebuilds the pytree specs
+    held across such a break wrongly (torch 2.13: "length mismatch" when unflattening).
+    """
+    axis = spmd.axis_arg(axes)
+    buffers = spmd.average_updated_buffers(state.buffers, new_state.buffers, mesh, axis)
+    return new_state._replace(buffers=buffers), spmd.reduce_metrics(metrics, mesh, axis)
 
 
 def _key(key: Any) -> torch.Tensor:

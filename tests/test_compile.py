@@ -1,15 +1,21 @@
 """The step under torch.compile: it runs, equals the eager step, breaks graphs only where it must.
 
 Compiling is slow on a small machine, so every test builds one tiny model and compiles once.
-Graph breaks are counted with ``torch._dynamo.explain`` (no inductor run) and attributed to the
-innermost fscale source file on the break's stack; `EXPECTED_BREAKS` lists each remaining one
-with the reason it is there.
+Graph breaks are collected from Dynamo's graph-break log over two compiled steps (backend
+"eager": Dynamo only, no inductor run), one per distinct site, each attributed to the innermost
+fscale source file on its stack; `EXPECTED_BREAKS` lists each remaining one with the reason it
+is there. ``torch._dynamo.explain`` is not used for the step: it stops reporting at a break it
+cannot resume from and misses the breaks of the frames run after it.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import optree
@@ -18,24 +24,43 @@ import torch
 from torch import nn
 
 import fscale as fs
-from fscale import tree
+from fscale import purity, tree
 from fscale.functional import buffers as buffers_lib
+from fscale.functional import rng
 
 ROOT = Path(fs.__file__).resolve().parent
 
-# Graph breaks torch._dynamo.explain reports in a local step, by the fscale file they are in, and
-# why each is there. Code run outside the graph on purpose (`torch.compiler.disable`: the step's
-# key in train.py, the fused optimizer kernels in optim/core.py) is not a break explain reports.
+# The graph-break sites of a compiled local step, by the fscale file they are in, and why each is
+# there. A call to a function run outside the graph on purpose (`torch.compiler.disable`) is a
+# site too: the graph ends there and resumes after it.
 EXPECTED_BREAKS = {
-    # `fscale.random.seed(key)` reads the key's two words on the host to seed torch's generator
-    # for dropout (a tensor's value read on the host ends a graph).
+    # On purpose: the step's key is mixed in 64-bit host integers from the step counter's value.
+    "train.py": 1,
+    # Required by torch: seeding the generators from the key (`seeded_by`, for dropout). Dynamo
+    # refuses every operation on generator state (test_torch_refuses_generator_state_in_a_graph),
+    # so the save-seed-restore runs outside the graph, in one call (`rng.seed_generators`); the
+    # second site is Dynamo's retry of seeded_by's own frame after it gave up on the caller's.
+    "functional/rng.py": 2,
+    # Consequences of that break being inside the ``with rng.seeded_by(...)`` block of
+    # `FunctionalModule.__call__`: Dynamo cannot resume a graph inside a with block, so the
+    # call's Python runs eagerly (the module's forward is still compiled, as its own frame), and
+    # the failed traces of what runs inside it are logged too: the key's value read on the host
+    # (random.py), tree.leaves over the call's arguments (tree.py, an optree node Dynamo cannot
+    # rebuild) and the new-buffers dict (functionalize.py). Calling rng.seed_generators and
+    # rng.restore_generators around the forward in try/finally there leaves only rng.py's site.
     "random.py": 1,
-    # ... and it does so inside a `with` block (`functional.rng.seeded_by`), where Dynamo cannot
-    # resume a graph: the call's Python runs eagerly, the module's forward is compiled.
+    "tree.py": 1,
     "functional/functionalize.py": 1,
-    # The check that the loss did not write into its params or buffers compares tensors'
-    # version counters, which are symbolic inside a graph.
-    "purity.py": 2,
+    # Required by torch: the parameters' detached aliases are made to require grad and leave
+    # the graph, and torch.autograd.grad is not traced (torch._dynamo.config.trace_autograd_ops
+    # is False in torch 2.13): the forward is one graph, its backward AOTAutograd's.
+    "grad.py": 2,
+    # The grad_bytes metric reads UntypedStorage.data_ptr, which Dynamo cannot trace.
+    "memory.py": 1,
+    # On purpose: the optimizer's apply runs eagerly as a whole (its call site is in base.py):
+    # torch's fused kernels are rejected by functionalization, and Dynamo rebuilds the trees'
+    # specs held across a break around them wrongly.
+    "optim/base.py": 1,
 }
 
 
@@ -83,6 +108,47 @@ def _breaks_by_file(explanation) -> dict[str, int]:
     return dict(counts)
 
 
+class _BreakSites(logging.Handler):
+    """Dynamo's graph-break log records, one per site, as (where, innermost fscale file)."""
+
+    LOGGERS = ("symbolic_convert", "convert_frame", "exc")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: dict[tuple[str, int], str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        where = re.search(r"Graph break.*? in user code at (\S+):(\d+)", message)
+        if where is None:
+            return
+        stack = [where.group(1), *re.findall(r'File "([^"]+)", line \d+', message)]
+        ours = [Path(f).resolve() for f in stack if Path(f).resolve().is_relative_to(ROOT)]
+        # A repeated site's record omits the stack: the first record of it named the file.
+        site = (where.group(1), int(where.group(2)))
+        if site not in self.sites:
+            self.sites[site] = ours[-1].relative_to(ROOT).as_posix() if ours else "<torch>"
+
+    def by_file(self) -> dict[str, int]:
+        return dict(collections.Counter(self.sites.values()))
+
+
+@contextlib.contextmanager
+def _break_sites() -> Iterator[_BreakSites]:
+    handler = _BreakSites()
+    names = [f"torch._dynamo.{name}.__graph_breaks" for name in handler.LOGGERS]
+    loggers = [logging.getLogger(name) for name in names]
+    torch._logging.set_logs(graph_breaks=True)
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+        torch._logging.set_logs()
+
+
 # ----------------------------------------------------------------------------- building blocks
 
 
@@ -128,6 +194,34 @@ def test_same_structure_compares_a_traced_treedef_with_an_eager_one() -> None:
     assert not compiled(outside, {"a": torch.ones(1)})
 
 
+def test_seed_generators_draw_as_seeded_by_and_restore_the_ambient_ones() -> None:
+    key = fs.random.key(3)
+    torch.manual_seed(11)
+    ambient = torch.rand(3)
+    with rng.seeded_by(key, list):
+        expected = torch.rand(4)
+    torch.manual_seed(11)
+    saved = rng.seed_generators(key, lambda: [torch.ones(1)])
+    drawn = torch.rand(4)
+    rng.restore_generators(saved)
+    assert torch.equal(drawn, expected)
+    assert torch.equal(torch.rand(3), ambient)
+
+
+def test_compiled_call_with_a_key_draws_the_eager_dropout_mask() -> None:
+    torch.manual_seed(0)
+    apply, params, buffers = fs.functionalize(nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5)))
+    key, x = fs.random.key(7), torch.ones(3, 4)
+
+    def call(params, x, key):
+        return apply(params, buffers, x, key=key)[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="eager")  # inductor draws with its own generator
+    assert torch.equal(compiled(params, x, key), call(params, x, key))
+    assert not torch.equal(compiled(params, x, fs.random.key(8)), call(params, x, key))
+
+
 # ----------------------------------------------------------------------------- graph breaks
 
 
@@ -145,8 +239,58 @@ def test_loss_function_traces_without_a_graph_break() -> None:
 def test_step_breaks_graphs_only_where_expected() -> None:
     # The breaks are the same with donate=False (measured); one trace keeps the suite fast.
     step, state = _step(donate=True)
-    explanation = torch._dynamo.explain(step)(state, _batch(0))
-    assert _breaks_by_file(explanation) == EXPECTED_BREAKS
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="eager")
+    with _break_sites() as sites:
+        for index in range(2):  # the second step shows breaks a recompilation would add
+            state, _ = compiled(state, _batch(index))
+    assert sites.by_file() == EXPECTED_BREAKS, sites.sites
+
+
+def _seeds_inside(x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(0)
+    return x + 1
+
+
+def _graph_breaks(fn, *args) -> int:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(fn, backend="eager")(*args)
+    return sum(counters["graph_break"].values())
+
+
+def test_torch_refuses_generator_state_in_a_graph() -> None:
+    # Why functional/rng.py keeps its break: when this starts tracing, fold the seeding in.
+    assert _graph_breaks(_seeds_inside, torch.ones(2)) >= 1
+
+
+def _checks_purity(x: torch.Tensor, buffers: dict, before: list[int]) -> torch.Tensor:
+    purity.check_not_written("buffers", buffers, tree.leaves(buffers), before)
+    return x + 1
+
+
+def test_purity_check_ends_no_graph() -> None:
+    buffers = {"c": torch.ones(1)}
+    before = purity.versions(tree.leaves(buffers))
+    assert _graph_breaks(_checks_purity, torch.ones(2), buffers, before) == 0
+
+
+def _eval_call_that_writes(tensors: dict) -> torch.Tensor:
+    before = buffers_lib.versions(tensors)
+    with torch.no_grad():
+        tensors["running"].add_(1)
+    buffers_lib.check_not_modified(tensors, before)
+    return tensors["running"] * 2
+
+
+def test_buffer_check_holds_inside_a_graph() -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(_eval_call_that_writes, backend="eager")
+    # The graph's assertion keeps the condition, not the message: it names the expression.
+    with pytest.raises(RuntimeError, match="Runtime assertion failed"):
+        compiled({"running": torch.zeros(2)})
 
 
 # ----------------------------------------------------------------------------- equality
@@ -174,16 +318,17 @@ PLANS = {
 }
 
 
-def _compiled_against_eager(plan: str, donate: bool) -> float:
+def _compiled_against_eager(plan: str, donate: bool, backend: str = "inductor") -> float:
     """Two steps of `plan` on this rank's half of each batch, eager and compiled; max |diff|."""
     rank = torch.distributed.get_rank()
     mesh = fs.Mesh(dp=torch.distributed.get_world_size())
+    torch._dynamo.reset()  # the pool's ranks live on: nothing compiled by an earlier test
     results = []
     for compile_it in (False, True):
         step, state = _step(donate)
         step = PLANS[plan](step, mesh)
         state = step.init(state.params, state.buffers)
-        run = torch.compile(step) if compile_it else step
+        run = torch.compile(step, backend=backend) if compile_it else step
         for index in range(2):
             inputs, targets = _batch(index)
             state, _ = run(state, (inputs.chunk(2)[rank], targets.chunk(2)[rank]))
@@ -193,12 +338,44 @@ def _compiled_against_eager(plan: str, donate: bool) -> float:
     )
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
+COMPILE_RANKS = pytest.mark.skipif(
     os.environ.get("FSCALE_COMPILE_RANKS") != "1",
     reason="compiles on every rank (minutes on two cores); set FSCALE_COMPILE_RANKS=1 to run",
 )
-@pytest.mark.parametrize("plan", list(PLANS))
+
+
+@pytest.mark.slow
+@COMPILE_RANKS
+def test_data_parallel_step_traces_on_two_ranks() -> None:
+    # Dynamo only (backend "eager"): the graphs, their breaks around the collectives and the
+    # state rebuilt across them; inductor's code for the same graphs is the test below.
+    differences = fs.testing.run_spmd(
+        _compiled_against_eager, 2, "data_parallel", True, "eager", timeout=900.0
+    )
+    assert max(differences) <= 1e-6
+
+
+# Measured (2 gloo ranks, inductor, donate=True): data_parallel and fully_shard equal the eager
+# step to 1.5e-8 after two steps. shard_optimizer does not compile yet: Dynamo traces the
+# lru_cache'd bucket layout (parallel/bucket_layout.py), whose meta-device packing inductor
+# rejects ("Argument 'empty_strided_default' of Node 'slice_scatter' was used before it has been
+# defined"); with that run outside the graph, zero/plan.py's state check then keys a dict by a
+# treedef, which Dynamo's stand-in for it cannot hash.
+SHARD_OPTIMIZER_FAILS = pytest.mark.xfail(
+    strict=True, reason="bucket layout and state check traced by Dynamo (see above)"
+)
+
+
+@pytest.mark.slow
+@COMPILE_RANKS
+@pytest.mark.parametrize(
+    "plan",
+    [
+        "data_parallel",
+        pytest.param("shard_optimizer", marks=SHARD_OPTIMIZER_FAILS),
+        "fully_shard",
+    ],
+)
 def test_compiled_multi_rank_step_equals_the_eager_step(plan: str) -> None:
     differences = fs.testing.run_spmd(_compiled_against_eager, 2, plan, True, timeout=900.0)
     assert max(differences) <= 1e-6

@@ -87,14 +87,32 @@ def check_not_modified(tensors: Mapping[str, torch.Tensor], before: Mapping[str,
     ...). Native kernels that update running statistics internally do not bump it, but those
     only do so in training mode, where the call works on clones.
 
+    Under ``torch.compile`` each comparison is an assertion of the graph (a branch on a
+    symbolic version counter would end it); it fails as a RuntimeError that names the compared
+    expression, not the buffer (the graph keeps the condition, not the message).
+
     Raises:
         RuntimeError: naming every buffer that changed.
     """
+    if torch.compiler.is_compiling():
+        # Symbolic version counters inside a graph: an assertion of the graph, not a branch.
+        for name, tensor in tensors.items():
+            torch._check(tensor._version == before[name], _constant(_modified([name])))
+        return
     changed_in_place = [name for name, tensor in tensors.items() if tensor._version != before[name]]
     if changed_in_place:
-        raise RuntimeError(
-            f"apply: in evaluation mode the module modified buffers {changed_in_place} "
-            "in place, so the caller's tensors have changed. Evaluation mode passes "
-            "buffers without copying; call apply with train=True for a module that "
-            "updates its state, or make the module update it out of place."
-        )
+        raise RuntimeError(_modified(changed_in_place))
+
+
+def _constant(message: str) -> Any:
+    # Dynamo accepts a check's message as a function of constants only.
+    return lambda: message
+
+
+def _modified(names: list[str]) -> str:
+    return (
+        f"apply: in evaluation mode the module modified buffers {names} "
+        "in place, so the caller's tensors have changed. Evaluation mode passes "
+        "buffers without copying; call apply with train=True for a module that "
+        "updates its state, or make the module update it out of place."
+    )

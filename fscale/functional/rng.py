@@ -5,6 +5,10 @@ A functional call with a key must draw the same numbers as the eager module run 
 block runs under ``torch.random.fork_rng`` for the CPU generator and for every generator of each
 accelerator type the call's tensors live on (the generators ``torch.manual_seed`` would seed that
 the call can draw from, and no others), each seeded with ``fscale.random.seed(key)``.
+
+Under ``torch.compile`` the generators are saved, seeded and restored by two functions run
+outside the graph: Dynamo refuses every operation on generator state, so this is a graph break
+torch requires (the random ops inside the graph then draw from the seeded generators).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 
 from fscale import random as fsrandom
 
-__all__ = ["reseeding", "seeded_by"]
+__all__ = ["Saved", "reseeding", "restore_generators", "seed_generators", "seeded_by"]
 
 
 @contextlib.contextmanager
@@ -32,11 +36,18 @@ def seeded_by(key: torch.Tensor | None, call_tensors: Callable[[], list[Any]]) -
     if key is None:
         yield
         return
+    if torch.compiler.is_compiling():
+        saved = seed_generators(key, call_tensors)
+        try:
+            yield
+        finally:
+            restore_generators(saved)
+        return
     seed = fsrandom.seed(key)
     device_types = sorted(
         {t.device.type for t in call_tensors() if isinstance(t, torch.Tensor)} - {"cpu", "meta"}
     )
-    if not device_types and not torch.compiler.is_compiling():
+    if not device_types:
         # What fork_rng(devices=[]) does for the CPU generator, without its context-manager
         # machinery: a sizeable part of a small call's fixed cost.
         generator = torch.default_generator
@@ -61,6 +72,49 @@ def seeded_by(key: torch.Tensor | None, call_tensors: Callable[[], list[Any]]) -
             device_module = torch.get_device_module(device_type)
             getattr(device_module, "manual_seed_all", device_module.manual_seed)(seed)
         yield
+
+
+# What `seed_generators` saved: (the CPU generator or a device module, device index, state).
+Saved = list[tuple[Any, int | None, torch.Tensor]]
+
+
+@torch.compiler.disable(recursive=True)
+def seed_generators(key: torch.Tensor, call_tensors: Callable[[], list[Any]]) -> Saved:
+    """The generators `seeded_by` seeds, saved and then seeded with `key`; run outside any
+    torch.compile graph. `restore_generators` puts the saved states back.
+
+    Code that calls a module under a key inside a compiled function calls these two around the
+    forward (``try``/``finally``) rather than entering `seeded_by`: Dynamo cannot resume a graph
+    inside a ``with`` block, so a break there runs the whole enclosing function eagerly.
+
+    Dynamo refuses every operation on torch's generator state (``manual_seed``, ``get_state``,
+    ``set_rng_state``, ``fork_rng``), and the seed is the key's value on the host, so no graph
+    can hold this; gathering the call's devices here too keeps the break in one place.
+    """
+    seed = fsrandom.seed(key)
+    device_types = sorted(
+        {t.device.type for t in call_tensors() if isinstance(t, torch.Tensor)} - {"cpu", "meta"}
+    )
+    saved: Saved = [(torch.default_generator, None, torch.default_generator.get_state())]
+    for device_type in device_types:
+        device_module = torch.get_device_module(device_type)
+        for index in range(device_module.device_count()):
+            saved.append((device_module, index, device_module.get_rng_state(index)))
+    torch.default_generator.manual_seed(seed)
+    for device_type in device_types:
+        device_module = torch.get_device_module(device_type)
+        getattr(device_module, "manual_seed_all", device_module.manual_seed)(seed)
+    return saved
+
+
+@torch.compiler.disable(recursive=True)
+def restore_generators(saved: Saved) -> None:
+    """Put back the generator states `seed_generators` saved."""
+    for owner, index, state in saved:
+        if index is None:
+            owner.set_state(state)
+        else:
+            owner.set_rng_state(state, index)
 
 
 @contextlib.contextmanager

@@ -66,9 +66,14 @@ def next_count(count: int) -> torch.Tensor:
 
 
 def read_count(name: str, count: Any) -> int:
+    return int(check_count(name, count))
+
+
+def check_count(name: str, count: Any) -> torch.Tensor:
+    """The state's step counter, checked; its value is read only where the update runs."""
     if not isinstance(count, torch.Tensor) or count.numel() != 1:
         raise TypeError(f"{name}: the state's `count` must be a scalar tensor, got {count!r}")
-    return int(count)
+    return count
 
 
 def check_state_type(name: str, state: Any, state_type: type) -> None:
@@ -303,20 +308,25 @@ def update_groups(
     update_group: Callable[[Group], None],
     inputs: StepInputs,
     buffers: Sequence[str],
-    step: int,
-    lr: float,
-) -> None:
-    """`update_group` on each (device, dtype) group of `inputs`, outside any torch.compile graph.
+    count: torch.Tensor,
+    lr: Callable[[int], float],
+) -> torch.Tensor:
+    """`update_group` on each (device, dtype) group of `inputs`, outside any torch.compile graph,
+    as update number ``count + 1`` at learning rate ``lr(count)``; returns the next count.
 
     Functionalization rejects torch's in-place fused kernels when an optional state list is
     empty (``_fused_adamw_`` without amsgrad: "mutating a non-functional tensor with a
     functional tensor"), so the kernels run eagerly, bit for bit as in an eager step. The loop
-    is inside: a graph break inside a loop would make Dynamo run the whole caller eagerly.
+    is inside: a graph break inside a loop would make Dynamo run the whole caller eagerly. The
+    step counter's value is read here too, outside the graph, where reading it costs no break.
     """
+    done = int(count)
+    step, rate = done + 1, lr(done)
     for indices in device_groups(inputs.params):
         pick = picker(indices, len(inputs.params))
         group_buffers = {field: pick(required_state(name, inputs, field)) for field in buffers}
-        update_group(Group(pick(inputs.params), pick(inputs.grads), group_buffers, step, lr))
+        update_group(Group(pick(inputs.params), pick(inputs.grads), group_buffers, step, rate))
+    return next_count(done)
 
 
 def pointwise_optimizer(
@@ -359,6 +369,10 @@ def pointwise_optimizer(
         filled = {field: tree.unflatten(treedef, packed_full(leaves, fill)) for field in buffers}
         return state_type(count=new_count(), **filled, **absent)
 
+    # Outside any torch.compile graph as a whole, like `update_groups`: Dynamo rebuilds the
+    # trees' specs held across that call's break wrongly (torch 2.13: "length mismatch" when
+    # unflattening the new state under data_parallel).
+    @torch.compiler.disable(recursive=True)
     def apply(
         grads: PyTree,
         state: Any,
@@ -368,7 +382,7 @@ def pointwise_optimizer(
         donate: bool = False,
     ) -> tuple[PyTree, Any]:
         check_state_type(name, state, state_type)
-        count = read_count(name, state.count)
+        count = check_count(name, state.count)
         inputs = step_inputs(
             name,
             grads,
@@ -377,10 +391,10 @@ def pointwise_optimizer(
             donate=donate,
             packed=packed,
         )
-        update_groups(name, update_group, inputs, buffers, count + 1, lr(count))
+        following = update_groups(name, update_group, inputs, buffers, count, lr)
         unflatten = unflattener(inputs.treedef)
         new_buffers = {field: unflatten(leaves) for field, leaves in inputs.states.items()}
-        new_state = state_type(count=next_count(count), **new_buffers)
+        new_state = state_type(count=following, **new_buffers)
         return unflatten(inputs.params), new_state
 
     return Optimizer(init=init, update=derive_update(apply), apply=apply, pointwise=True)
