@@ -137,8 +137,9 @@ class Step:
         sharded) and what `apply_gradients` needs besides them."""
         _check_state(state)
         purity.check_usable(state, "Step.gradients")
-        key = _step_key(state, self.plan.data_mesh(), self.plan.data_axes())
-        return self.plan.gradients(self, state, batch, Context(key=key))
+        mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
+        key = _step_key(state, mesh, axes)
+        return self.plan.gradients(self, state, batch, Context(key=key, metric_axes=axes))
 
     def apply_gradients(
         self, state: TrainState, grads: PyTree, aux: GradAux
@@ -169,7 +170,7 @@ class Step:
             axis = spmd.axis_arg(axes)
             buffers = spmd.average_updated_buffers(state.buffers, new_state.buffers, mesh, axis)
             new_state = new_state._replace(buffers=buffers)
-            metrics = spmd.reduce_metrics(metrics, mesh, axis)
+            metrics = _mean_metrics(metrics, aux.folded, mesh, axes)
         if self.on_nonfinite == "skip":  # equal on every rank: added after the reduction
             metrics = {**metrics, "skipped": torch.tensor(float(skip))}
         return new_state, metrics
@@ -226,6 +227,17 @@ class Step:
             f"grad_mode={self.grad_mode!r}, donate={self.donate}, "
             f"on_nonfinite={self.on_nonfinite!r}, unused_params={self.unused_params!r})"
         )
+
+
+def _mean_metrics(metrics: Metrics, folded: Any, mesh: Any, axes: tuple[str, ...]) -> Metrics:
+    """`spmd.reduce_metrics`, using the means the gradient reduction folded in for the metrics
+    that still hold the values it averaged (a collective only for the others, if any)."""
+    axis = spmd.axis_arg(axes)
+    if folded is None or tuple(folded.axes) != tuple(axes):
+        return spmd.reduce_metrics(metrics, mesh, axis)
+    done = {k: folded.means[k] for k, v in folded.local.items() if metrics.get(k) is v}
+    rest = spmd.reduce_metrics({k: v for k, v in metrics.items() if k not in done}, mesh, axis)
+    return {k: done[k] if k in done else rest[k] for k in metrics}
 
 
 @torch.compiler.disable(recursive=True)

@@ -14,6 +14,10 @@ copies the leaf's gradient into its bucket's flat buffer (the gradient then live
 calls ``on_ready(bucket, flat_grad)`` once every leaf of the bucket has arrived. Autograd runs a
 leaf's hook as soon as that leaf's gradient is final, which is what makes the overlap possible.
 
+`GradBuckets.fold` appends a few scalars (the step's loss and metrics) after the last bucket's
+elements in its buffer, so that the bucket's collective reduces them too and the step needs no
+collective of its own for them.
+
 Buckets are handed to ``on_ready`` strictly in index order, whatever order they complete in: a
 bucket that completes early waits until every bucket before it has been handed out. `on_ready`
 issues a collective, and collectives must be issued in the same order on every rank; the order
@@ -173,6 +177,10 @@ class GradBuckets:
             earlier micro-batches of a step), or None.
     """
 
+    # Whether a new buffer is zeroed whole (layouts with gaps between leaves) or only its
+    # padding (every other element is overwritten by a gradient).
+    zero_whole = False
+
     def __init__(
         self,
         buckets: Sequence[Bucket],
@@ -199,6 +207,34 @@ class GradBuckets:
         self._delivered = [[False] * len(b.leaf_indices) for b in self.buckets]
         self._pending = [len(b.leaf_indices) for b in self.buckets]
         self._next_ready = 0  # buckets before this one have been handed to `on_ready`
+        self._trailing: torch.Tensor | None = None
+
+    def fold(self, values: torch.Tensor) -> None:
+        """Place the 1-D `values` after the last bucket's elements in its buffer.
+
+        The flat buffer handed to ``on_ready`` for the last bucket is then
+        ``layout.numel + values.numel()`` long: the bucket's elements, then `values`.
+
+        Raises:
+            ValueError: `values` is not a 1-D tensor of the last bucket's dtype and device, or
+                the last bucket's buffer exists already (fold before backward).
+        """
+        last = self.buckets[-1].layout
+        if (
+            not isinstance(values, torch.Tensor)
+            or values.dim() != 1
+            or values.dtype != last.dtype
+            or values.device != last.device
+        ):
+            raise ValueError(
+                f"GradBuckets.fold: `values` must be a 1-D {last.dtype} tensor on {last.device}, "
+                f"got {values!r:.80}"
+            )
+        if self._data[-1] is not None or self._next_ready == len(self.buckets):
+            raise ValueError(
+                "GradBuckets.fold: the last bucket's buffer exists already; fold before backward"
+            )
+        self._trailing = values
 
     def hooks(self) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
         """One hook per leaf (None for leaves in no bucket)."""
@@ -220,10 +256,7 @@ class GradBuckets:
         layout = self.buckets[bucket_index].layout
         data = self._data[bucket_index]
         if data is None:
-            # Zero only the padding: every real element is overwritten by a gradient.
-            data = _new_buffer(layout, torch.empty)
-            data[layout.numel_unpadded :].zero_()
-            self._data[bucket_index] = data
+            data = self._allocate(bucket_index)
         offset, numel = layout.offsets[slot], layout.numels[slot]
         target = data[offset : offset + numel].view(layout.shapes[slot])
         target.copy_(grad)
@@ -236,6 +269,25 @@ class GradBuckets:
         if self.keep_grads:
             return target
         return grad.new_zeros(()).expand(grad.shape)
+
+    def _allocate(self, bucket_index: int) -> torch.Tensor:
+        """A new buffer for a bucket: the padding zeroed, the folded values after the last."""
+        layout = self.buckets[bucket_index].layout
+        trailing = self._trailing if bucket_index == len(self.buckets) - 1 else None
+        extra = 0 if trailing is None else trailing.numel()
+        data = torch.empty(layout.numel + extra, dtype=layout.dtype, device=layout.device)
+        if self.zero_whole:
+            data[: layout.numel].zero_()
+        else:
+            data[layout.numel_unpadded : layout.numel].zero_()
+        if trailing is not None:
+            data[layout.numel :].copy_(trailing)
+        self._data[bucket_index] = data
+        self.allocated(data)
+        return data
+
+    def allocated(self, data: torch.Tensor) -> None:
+        """Called with every buffer this collector allocates (a subclass may track them)."""
 
     def _hand_out_ready(self) -> None:
         """Pass every complete bucket from `_next_ready` on to `on_ready`, in index order."""
@@ -258,8 +310,7 @@ class GradBuckets:
             if self._pending[bucket.index] != 0:
                 data = self._data[bucket.index]
                 if data is None:
-                    data = _new_buffer(bucket.layout, torch.zeros)
-                    self._data[bucket.index] = data
+                    data = self._allocate(bucket.index)
                 layout = bucket.layout
                 for slot, delivered in enumerate(self._delivered[bucket.index]):
                     if not delivered:  # never written: holds uninitialised memory
@@ -297,7 +348,3 @@ class GradBuckets:
                 "its gradients were used"
             )
         self._data[bucket_index] = None
-
-
-def _new_buffer(layout: FlatBuffer, make: Callable[..., torch.Tensor]) -> torch.Tensor:
-    return make(layout.numel, dtype=layout.dtype, device=layout.device)
