@@ -158,7 +158,7 @@ def test_fold_places_values_after_the_last_bucket():
     with pytest.raises(ValueError, match="before backward"):
         collector.fold(torch.tensor([1.0]))
     fresh = GradBuckets(buckets, 2, lambda b, flat: None)
-    with pytest.raises(ValueError, match="`values` must be a 1-D torch.float32"):
+    with pytest.raises(ValueError, match=r"`values` must be a 1-D torch\.float32"):
         fresh.fold(torch.tensor([1.0], dtype=torch.float64))
     flushed = []
     unused = GradBuckets(buckets, 2, lambda b, flat: flushed.append(flat.clone()))

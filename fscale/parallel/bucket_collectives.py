@@ -21,7 +21,8 @@ collectives work in place, with the same arithmetic and the same record in the c
 The two reductions take ``trailing``: a few elements after the bucket in its buffer (the step's
 loss and scalar metrics) whose mean travels in the bucket's own collective, so that the step
 needs no collective of its own for them; ``pending.trailing`` holds that mean (a copy) once
-waited for. The ledger records them as the all-reduce of ``trailing`` elements they are.
+waited for. The ledger records them as what the algorithm does with them, an all-reduce of
+``trailing`` elements beside the bucket's own collective (they travel in one on the wire).
 
 Each returns a `BucketPending`: the collective in flight, waited for without an autograd node
 (the differentiable `Pending` runs two `autograd.Function` applications per collective, each
@@ -136,7 +137,9 @@ def all_reduce_bucket_start(
     if comm.size == 1:
         return BucketPending(flat, None, num_trailing=trailing)
     work = Work()
-    work.ticket = issue(comm, "all_reduce", flat, flat.numel(), extra=_MEAN)
+    work.ticket = issue(comm, "all_reduce", flat, flat.numel() - trailing, extra=_MEAN)
+    if trailing:
+        record("all_reduce", comm.axis, flat.dtype, trailing, comm.size)
     flat.div_(comm.size)
     work.work = dist.all_reduce(flat, group=comm.group, async_op=True)
     return BucketPending(flat, work, num_trailing=trailing)

@@ -175,11 +175,10 @@ class GradBuckets:
             keep only a reduced copy or shard of each bucket.
         initial: per leaf, a gradient to add to the one autograd delivers (the sum over the
             earlier micro-batches of a step), or None.
+        zero_whole: zero each new buffer whole (a layout with gaps between its leaves), not
+            only its padding (every other element is overwritten by a gradient).
+        on_allocate: called with each buffer this collector allocates (e.g. to track it).
     """
-
-    # Whether a new buffer is zeroed whole (layouts with gaps between leaves) or only its
-    # padding (every other element is overwritten by a gradient).
-    zero_whole = False
 
     def __init__(
         self,
@@ -189,8 +188,12 @@ class GradBuckets:
         *,
         keep_grads: bool = True,
         initial: Sequence[torch.Tensor] | None = None,
+        zero_whole: bool = False,
+        on_allocate: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.buckets = list(buckets)
+        self.zero_whole = zero_whole
+        self.on_allocate = on_allocate
         self.on_ready = on_ready
         self.keep_grads = keep_grads
         self.initial = None if initial is None else list(initial)
@@ -283,11 +286,9 @@ class GradBuckets:
         if trailing is not None:
             data[layout.numel :].copy_(trailing)
         self._data[bucket_index] = data
-        self.allocated(data)
+        if self.on_allocate is not None:
+            self.on_allocate(data)
         return data
-
-    def allocated(self, data: torch.Tensor) -> None:
-        """Called with every buffer this collector allocates (a subclass may track them)."""
 
     def _hand_out_ready(self) -> None:
         """Pass every complete bucket from `_next_ready` on to `on_ready`, in index order."""

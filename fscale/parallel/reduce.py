@@ -312,29 +312,6 @@ class _AllReduceSession:
         return {}
 
 
-class _ShardedGradBuckets(GradBuckets):
-    """`GradBuckets` whose buffers start zeroed (the aligned layout's gaps included)."""
-
-    zero_whole = True
-
-    def __init__(
-        self,
-        buckets: Sequence[Bucket],
-        num_leaves: int,
-        on_ready: Callable[[Bucket, torch.Tensor], None],
-        on_allocate: Callable[[torch.Tensor], None],
-        initial: Sequence[torch.Tensor] | None,
-    ) -> None:
-        super().__init__(buckets, num_leaves, on_ready, keep_grads=False, initial=initial)
-        self._on_allocate = on_allocate
-
-    def allocated(self, data: torch.Tensor) -> None:
-        self._on_allocate(data)
-
-    def release(self, bucket_index: int) -> None:
-        self._data[bucket_index] = None
-
-
 def _fits(values: torch.Tensor, bucket: Bucket, mesh: Mesh, axes: tuple[str, ...]) -> bool:
     """Whether `values` can ride in `bucket`'s collective over `axes`, bit-exactly."""
     layout = bucket.layout
@@ -359,7 +336,7 @@ class _ScatterSession:
         self.initial: list[torch.Tensor] | None = None
         self.shards: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
         self.in_flight: collections.deque = collections.deque()
-        self.collector: _ShardedGradBuckets | None = None
+        self.collector: GradBuckets | None = None
         self.folded: torch.Tensor | None = None
         self.num_folded = 0
 
@@ -385,8 +362,15 @@ class _ScatterSession:
         if self.func:
             return [None] * self.layout.num_leaves
         on_ready = self._start_and_release if self.reducer.shard_grads else _keep
-        self.collector = _ShardedGradBuckets(
-            self.layout.buckets, self.layout.num_leaves, on_ready, self.live.track, self.initial
+        # Zeroed whole: the aligned layout leaves gaps between leaves.
+        self.collector = GradBuckets(
+            self.layout.buckets,
+            self.layout.num_leaves,
+            on_ready,
+            keep_grads=False,
+            initial=self.initial,
+            zero_whole=True,
+            on_allocate=self.live.track,
         )
         return self.collector.hooks()
 
