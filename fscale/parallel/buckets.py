@@ -111,13 +111,19 @@ def forward_order(params: Any) -> list[int]:
     reverse of that order complete earliest in backward. For a dict, this returns the leaf
     indices in key insertion order; for any other tree, leaf order.
     """
-    raw_paths = optree.tree_paths(params, none_is_leaf=False)
     if not isinstance(params, dict):
-        return list(range(len(raw_paths)))
+        return list(range(len(optree.tree_paths(params, none_is_leaf=False))))
+    # Determined by the structure and the key order: computed once per model, not per step.
+    structure = optree.tree_structure(params, none_is_leaf=False)
+    return list(_dict_forward_order(structure, tuple(params)))
+
+
+@functools.lru_cache(maxsize=64)
+def _dict_forward_order(structure: optree.PyTreeSpec, keys: tuple[Any, ...]) -> tuple[int, ...]:
     by_key: dict[Any, list[int]] = {}
-    for index, path in enumerate(raw_paths):
+    for index, path in enumerate(structure.paths()):
         by_key.setdefault(path[0], []).append(index)
-    return [index for key in params for index in by_key.get(key, [])]
+    return tuple(index for key in keys for index in by_key.get(key, []))
 
 
 @functools.lru_cache(maxsize=64)
@@ -211,6 +217,8 @@ class GradBuckets:
         self._pending = [len(b.leaf_indices) for b in self.buckets]
         self._next_ready = 0  # buckets before this one have been handed to `on_ready`
         self._trailing: torch.Tensor | None = None
+        # The stride-0 zero each hook hands autograd when gradients stay only in the buckets.
+        self._zero: torch.Tensor | None = None
 
     def fold(self, values: torch.Tensor) -> None:
         """Place the 1-D `values` after the last bucket's elements in its buffer.
@@ -271,7 +279,10 @@ class GradBuckets:
             self._hand_out_ready()
         if self.keep_grads:
             return target
-        return grad.new_zeros(()).expand(grad.shape)
+        zero = self._zero
+        if zero is None or zero.dtype != grad.dtype or zero.device != grad.device:
+            zero = self._zero = grad.new_zeros(())
+        return zero.expand(grad.shape)
 
     def _allocate(self, bucket_index: int) -> torch.Tensor:
         """A new buffer for a bucket: the padding zeroed, the folded values after the last."""
