@@ -50,6 +50,10 @@ def test_forward_order_follows_dict_insertion_order():
     # optree's leaf order is sorted: a.weight (0), m.0 (1), m.1 (2), z.weight (3).
     assert forward_order(params) == [3, 0, 1, 2]
     assert forward_order([torch.zeros(1), torch.zeros(1)]) == [0, 1]
+    # The same structure in another key order (cached per structure and key order).
+    reordered = {key: params[key] for key in ("m", "z.weight", "a.weight")}
+    assert forward_order(reordered) == [1, 2, 3, 0]
+    assert forward_order(params) == [3, 0, 1, 2]
 
 
 def test_grad_buckets_write_into_flat_buffers_and_report_complete_buckets():

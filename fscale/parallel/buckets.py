@@ -114,8 +114,9 @@ def forward_order(params: Any) -> list[int]:
     if not isinstance(params, dict):
         return list(range(len(optree.tree_paths(params, none_is_leaf=False))))
     # Determined by the structure and the key order: computed once per model, not per step.
-    structure = optree.tree_structure(params, none_is_leaf=False)
-    return list(_dict_forward_order(structure, tuple(params)))
+    keys = tuple(params)
+    structure = optree.tree_structure(params, none_is_leaf=False)  # pyright: ignore[reportArgumentType]
+    return list(_dict_forward_order(structure, keys))
 
 
 @functools.lru_cache(maxsize=64)
