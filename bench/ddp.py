@@ -10,7 +10,9 @@ processes, round by round (`_util.interleave`, a barrier before every step), the
   ``step()``;
 * ``fscale donate=False`` / ``fscale donate=True``:
   ``fscale.data_parallel(fscale.train_step(loss_fn, fscale.optim.adamw(lr), donate=...), mesh)``
-  over ``fscale.functionalize(GPT(cfg))``.
+  over ``fscale.functionalize(GPT(cfg))``;
+* ``fscale ZeRO-2 donate=True``: ``fscale.shard_optimizer`` (gradients reduce-scattered during
+  backward, optimizer state sharded) instead of ``data_parallel``.
 
 Same model (`_util.gpt_config`, seed 0, dropout 0) and the same batches: global batch ``i`` of
 `_util.lm_batch`, split evenly over the ranks (default 8 sequences per rank). A round's time is
@@ -91,9 +93,11 @@ class DDPVariant:
 
 
 class FscaleVariant:
-    """fscale.data_parallel over fscale.train_step with fscale.optim.adamw."""
+    """fscale.data_parallel (or shard_optimizer) over fscale.train_step with fscale.optim.adamw."""
 
-    def __init__(self, cfg: Any, batches: Batches, mesh: fs.Mesh, *, donate: bool) -> None:
+    def __init__(
+        self, cfg: Any, batches: Batches, mesh: fs.Mesh, *, donate: bool, zero: bool = False
+    ) -> None:
         apply, params, buffers = fs.functionalize(GPT(cfg, seed=0))
 
         def loss_fn(params, buffers, batch, key):
@@ -101,7 +105,7 @@ class FscaleVariant:
             return lm_loss(logits, batch.targets), new_buffers
 
         step = fs.train_step(loss_fn, fs.optim.adamw(LEARNING_RATE), donate=donate)
-        self.step = fs.data_parallel(step, mesh)
+        self.step = (fs.shard_optimizer if zero else fs.data_parallel)(step, mesh)
         self.state = self.step.init(params, buffers)
         self.batches = batches
         self.losses: list[torch.Tensor] = []
@@ -193,6 +197,9 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
         variants: dict[str, Any] = {REFERENCE: DDPVariant(cfg, batches)}
     variants["fscale donate=False"] = FscaleVariant(cfg, batches, mesh, donate=False)
     variants["fscale donate=True"] = FscaleVariant(cfg, batches, mesh, donate=True)
+    variants["fscale ZeRO-2 donate=True"] = FscaleVariant(
+        cfg, batches, mesh, donate=True, zero=True
+    )
 
     times = _util.interleave(variants, rounds=steps, warmup=warmup, before_each=dist.barrier)
     peak_rss = _util.peak_rss_bytes()

@@ -82,6 +82,9 @@ class GradAux(NamedTuple):
         used: per leaf of ``state.params``, whether the loss used it (a leaf it did not use is
             left as it was by the update, see `fscale.unused`); None: every leaf counts as
             used. `Step.apply_gradients` replaces this rank's mask by the one the ranks agree on.
+        folded: means of the loss and scalar metrics over data axes that the gradient
+            reduction computed (`fscale.grad.FoldedMeans`), which `Step.apply_gradients` uses
+            for the metrics still holding those very values; None: none.
     """
 
     loss: torch.Tensor
@@ -89,6 +92,7 @@ class GradAux(NamedTuple):
     metrics: Metrics
     carry: dict[str, Any] = {}  # noqa: RUF012 - NamedTuple defaults are shared, never mutated
     used: tuple[bool, ...] | None = None
+    folded: Any = None
 
 
 class OptimizerRole(Protocol):
@@ -164,6 +168,8 @@ class Context:
         skip_update: the ranks agreed to skip this step's update (its gradients are not
             finite, see `fscale.nonfinite`): the innermost layer returns the state unchanged
             but for its step counter and buffers.
+        metric_axes: the axes the step averages its metrics over (the plan's data axes); a
+            reducer over exactly these may average the loss with the gradients.
     """
 
     key: torch.Tensor | None = None
@@ -174,6 +180,7 @@ class Context:
     loss_weight: float = 1.0
     final: bool = True
     skip_update: bool = False
+    metric_axes: tuple[str, ...] = ()
 
     def replace(self, **changes: Any) -> Context:
         return dataclasses.replace(self, **changes)
@@ -317,7 +324,7 @@ class LocalPlan(Plan):
             ctx=ctx,
         )
         metrics = {**out.metrics, "grad_bytes": tree_bytes(grads)}
-        return grads, GradAux(out.loss, out.buffers, metrics, used=out.used)
+        return grads, GradAux(out.loss, out.buffers, metrics, used=out.used, folded=out.folded)
 
     def apply_gradients(self, step, state, grads, aux, ctx):
         if ctx.skip_update:

@@ -140,8 +140,10 @@ class Step:
         sharded) and what `apply_gradients` needs besides them."""
         _check_state(state)
         purity.check_usable(state, "Step.gradients")
-        key = _step_key(state, self.plan.data_mesh(), self.plan.data_axes())
-        return self.plan.gradients(self, state, batch, Context(key=key, optimizer=_PLAIN))
+        mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
+        key = _step_key(state, mesh, axes)
+        ctx = Context(key=key, optimizer=_PLAIN, metric_axes=axes)
+        return self.plan.gradients(self, state, batch, ctx)
 
     def apply_gradients(
         self, state: TrainState, grads: PyTree, aux: GradAux
@@ -169,7 +171,9 @@ class Step:
         else:
             new_state, metrics = self.plan.apply_gradients(self, state, grads, aux, ctx)
         if mesh is not None and axes:
-            new_state, metrics = _reduce_over_data_axes(state, new_state, metrics, mesh, axes)
+            new_state, metrics = _reduce_over_data_axes(
+                state, new_state, metrics, aux.folded, mesh, axes
+            )
         if self.on_nonfinite == "skip":  # equal on every rank: added after the reduction
             metrics = {**metrics, "skipped": torch.tensor(float(skip))}
         return new_state, metrics
@@ -228,6 +232,17 @@ class Step:
         )
 
 
+def _mean_metrics(metrics: Metrics, folded: Any, mesh: Any, axes: tuple[str, ...]) -> Metrics:
+    """`spmd.reduce_metrics`, using the means the gradient reduction folded in for the metrics
+    that still hold the values it averaged (a collective only for the others, if any)."""
+    axis = spmd.axis_arg(axes)
+    if folded is None or tuple(folded.axes) != tuple(axes):
+        return spmd.reduce_metrics(metrics, mesh, axis)
+    done = {k: folded.means[k] for k, v in folded.local.items() if metrics.get(k) is v}
+    rest = spmd.reduce_metrics({k: v for k, v in metrics.items() if k not in done}, mesh, axis)
+    return {k: done[k] if k in done else rest[k] for k in metrics}
+
+
 @torch.compiler.disable(recursive=True)
 def _step_key(state: TrainState, mesh: Any, axes: tuple[str, ...]) -> torch.Tensor:
     # The key is mixed in 64-bit host integers from the step counter's value: under
@@ -237,10 +252,15 @@ def _step_key(state: TrainState, mesh: Any, axes: tuple[str, ...]) -> torch.Tens
 
 @torch.compiler.disable(recursive=True)
 def _reduce_over_data_axes(
-    state: TrainState, new_state: TrainState, metrics: Metrics, mesh: Any, axes: tuple[str, ...]
+    state: TrainState,
+    new_state: TrainState,
+    metrics: Metrics,
+    folded: Any,
+    mesh: Any,
+    axes: tuple[str, ...],
 ) -> tuple[TrainState, Metrics]:
     """`new_state` with the buffers the loss updated averaged over `axes`, and the metrics'
-    means over them.
+    means over them (`_mean_metrics`).
 
     Under torch.compile this runs outside the graph: its collectives end a graph anyway (c10d
     with the ledger's and watchdog's host bookkeeping), and Dynamo rebuilds the pytree specs
@@ -248,7 +268,7 @@ def _reduce_over_data_axes(
     """
     axis = spmd.axis_arg(axes)
     buffers = spmd.average_updated_buffers(state.buffers, new_state.buffers, mesh, axis)
-    return new_state._replace(buffers=buffers), spmd.reduce_metrics(metrics, mesh, axis)
+    return new_state._replace(buffers=buffers), _mean_metrics(metrics, folded, mesh, axes)
 
 
 def _key(key: Any) -> torch.Tensor:

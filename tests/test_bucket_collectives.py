@@ -13,6 +13,7 @@ from fscale import distributed as fd
 from fscale.parallel.bucket_collectives import (
     all_gather_bucket_start,
     all_reduce_bucket_start,
+    folds_trailing,
     reduce_scatter_bucket_start,
 )
 from fscale.testing.pool import run_spmd
@@ -91,3 +92,55 @@ def test_bucket_collectives_refuse_bad_buckets():
     for messages in run_spmd(_bad_input_case, 2):
         assert "`flat` must be a contiguous 1-D" in messages[0]
         assert "do not divide" in messages[1] and "do not divide" in messages[2]
+
+
+def _trailing_case() -> dict[str, bool]:
+    world = fd.world_size()
+    mesh = fd.Mesh(dp=world)
+    rank = mesh.rank("dp")
+    numel = 4096 // world * world
+    x = _bucket(rank, numel)
+    scalars = _bucket(rank + 100, 3)
+    own = slice(rank * (numel // world), (rank + 1) * (numel // world))
+    with fd.comm_ledger() as expected:
+        mean = fd.all_reduce(x, "dp", "mean", mesh=mesh)
+        shard = fd.reduce_scatter(x, "dp", 0, "mean", mesh=mesh)
+        scalar_mean = fd.all_reduce(scalars, "dp", "mean", mesh=mesh)
+        fd.all_reduce(scalars, "dp", "mean", mesh=mesh)  # they travel with both buckets
+    with fd.comm_ledger() as ledger:
+        reduced = all_reduce_bucket_start(torch.cat([x, scalars]), "dp", mesh, trailing=3)
+        scattered = reduce_scatter_bucket_start(torch.cat([x, scalars]), "dp", mesh, trailing=3)
+        reduced_flat = reduced.wait()
+        scattered_shard = scattered.wait()
+    return {
+        "all_reduce": torch.equal(_bits(reduced_flat[:numel]), _bits(mean)),
+        "reduce_scatter": torch.equal(_bits(scattered_shard), _bits(shard)),
+        "shard_size": scattered_shard.numel() == numel // world and bool(own.stop),
+        "trailing": all(
+            p.trailing is not None and torch.equal(_bits(p.trailing), _bits(scalar_mean))
+            for p in (reduced, scattered)
+        ),
+        "ledger_bytes": sum(r.bytes for r in ledger.records)
+        == sum(r.bytes for r in expected.records),
+        "folds": folds_trailing("dp", mesh),
+    }
+
+
+def test_trailing_elements_are_averaged_in_the_bucket_collective():
+    # At two ranks every element's sum has two terms, the same in any order and any buffer
+    # length; at more, the ring's segments (and so the order) follow the buffer's length.
+    for result in run_spmd(_trailing_case, 2):
+        assert all(result.values()), result
+
+
+def _bad_trailing() -> str:
+    mesh = fd.Mesh(dp=fd.world_size())
+    try:
+        all_reduce_bucket_start(torch.zeros(4), "dp", mesh, trailing=5)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_trailing_outside_the_buffer_is_refused():
+    assert all("`trailing`=5 is outside [0, 4]" in m for m in run_spmd(_bad_trailing, 2))

@@ -50,6 +50,10 @@ def test_forward_order_follows_dict_insertion_order():
     # optree's leaf order is sorted: a.weight (0), m.0 (1), m.1 (2), z.weight (3).
     assert forward_order(params) == [3, 0, 1, 2]
     assert forward_order([torch.zeros(1), torch.zeros(1)]) == [0, 1]
+    # The same structure in another key order (cached per structure and key order).
+    reordered = {key: params[key] for key in ("m", "z.weight", "a.weight")}
+    assert forward_order(reordered) == [1, 2, 3, 0]
+    assert forward_order(params) == [3, 0, 1, 2]
 
 
 def test_grad_buckets_write_into_flat_buffers_and_report_complete_buckets():
@@ -138,3 +142,30 @@ def test_release_drops_a_handed_out_bucket_and_refuses_an_unused_one():
 def test_assign_buckets_rejects_a_bad_shard_count():
     with pytest.raises(ValueError, match="`num_shards` must be a positive int"):
         assign_buckets([torch.ones(2)], 100, num_shards=0)
+
+
+def test_fold_places_values_after_the_last_bucket():
+    leaves = _leaves(3, 5)
+    buckets = assign_buckets(leaves, bucket_bytes=4 * 4)  # one leaf per bucket
+    seen = []
+    collector = GradBuckets(buckets, 2, lambda b, flat: seen.append((b.index, flat.clone())))
+    collector.fold(torch.tensor([7.0, 8.0]))
+    hooks = collector.hooks()
+    for leaf, hook in zip(leaves, hooks):
+        hook(torch.full_like(leaf, float(leaf.numel())))
+    last = buckets[-1]
+    assert [index for index, _ in seen] == [0, 1]
+    assert seen[0][1].numel() == buckets[0].numel  # only the last bucket carries them
+    assert seen[1][1].numel() == last.numel + 2
+    assert seen[1][1][last.numel :].tolist() == [7.0, 8.0]
+    assert (seen[1][1][: last.numel] == 3.0).all()
+    with pytest.raises(ValueError, match="before backward"):
+        collector.fold(torch.tensor([1.0]))
+    fresh = GradBuckets(buckets, 2, lambda b, flat: None)
+    with pytest.raises(ValueError, match=r"`values` must be a 1-D torch\.float32"):
+        fresh.fold(torch.tensor([1.0], dtype=torch.float64))
+    flushed = []
+    unused = GradBuckets(buckets, 2, lambda b, flat: flushed.append(flat.clone()))
+    unused.fold(torch.tensor([5.0]))
+    unused.flush()  # no gradient arrived: the folded value still travels
+    assert flushed[-1].tolist() == [0.0] * last.numel + [5.0]

@@ -36,21 +36,13 @@ ROOT = Path(fs.__file__).resolve().parent
 EXPECTED_BREAKS = {
     # On purpose: the step's key is mixed in 64-bit host integers from the step counter's value.
     "train.py": 1,
-    # Required by torch: seeding the generators from the key (`seeded_by`, for dropout). Dynamo
-    # refuses every operation on generator state (test_torch_refuses_generator_state_in_a_graph),
-    # so the save-seed-restore runs outside the graph, in one call (`rng.seed_generators`); the
-    # second site is Dynamo's retry of seeded_by's own frame after it gave up on the caller's.
-    "functional/rng.py": 2,
-    # Consequences of that break being inside the ``with rng.seeded_by(...)`` block of
-    # `FunctionalModule.__call__`: Dynamo cannot resume a graph inside a with block, so the
-    # call's Python runs eagerly (the module's forward is still compiled, as its own frame), and
-    # the failed traces of what runs inside it are logged too: the key's value read on the host
-    # (random.py), tree.leaves over the call's arguments (tree.py, an optree node Dynamo cannot
-    # rebuild) and the new-buffers dict (functionalize.py). Calling rng.seed_generators and
-    # rng.restore_generators around the forward in try/finally there leaves only rng.py's site.
-    "random.py": 1,
-    "tree.py": 1,
-    "functional/functionalize.py": 1,
+    # Required by torch: seeding the generators from the key, for dropout. Dynamo refuses every
+    # operation on generator state (test_torch_refuses_generator_state_in_a_graph), so
+    # `FunctionalModule.__call__` saves and seeds them in one call outside the graph
+    # (`rng.seed_generators`) and restores them in another (`rng.restore_generators`), around
+    # the forward in try/finally, so the graph resumes after each; the third site is the
+    # new-buffers dict built from the captured buffers (an optree node Dynamo cannot rebuild).
+    "functional/functionalize.py": 3,
     # Required by torch: the parameters' detached aliases are made to require grad and leave
     # the graph, and torch.autograd.grad is not traced (torch._dynamo.config.trace_autograd_ops
     # is False in torch 2.13): the forward is one graph, its backward AOTAutograd's.

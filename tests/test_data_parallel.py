@@ -142,6 +142,57 @@ def test_traffic_is_one_all_reduce_of_the_gradients(world):
     assert len(metric_records) == 1  # the loss
 
 
+def _loss_with_a_metric(params, buffers, batch, key):
+    loss = (params["w"] * batch).sum() ** 2
+    return loss, buffers, {"scale": loss.detach() * 3.0, "count": torch.tensor(2)}
+
+
+def _folded_metrics(strategy, fold):
+    rank = dist.get_rank()
+    mesh = fs.Mesh(dp=2)
+    g = torch.Generator().manual_seed(rank)
+    batch = torch.randn(5, generator=g) * torch.exp(torch.randn(5, generator=g) * 4)
+    step = fs.train_step(_loss_with_a_metric, fs.optim.sgd(0.1))
+    step = {"ddp": fs.data_parallel, "zero": fs.shard_optimizer}[strategy](step, mesh)
+    state = step.init({"w": torch.linspace(-1.0, 2.0, 5)}, {})
+    if fold:
+        calls = []
+        all_reduce = dist.all_reduce
+
+        def counted(*args, **kwargs):
+            calls.append(args[0].numel())
+            return all_reduce(*args, **kwargs)
+
+        dist.all_reduce = counted
+        try:
+            with fs.distributed.comm_ledger() as ledger:
+                _, metrics = step(state, batch)
+        finally:
+            dist.all_reduce = all_reduce
+        return metrics, (calls, [(r.op, r.numel) for r in ledger.records])
+    _, aux = step.gradients(state, batch)  # this rank's loss and metric, then their mean
+    mine = torch.stack([aux.loss, aux.metrics["scale"]])
+    expected = fs.distributed.all_reduce(mine, "dp", "mean", mesh=mesh)
+    return {"loss": expected[0], "scale": expected[1]}, None
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero"])
+def test_the_loss_travels_with_the_gradients_and_is_exact(strategy):
+    for (folded, (calls, records)), (separate, _) in zip(
+        run_spmd(_folded_metrics, 2, strategy, True), run_spmd(_folded_metrics, 2, strategy, False)
+    ):
+        for name in ("loss", "scale"):
+            assert folded[name].view(torch.int32) == separate[name].view(torch.int32), name
+        assert folded["count"] == 2  # not a floating-point scalar: left as it is
+        # One gradient bucket (5 elements; ZeRO aligns and pads them), the two scalars after
+        # it: one collective on the wire, which the ledger records as the algorithm's two parts.
+        assert len(calls) == 1 and calls[0] >= 7
+        bucket_op = "all_reduce" if strategy == "ddp" else "reduce_scatter"
+        assert sorted(r for r in records if r[0] != "all_gather") == sorted(
+            [(bucket_op, calls[0] - 2), ("all_reduce", 2)]
+        )
+
+
 def _first_bucket_reduced_before_backward_ends():
     rank, world = dist.get_rank(), dist.get_world_size()
     case = fst.ModelCase("mlp", width=64, depth=3)

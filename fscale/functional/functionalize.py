@@ -269,22 +269,34 @@ class FunctionalModule:
         tensors.update(self._with_aliases({name: buffers[name] for name in self.frozen_names}))
         tensors.update(self._with_aliases(passed_buffers))
 
-        with (
-            slots_lib.mode(self.module, mode, self._submodules),
-            rng.seeded_by(key, lambda: [*tensors.values(), *tree.leaves((args, kwargs))]),
-            unit_calls.forwards(self.module, module_units),
-        ):
-            # Aliases are mapped above (the call ties nothing); every name must be given.
-            try:
-                output, captured = buffers_lib.call(
-                    self.module, tensors, args, kwargs, self.buffer_names, self._slots
-                )
-            except Exception as error:
-                note = self._param_check.dtype_note(params)
-                add_note = getattr(error, "add_note", None)  # Python 3.11+
-                if note is not None and add_note is not None:
-                    add_note(note)
-                raise
+        def call_tensors() -> list[Any]:
+            return [*tensors.values(), *tree.leaves((args, kwargs))]
+
+        # Under torch.compile the generators are seeded by a call outside the graph, not by a
+        # with block: Dynamo cannot resume a graph inside one, and would run this call eagerly.
+        saved = None
+        if key is not None and torch.compiler.is_compiling():
+            saved, key = rng.seed_generators(key, call_tensors), None
+        try:
+            with (
+                slots_lib.mode(self.module, mode, self._submodules),
+                rng.seeded_by(key, call_tensors),
+                unit_calls.forwards(self.module, module_units),
+            ):
+                # Aliases are mapped above (the call ties nothing); every name must be given.
+                try:
+                    output, captured = buffers_lib.call(
+                        self.module, tensors, args, kwargs, self.buffer_names, self._slots
+                    )
+                except Exception as error:
+                    note = self._param_check.dtype_note(params)
+                    add_note = getattr(error, "add_note", None)  # Python 3.11+
+                    if note is not None and add_note is not None:
+                        add_note(note)
+                    raise
+        finally:
+            if saved is not None:
+                rng.restore_generators(saved)
 
         new_buffers = self._new_buffers(buffers, passed_buffers, versions_before, captured, mode)
         return output, new_buffers
@@ -411,30 +423,8 @@ class FunctionalModule:
     def _check_names(
         self, argument: str, given: object, expected: tuple[str, ...], caller: str = "apply"
     ) -> None:
-        if not isinstance(given, Mapping):
-            raise TypeError(
-                f"{caller}: `{argument}` must be a dict of name -> tensor (the `{argument}` "
-                f"returned by functionalize), got {type(given).__name__}"
-            )
-        expected_set = set(expected)
-        missing = [name for name in expected if name not in given]
-        unknown = [name for name in given if name not in expected_set]
-        if missing or unknown:
-            module_name = type(self.module).__name__
-            lines = [f"{caller}: `{argument}` does not match the module {module_name}:"]
-            if missing:
-                lines.append(f"  - missing: {missing}")
-            lines.extend(f"  - unknown: {name!r}{self._hint(name)}" for name in unknown)
-            lines.append(
-                f"  Pass exactly the names of the `{argument}` dict returned by functionalize."
-            )
-            raise ValueError("\n".join(lines))
-        for name in expected:
-            if not isinstance(given[name], torch.Tensor):
-                raise TypeError(
-                    f"{caller}: `{argument}[{name!r}]` must be a tensor, got "
-                    f"{type(given[name]).__name__}"
-                )
+        module_name = type(self.module).__name__
+        checks.check_names(caller, argument, given, expected, module_name, self._hint)
 
     def _hint(self, name: object) -> str:
         for leaf, names in self.aliases.items():

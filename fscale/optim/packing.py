@@ -14,9 +14,10 @@ lives as long as its first tensor, and its values are the other tensors of the l
 over their storage): for a span those are views of the storage the first keeps alive anyway,
 for a list in several buffers (`gradient_runs`) the other buffers live as long as the first
 leaf does, which a step's gradients do not outlive. Only lists whose first tensor is a view
-are recorded (a record of a base tensor's views would keep the base alive forever). A recorded tensor whose storage or shape is later changed in place
-(``Tensor.set_``, assigning ``.data``, ``resize_``) is not re-checked; fscale never does that
-to the buffers it packs, and the caller gives donated buffers up.
+are recorded (a record of a base tensor's views would keep the base alive forever). A
+recorded tensor whose storage or shape is later changed in place (``Tensor.set_``, assigning
+``.data``, ``resize_``) is not re-checked; fscale never does that to the buffers it packs, and
+the caller gives donated buffers up.
 
 Gradients that lie in a few buffers in another order than the leaves' (a reducer's buckets)
 are described by `gradient_runs`; `writable` can pack params and state to follow them, and

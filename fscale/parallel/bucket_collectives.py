@@ -18,6 +18,12 @@ collectives work in place, with the same arithmetic and the same record in the c
 - `all_gather_bucket_start`: every rank's shard of a bucket gathered into the bucket, whose own
   shard this rank has already written: no gathered copy beside the bucket.
 
+The two reductions take ``trailing``: a few elements after the bucket in its buffer (the step's
+loss and scalar metrics) whose mean travels in the bucket's own collective, so that the step
+needs no collective of its own for them; ``pending.trailing`` holds that mean (a copy) once
+waited for. The ledger records them as what the algorithm does with them, an all-reduce of
+``trailing`` elements beside the bucket's own collective (they travel in one on the wire).
+
 Each returns a `BucketPending`: the collective in flight, waited for without an autograd node
 (the differentiable `Pending` runs two `autograd.Function` applications per collective, each
 binding its arguments to a signature, a fixed cost per bucket and step). They must not be given
@@ -34,6 +40,7 @@ import torch.distributed as dist
 from fscale.distributed import collectives
 from fscale.distributed.comm import REDUCTIONS, Comm, all_gather_flat, resolve_comm
 from fscale.distributed.debug import issue
+from fscale.distributed.ledger import record
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.pending import Pending, Work
 
@@ -41,6 +48,7 @@ __all__ = [
     "BucketPending",
     "all_gather_bucket_start",
     "all_reduce_bucket_start",
+    "folds_trailing",
     "reduce_scatter_bucket_start",
 ]
 
@@ -56,27 +64,37 @@ class BucketPending:
     """A bucket collective in flight; `wait()` blocks until it is done and returns the result.
 
     Waiting is idempotent, and bounded as every fscale collective is (the watchdog's ticket).
+
+    Attributes:
+        trailing: after `wait`, a copy of the buffer's last `num_trailing` elements as the
+            collective left them (None when there are none).
     """
 
-    __slots__ = ("_buffer", "_finish", "_result", "_work")
+    __slots__ = ("_buffer", "_finish", "_num_trailing", "_result", "_work", "trailing")
 
     def __init__(
         self,
         buffer: torch.Tensor,
         work: Work | None,
         finish: Callable[[torch.Tensor], torch.Tensor] = _identity,
+        num_trailing: int = 0,
     ) -> None:
         self._buffer: torch.Tensor | None = buffer
         self._work = work
         self._finish = finish
+        self._num_trailing = num_trailing
         self._result: torch.Tensor | None = None
+        self.trailing: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
             if self._work is not None:
                 self._work.wait()
-            assert self._buffer is not None  # set until the first wait
-            self._result = self._finish(self._buffer)
+            buffer = self._buffer
+            assert buffer is not None  # set until the first wait
+            if self._num_trailing:
+                self.trailing = buffer[buffer.numel() - self._num_trailing :].clone()
+            self._result = self._finish(buffer)
             self._buffer = self._work = None
         return self._result
 
@@ -86,7 +104,9 @@ class BucketPending:
         if self._result is not None:
             return BucketPending(after(self._result), None)
         assert self._buffer is not None
-        return BucketPending(self._buffer, self._work, lambda x: after(finish(x)))
+        return BucketPending(
+            self._buffer, self._work, lambda x: after(finish(x)), self._num_trailing
+        )
 
     def __repr__(self) -> str:
         return f"BucketPending({'done' if self._result is not None else 'in flight'})"
@@ -101,57 +121,101 @@ def _comm(flat: torch.Tensor, axis: str, mesh: Mesh, caller: str) -> Comm:
     return resolve_comm(axis, mesh, caller)
 
 
-def all_reduce_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> BucketPending:
+def all_reduce_bucket_start(
+    flat: torch.Tensor, axis: str, mesh: Mesh, *, trailing: int = 0
+) -> BucketPending:
     """Start the mean of `flat` over `axis` in `flat` itself; ``.wait()`` returns `flat`.
 
+    The last `trailing` elements are averaged with the rest; ``pending.trailing`` copies them.
+
     Raises:
-        ValueError: `flat` is not a contiguous 1-D tensor, or `axis` is not on `mesh`.
+        ValueError: `flat` is not a contiguous 1-D tensor, `axis` is not on `mesh`, or
+            `trailing` is not in ``[0, flat.numel()]``.
     """
     comm = _comm(flat, axis, mesh, "all_reduce_bucket_start")
+    _check_trailing(flat, trailing, "all_reduce_bucket_start")
     if comm.size == 1:
-        return BucketPending(flat, None)
+        return BucketPending(flat, None, num_trailing=trailing)
     work = Work()
-    work.ticket = issue(comm, "all_reduce", flat, flat.numel(), extra=_MEAN)
+    work.ticket = issue(comm, "all_reduce", flat, flat.numel() - trailing, extra=_MEAN)
+    if trailing:
+        record("all_reduce", comm.axis, flat.dtype, trailing, comm.size)
     flat.div_(comm.size)
     work.work = dist.all_reduce(flat, group=comm.group, async_op=True)
-    return BucketPending(flat, work)
+    return BucketPending(flat, work, num_trailing=trailing)
 
 
-def _divided_comm(flat: torch.Tensor, axis: str, mesh: Mesh, caller: str) -> Comm:
-    """`_comm`, for a collective that cuts `flat` into one equal part per rank."""
-    comm = _comm(flat, axis, mesh, caller)
+def _check_trailing(flat: torch.Tensor, trailing: int, caller: str) -> None:
+    if isinstance(trailing, bool) or not isinstance(trailing, int):
+        raise ValueError(f"{caller}: `trailing` must be an int, got {trailing!r}")
+    if not 0 <= trailing <= flat.numel():
+        raise ValueError(
+            f"{caller}: `trailing`={trailing} is outside [0, {flat.numel()}] (the buffer's size)"
+        )
+
+
+def folds_trailing(axis: str, mesh: Mesh) -> bool:
+    """Whether `reduce_scatter_bucket_start` over `axis` can carry trailing elements.
+
+    It can where it runs as an all-reduce of the whole buffer (gloo, more than one rank): a
+    true reduce-scatter leaves each rank only its own part.
+    """
+    comm = resolve_comm(axis, mesh, "folds_trailing")
+    return comm.size > 1 and dist.get_backend(comm.group) == "gloo"
+
+
+def _check_divides(flat: torch.Tensor, comm: Comm, axis: str, caller: str) -> None:
+    """For a collective that cuts `flat` into one equal part per rank."""
     if flat.numel() % comm.size:
         raise ValueError(
             f"{caller}: `flat` has {flat.numel()} elements, which the {comm.size} ranks of "
             f"axis {axis!r} do not divide; pad the bucket to a multiple"
         )
-    return comm
 
 
 def reduce_scatter_bucket_start(
-    flat: torch.Tensor, axis: str, mesh: Mesh
+    flat: torch.Tensor, axis: str, mesh: Mesh, *, trailing: int = 0
 ) -> BucketPending | Pending:
     """Start the mean of `flat` over `axis`, keeping this rank's shard: ``.wait()`` returns it
-    (a new tensor of ``flat.numel() // N`` elements). `flat`'s contents are consumed.
+    (a new tensor of ``(flat.numel() - trailing) // N`` elements). `flat`'s contents are
+    consumed.
+
+    The last `trailing` elements are not part of the bucket: their mean over the axis (divided,
+    then summed, as `all_reduce_bucket_start` computes it) is ``pending.trailing``; only where
+    `folds_trailing` says so.
 
     Raises:
-        ValueError: `flat` is not a contiguous 1-D tensor, `axis` is not on `mesh`, or the
-            axis size does not divide ``flat.numel()``.
+        ValueError: `flat` is not a contiguous 1-D tensor, `axis` is not on `mesh`, the
+            axis size does not divide the bucket's elements, or `trailing` is not in
+            ``[0, flat.numel()]`` or given where `folds_trailing` is False.
     """
-    comm = _divided_comm(flat, axis, mesh, "reduce_scatter_bucket_start")
-    if comm.size == 1 or dist.get_backend(comm.group) != "gloo":
+    caller = "reduce_scatter_bucket_start"
+    comm = _comm(flat, axis, mesh, caller)
+    _check_trailing(flat, trailing, caller)
+    bucket = flat[: flat.numel() - trailing]
+    _check_divides(bucket, comm, axis, caller)
+    gloo = comm.size > 1 and dist.get_backend(comm.group) == "gloo"
+    if not gloo:
+        if trailing:
+            raise ValueError(
+                f"{caller}: `trailing` elements need the all-reduce of the whole buffer, which "
+                f"axis {axis!r} does not run (see folds_trailing)"
+            )
         return collectives.reduce_scatter_start(flat, axis, 0, "mean", mesh=mesh)
     size, rank = comm.size, comm.index
-    shard_numel = flat.numel() // size
+    shard_numel = bucket.numel() // size
     work = Work()
-    stacked = flat.view(size, shard_numel)
-    work.ticket = issue(comm, "reduce_scatter", stacked, flat.numel(), extra=_MEAN)
+    stacked = bucket.view(size, shard_numel)
+    work.ticket = issue(comm, "reduce_scatter", stacked, bucket.numel(), extra=_MEAN)
+    if trailing:
+        record("all_reduce", comm.axis, flat.dtype, trailing, size)
+        flat[bucket.numel() :].div_(size)
     work.work = dist.all_reduce(flat, group=comm.group, async_op=True)
 
     def shard_mean(total: torch.Tensor) -> torch.Tensor:
         return total[rank * shard_numel : (rank + 1) * shard_numel] / size
 
-    return BucketPending(flat, work, shard_mean)
+    return BucketPending(flat, work, shard_mean, trailing)
 
 
 def all_gather_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> BucketPending:
@@ -164,7 +228,8 @@ def all_gather_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> Bucket
         ValueError: `flat` is not a contiguous 1-D tensor, `axis` is not on `mesh`, or the
             axis size does not divide ``flat.numel()``.
     """
-    comm = _divided_comm(flat, axis, mesh, "all_gather_bucket_start")
+    comm = _comm(flat, axis, mesh, "all_gather_bucket_start")
+    _check_divides(flat, comm, axis, "all_gather_bucket_start")
     if comm.size == 1:
         return BucketPending(flat, None)
     shard_numel = flat.numel() // comm.size

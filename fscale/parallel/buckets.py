@@ -14,6 +14,10 @@ copies the leaf's gradient into its bucket's flat buffer (the gradient then live
 calls ``on_ready(bucket, flat_grad)`` once every leaf of the bucket has arrived. Autograd runs a
 leaf's hook as soon as that leaf's gradient is final, which is what makes the overlap possible.
 
+`GradBuckets.fold` appends a few scalars (the step's loss and metrics) after the last bucket's
+elements in its buffer, so that the bucket's collective reduces them too and the step needs no
+collective of its own for them.
+
 Buckets are handed to ``on_ready`` strictly in index order, whatever order they complete in: a
 bucket that completes early waits until every bucket before it has been handed out. `on_ready`
 issues a collective, and collectives must be issued in the same order on every rank; the order
@@ -107,13 +111,20 @@ def forward_order(params: Any) -> list[int]:
     reverse of that order complete earliest in backward. For a dict, this returns the leaf
     indices in key insertion order; for any other tree, leaf order.
     """
-    raw_paths = optree.tree_paths(params, none_is_leaf=False)
     if not isinstance(params, dict):
-        return list(range(len(raw_paths)))
+        return list(range(len(optree.tree_paths(params, none_is_leaf=False))))
+    # Determined by the structure and the key order: computed once per model, not per step.
+    keys = tuple(params)
+    structure = optree.tree_structure(params, none_is_leaf=False)  # pyright: ignore[reportArgumentType]
+    return list(_dict_forward_order(structure, keys))
+
+
+@functools.lru_cache(maxsize=64)
+def _dict_forward_order(structure: optree.PyTreeSpec, keys: tuple[Any, ...]) -> tuple[int, ...]:
     by_key: dict[Any, list[int]] = {}
-    for index, path in enumerate(raw_paths):
+    for index, path in enumerate(structure.paths()):
         by_key.setdefault(path[0], []).append(index)
-    return [index for key in params for index in by_key.get(key, [])]
+    return tuple(index for key in keys for index in by_key.get(key, []))
 
 
 @functools.lru_cache(maxsize=64)
@@ -171,6 +182,9 @@ class GradBuckets:
             keep only a reduced copy or shard of each bucket.
         initial: per leaf, a gradient to add to the one autograd delivers (the sum over the
             earlier micro-batches of a step), or None.
+        zero_whole: zero each new buffer whole (a layout with gaps between its leaves), not
+            only its padding (every other element is overwritten by a gradient).
+        on_allocate: called with each buffer this collector allocates (e.g. to track it).
     """
 
     def __init__(
@@ -181,8 +195,12 @@ class GradBuckets:
         *,
         keep_grads: bool = True,
         initial: Sequence[torch.Tensor] | None = None,
+        zero_whole: bool = False,
+        on_allocate: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.buckets = list(buckets)
+        self.zero_whole = zero_whole
+        self.on_allocate = on_allocate
         self.on_ready = on_ready
         self.keep_grads = keep_grads
         self.initial = None if initial is None else list(initial)
@@ -199,6 +217,36 @@ class GradBuckets:
         self._delivered = [[False] * len(b.leaf_indices) for b in self.buckets]
         self._pending = [len(b.leaf_indices) for b in self.buckets]
         self._next_ready = 0  # buckets before this one have been handed to `on_ready`
+        self._trailing: torch.Tensor | None = None
+        # The stride-0 zero each hook hands autograd when gradients stay only in the buckets.
+        self._zero: torch.Tensor | None = None
+
+    def fold(self, values: torch.Tensor) -> None:
+        """Place the 1-D `values` after the last bucket's elements in its buffer.
+
+        The flat buffer handed to ``on_ready`` for the last bucket is then
+        ``layout.numel + values.numel()`` long: the bucket's elements, then `values`.
+
+        Raises:
+            ValueError: `values` is not a 1-D tensor of the last bucket's dtype and device, or
+                the last bucket's buffer exists already (fold before backward).
+        """
+        last = self.buckets[-1].layout
+        if (
+            not isinstance(values, torch.Tensor)
+            or values.dim() != 1
+            or values.dtype != last.dtype
+            or values.device != last.device
+        ):
+            raise ValueError(
+                f"GradBuckets.fold: `values` must be a 1-D {last.dtype} tensor on {last.device}, "
+                f"got {values!r:.80}"
+            )
+        if self._data[-1] is not None or self._next_ready == len(self.buckets):
+            raise ValueError(
+                "GradBuckets.fold: the last bucket's buffer exists already; fold before backward"
+            )
+        self._trailing = values
 
     def hooks(self) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
         """One hook per leaf (None for leaves in no bucket)."""
@@ -220,10 +268,7 @@ class GradBuckets:
         layout = self.buckets[bucket_index].layout
         data = self._data[bucket_index]
         if data is None:
-            # Zero only the padding: every real element is overwritten by a gradient.
-            data = _new_buffer(layout, torch.empty)
-            data[layout.numel_unpadded :].zero_()
-            self._data[bucket_index] = data
+            data = self._allocate(bucket_index)
         offset, numel = layout.offsets[slot], layout.numels[slot]
         target = data[offset : offset + numel].view(layout.shapes[slot])
         target.copy_(grad)
@@ -235,7 +280,27 @@ class GradBuckets:
             self._hand_out_ready()
         if self.keep_grads:
             return target
-        return grad.new_zeros(()).expand(grad.shape)
+        zero = self._zero
+        if zero is None or zero.dtype != grad.dtype or zero.device != grad.device:
+            zero = self._zero = grad.new_zeros(())
+        return zero.expand(grad.shape)
+
+    def _allocate(self, bucket_index: int) -> torch.Tensor:
+        """A new buffer for a bucket: the padding zeroed, the folded values after the last."""
+        layout = self.buckets[bucket_index].layout
+        trailing = self._trailing if bucket_index == len(self.buckets) - 1 else None
+        extra = 0 if trailing is None else trailing.numel()
+        data = torch.empty(layout.numel + extra, dtype=layout.dtype, device=layout.device)
+        if self.zero_whole:
+            data[: layout.numel].zero_()
+        else:
+            data[layout.numel_unpadded : layout.numel].zero_()
+        if trailing is not None:
+            data[layout.numel :].copy_(trailing)
+        self._data[bucket_index] = data
+        if self.on_allocate is not None:
+            self.on_allocate(data)
+        return data
 
     def _hand_out_ready(self) -> None:
         """Pass every complete bucket from `_next_ready` on to `on_ready`, in index order."""
@@ -258,8 +323,7 @@ class GradBuckets:
             if self._pending[bucket.index] != 0:
                 data = self._data[bucket.index]
                 if data is None:
-                    data = _new_buffer(bucket.layout, torch.zeros)
-                    self._data[bucket.index] = data
+                    data = self._allocate(bucket.index)
                 layout = bucket.layout
                 for slot, delivered in enumerate(self._delivered[bucket.index]):
                     if not delivered:  # never written: holds uninitialised memory
@@ -297,7 +361,3 @@ class GradBuckets:
                 "its gradients were used"
             )
         self._data[bucket_index] = None
-
-
-def _new_buffer(layout: FlatBuffer, make: Callable[..., torch.Tensor]) -> torch.Tensor:
-    return make(layout.numel, dtype=layout.dtype, device=layout.device)

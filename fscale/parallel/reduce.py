@@ -23,6 +23,19 @@ torch.func path (no hooks run): a differentiable `replicate` per leaf places the
 the graph (so outer torch.func transforms see it); with a scatter axis or gradients carried from
 earlier micro-batches, the reduction runs after backward instead.
 
+Folding. After the forward pass `fscale.grad.value_and_grad` offers the session the loss and
+the loss function's scalar metrics, to be averaged over the step's metric axes
+(``session.fold(values, axes)``); a session that can appends them to its last bucket
+(`GradBuckets.fold`), its collective averages them, and `Step.apply_gradients` uses those means
+for the metrics that still hold the values folded: one collective less per step. It can on the
+autograd path without accumulation or a reduction hook, over one axis of two ranks that is all
+the step's metric axes: the all-reduce's, or the scatter axis where the reduce-scatter runs as
+an all-reduce of the bucket (gloo, `fscale.parallel.bucket_collectives.folds_trailing`), when the
+last bucket has the scalars' dtype and device. With two ranks every element's sum has two terms,
+equal in any order, so gradients and means are bit for bit what separate collectives give; with
+more, the ring's segments follow the buffer's length and a longer bucket would add the gradients
+in another order. The scalars' few bytes are part of the last bucket (``grad_bytes`` counts them).
+
 A reduction hook ``hook(flat_grad, bucket, state) -> (Pending, new_state)`` replaces the
 bucket's all-reduce (gradient compression in the overlapped path, as DDP's comm hooks). `state`
 is the hook's state for that bucket, kept in the TrainState by `data_parallel`
@@ -45,6 +58,7 @@ from fscale.memory import LiveBytes
 from fscale.parallel.bucket_collectives import (
     BucketPending,
     all_reduce_bucket_start,
+    folds_trailing,
     reduce_scatter_bucket_start,
 )
 from fscale.parallel.bucket_layout import BucketLayout, layout_of
@@ -89,9 +103,11 @@ def _axis(axes: tuple[str, ...]) -> str | tuple[str, ...]:
     return axes[0] if len(axes) == 1 else axes
 
 
-def _all_reduce_start(flat: torch.Tensor, axes: tuple[str, ...], mesh: Mesh) -> BucketPending:
+def _all_reduce_start(
+    flat: torch.Tensor, axes: tuple[str, ...], mesh: Mesh, trailing: int = 0
+) -> BucketPending:
     """The mean over `axes`: the first axis asynchronously, then each further one in turn."""
-    pending = all_reduce_bucket_start(flat, axes[0], mesh)
+    pending = all_reduce_bucket_start(flat, axes[0], mesh, trailing=trailing)
     for axis in axes[1:]:
         pending = pending.then(
             lambda t, axis=axis: collectives.all_reduce(t, axis, "mean", mesh=mesh)
@@ -206,6 +222,20 @@ class _AllReduceSession:
         self.in_flight: dict[int, collectives.Pending | BucketPending] = {}
         self.new_states: dict[int, Any] = {}
         self.collector: GradBuckets | None = None
+        self.folded: torch.Tensor | None = None
+        self.num_folded = 0
+        self.params = params
+
+    def fold(self, values: torch.Tensor, axes: tuple[str, ...]) -> bool:
+        """Average `values` over `axes` with the last bucket, where this session can (see the
+        module docstring); whether it will."""
+        if self.collector is None or self.reducer.hook is not None or len(self.axes) != 1:
+            return False
+        if tuple(axes) != self.axes or not _fits(values, self.buckets[-1], self.reducer.mesh, axes):
+            return False
+        self.collector.fold(values)
+        self.num_folded = values.numel()
+        return True
 
     def seed(self, initial: Sequence[torch.Tensor] | None) -> None:
         self.initial = None if initial is None else list(initial)
@@ -223,7 +253,7 @@ class _AllReduceSession:
         self.buckets = assign_buckets(
             self.leaves,
             self.reducer.bucket_bytes,
-            order=forward_order(tree.unflatten(self.treedef, self.leaves)),
+            order=forward_order(self.params),
             first_bucket_bytes=FIRST_BUCKET_BYTES,
         )
         # Each hook copies its gradient into the bucket and hands autograd a stride-0 zero, so
@@ -236,7 +266,10 @@ class _AllReduceSession:
     def _start(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
         reducer = self.reducer
         if reducer.hook is None:
-            self.in_flight[bucket.index] = _all_reduce_start(flat_grad, self.axes, reducer.mesh)
+            trailing = flat_grad.numel() - bucket.numel
+            self.in_flight[bucket.index] = _all_reduce_start(
+                flat_grad, self.axes, reducer.mesh, trailing
+            )
         else:
             state = None if reducer.hook_states is None else reducer.hook_states[bucket.index]
             pending, self.new_states[bucket.index] = reducer.hook(
@@ -263,7 +296,11 @@ class _AllReduceSession:
         self.collector.flush()
         reduced: list[Any] = [None] * len(self.leaves)
         for bucket in self.buckets:
-            flat = self.in_flight.pop(bucket.index).wait()
+            pending = self.in_flight.pop(bucket.index)
+            flat = pending.wait()
+            if self.num_folded and bucket.index == len(self.buckets) - 1:
+                assert isinstance(pending, BucketPending)  # folding has no reduction hook
+                self.folded = pending.trailing
             for leaf_index, view in zip(bucket.leaf_indices, bucket.layout.views(flat)):
                 reduced[leaf_index] = view
         if self.reducer.hook_out is not None:
@@ -276,30 +313,11 @@ class _AllReduceSession:
         return {}
 
 
-class _ShardedGradBuckets(GradBuckets):
-    """`GradBuckets` whose buffers start zeroed (the aligned layout's gaps included)."""
-
-    def __init__(
-        self,
-        buckets: Sequence[Bucket],
-        num_leaves: int,
-        on_ready: Callable[[Bucket, torch.Tensor], None],
-        on_allocate: Callable[[torch.Tensor], None],
-        initial: Sequence[torch.Tensor] | None,
-    ) -> None:
-        super().__init__(buckets, num_leaves, on_ready, keep_grads=False, initial=initial)
-        self._on_allocate = on_allocate
-
-    def _deliver(self, bucket_index: int, slot: int, grad: torch.Tensor) -> torch.Tensor:
-        if self._data[bucket_index] is None:
-            layout = self.buckets[bucket_index].layout
-            data = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
-            self._data[bucket_index] = data
-            self._on_allocate(data)
-        return super()._deliver(bucket_index, slot, grad)
-
-    def release(self, bucket_index: int) -> None:
-        self._data[bucket_index] = None
+def _fits(values: torch.Tensor, bucket: Bucket, mesh: Mesh, axes: tuple[str, ...]) -> bool:
+    """Whether `values` can ride in `bucket`'s collective over `axes`, bit-exactly."""
+    layout = bucket.layout
+    same_kind = values.dtype == layout.dtype and values.device == layout.device
+    return same_kind and len(axes) == 1 and mesh.size(axes[0]) == 2
 
 
 class _ScatterSession:
@@ -319,7 +337,21 @@ class _ScatterSession:
         self.initial: list[torch.Tensor] | None = None
         self.shards: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
         self.in_flight: collections.deque = collections.deque()
-        self.collector: _ShardedGradBuckets | None = None
+        self.collector: GradBuckets | None = None
+        self.folded: torch.Tensor | None = None
+        self.num_folded = 0
+
+    def fold(self, values: torch.Tensor, axes: tuple[str, ...]) -> bool:
+        """As `_AllReduceSession.fold`, over the scatter axis alone."""
+        if self.collector is None or tuple(axes) != (self.axis,):
+            return False
+        if not _fits(values, self.layout.buckets[-1], self.reducer.mesh, axes):
+            return False
+        if not folds_trailing(self.axis, self.reducer.mesh):
+            return False
+        self.collector.fold(values)
+        self.num_folded = values.numel()
+        return True
 
     def seed(self, initial: Sequence[torch.Tensor] | None) -> None:
         self.initial = None if initial is None else list(initial)
@@ -331,16 +363,28 @@ class _ScatterSession:
         if self.func:
             return [None] * self.layout.num_leaves
         on_ready = self._start_and_release if self.reducer.shard_grads else _keep
-        self.collector = _ShardedGradBuckets(
-            self.layout.buckets, self.layout.num_leaves, on_ready, self.live.track, self.initial
+        # Zeroed whole: the aligned layout leaves gaps between leaves.
+        self.collector = GradBuckets(
+            self.layout.buckets,
+            self.layout.num_leaves,
+            on_ready,
+            keep_grads=False,
+            initial=self.initial,
+            zero_whole=True,
+            on_allocate=self.live.track,
         )
         return self.collector.hooks()
 
-    def _reduce_start(self, flat_grad: torch.Tensor) -> collectives.Pending | BucketPending:
-        return reduce_scatter_bucket_start(flat_grad, self.axis, self.reducer.mesh)
+    def _reduce_start(
+        self, bucket: Bucket, flat_grad: torch.Tensor
+    ) -> collectives.Pending | BucketPending:
+        trailing = flat_grad.numel() - bucket.numel
+        return reduce_scatter_bucket_start(
+            flat_grad, self.axis, self.reducer.mesh, trailing=trailing
+        )
 
     def _start_and_release(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
-        self.in_flight.append((bucket.index, self._reduce_start(flat_grad)))
+        self.in_flight.append((bucket.index, self._reduce_start(bucket, flat_grad)))
         self.collector.release(bucket.index)  # type: ignore[union-attr]
         del flat_grad
         self.live.sample()
@@ -350,6 +394,9 @@ class _ScatterSession:
         while len(self.in_flight) > keep:
             index, pending = self.in_flight.popleft()
             shard = pending.wait()
+            if self.num_folded and index == len(self.shards) - 1:
+                assert isinstance(pending, BucketPending)  # `folds_trailing` held
+                self.folded = pending.trailing
             self.shards[index] = shard
             self.live.track(shard)
 
@@ -363,7 +410,7 @@ class _ScatterSession:
                 for bucket in self.layout.buckets:
                     full = self.collector.bucket_data(bucket.index)
                     assert full is not None  # flushed: every bucket has its buffer
-                    self.in_flight.append((bucket.index, self._reduce_start(full)))
+                    self.in_flight.append((bucket.index, self._reduce_start(bucket, full)))
                     # Only the collective may hold the full bucket now, so it is freed as
                     # soon as the reduce-scatter is done with it.
                     del full
