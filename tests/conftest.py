@@ -8,6 +8,7 @@ os.environ.setdefault("FSCALE_DEBUG", "1")
 # Deterministic cuBLAS, should the suite run on a GPU.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -31,3 +32,22 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(1)
 torch.use_deterministic_algorithms(True)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """``kernel_calls(name)`` records, per call of torch's fused kernel ``torch.<name>``, the
+    numel of each param it is given (the list it returns fills as the kernel runs)."""
+
+    def record(name: str) -> list[list[int]]:
+        calls: list[list[int]] = []
+        kernel = getattr(torch, name)
+
+        def recording(params, *args, **kwargs):
+            calls.append([p.numel() for p in params])
+            return kernel(params, *args, **kwargs)
+
+        monkeypatch.setattr(torch, name, recording)
+        return calls
+
+    return record

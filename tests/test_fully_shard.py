@@ -564,6 +564,17 @@ def test_unit_forwards_are_transient_even_when_the_call_raises():
     assert "forward" not in module[0].__dict__
 
 
+def test_units_that_miss_or_add_a_name_are_refused_listing_them():
+    apply, params, buffers = fs.functionalize(fs.models.mlp([3, 4, 2]))
+    unit = _Unit("0", {k: v for k, v in params.items() if k.startswith("0.")})
+    eager = {"2.weight": params["2.weight"]}
+    with pytest.raises(ValueError, match=r"missing: \['2\.bias'\][\s\S]*Every unit together"):
+        apply(UnitParams(eager, [unit]), buffers, torch.ones(2, 3))
+    extra = {**eager, "2.bias": params["2.bias"], "3.weight": params["2.bias"]}
+    with pytest.raises(ValueError, match=r"unknown: '3\.weight'"):
+        apply(UnitParams(extra, [unit]), buffers, torch.ones(2, 3))
+
+
 class _ReadsAnotherUnit(nn.Module):
     def __init__(self):
         super().__init__()

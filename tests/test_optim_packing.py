@@ -79,25 +79,13 @@ def test_signatures_of_packed_buffers_are_shared_with_their_source():
     ]
 
 
-def _kernel_calls(monkeypatch, name: str) -> list[list[int]]:
-    calls: list[list[int]] = []
-    kernel = getattr(torch, name)
-
-    def recording(params, *args, **kwargs):
-        calls.append([p.numel() for p in params])
-        return kernel(params, *args, **kwargs)
-
-    monkeypatch.setattr(torch, name, recording)
-    return calls
-
-
 @pytest.mark.parametrize("donate", [True, False])
-def test_non_exact_steps_after_the_first_read_no_leaf_address(monkeypatch, donate):
+def test_non_exact_steps_after_the_first_read_no_leaf_address(monkeypatch, kernel_calls, donate):
     """The layout of params, state and gradients is decided once, not once per step."""
     sizes = [6, 1, 13, 4]
     params = dict(zip("abcd", (torch.randn(n) for n in sizes)))
     grads = dict(zip("abcd", _views(torch.randn(sum(sizes)), sizes)))
-    calls = _kernel_calls(monkeypatch, "_fused_adamw_")
+    calls = kernel_calls("_fused_adamw_")
     opt = optim.adamw(1e-2, exact=False)
     params, state = optim.step(opt, grads, opt.init(params), params, donate=donate)
     calls.clear()
@@ -125,7 +113,7 @@ def _packed_grads(grads):
 
 
 @pytest.mark.parametrize("flat_grads", [False, True])
-def test_non_exact_train_step_with_donation_is_close_to_torch(monkeypatch, flat_grads):
+def test_non_exact_train_step_with_donation_is_close_to_torch(kernel_calls, flat_grads):
     """``train_step(..., donate=True)`` with ``adamw(exact=False)`` against eager nn.Module
     training with ``torch.optim.AdamW(fused=True)``: rtol 1e-4, atol 1e-5 after 10 steps.
 
@@ -141,7 +129,7 @@ def test_non_exact_train_step_with_donation_is_close_to_torch(monkeypatch, flat_
         logits, new_buffers = apply(params, buffers, batch[:, :-1], key=key)
         return models.lm_loss(logits, batch[:, 1:]), new_buffers
 
-    calls = _kernel_calls(monkeypatch, "_fused_adamw_")
+    calls = kernel_calls("_fused_adamw_")
     step = fs.train_step(loss_fn, optim.adamw(1e-2, exact=False), donate=True)
     state = step.init(params, buffers)
     torch_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, fused=True)
@@ -163,9 +151,9 @@ def test_non_exact_train_step_with_donation_is_close_to_torch(monkeypatch, flat_
         torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-4, atol=1e-5)
 
 
-def test_gradients_in_several_buffers_in_another_order_get_one_call_per_buffer(monkeypatch):
+def test_gradients_in_several_buffers_in_another_order_get_one_call_per_buffer(kernel_calls):
     """Buckets in reverse leaf order (as a reducer fills them): the state follows their order."""
-    calls = _kernel_calls(monkeypatch, "_fused_adam_")
+    calls = kernel_calls("_fused_adam_")
     sizes = [5, 3, 8, 2]
     params = dict(zip("abcd", (torch.randn(n) for n in sizes)))
     exact_opt, opt = optim.adam(1e-2), optim.adam(1e-2, exact=False)

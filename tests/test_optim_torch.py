@@ -171,25 +171,12 @@ def test_non_exact_adam_and_adamw_are_close_to_fused_torch(
                 torch.testing.assert_close(getattr(state, key)[name], value, rtol=1e-4, atol=1e-5)
 
 
-def _kernel_calls(monkeypatch, name: str) -> list[list[int]]:
-    """Record, per call of torch's fused kernel `name`, the numel of each param it is given."""
-    calls: list[list[int]] = []
-    kernel = getattr(torch, name)
-
-    def recording(params, *args, **kwargs):
-        calls.append([p.numel() for p in params])
-        return kernel(params, *args, **kwargs)
-
-    monkeypatch.setattr(torch, name, recording)
-    return calls
-
-
 @pytest.mark.parametrize(
     ("factory", "kernel"), [(optim.adam, "_fused_adam_"), (optim.adamw, "_fused_adamw_")]
 )
 @pytest.mark.parametrize("donate", [False, True])
-def test_non_exact_adam_runs_one_kernel_call_per_flat_buffer(monkeypatch, factory, kernel, donate):
-    calls = _kernel_calls(monkeypatch, kernel)
+def test_non_exact_adam_runs_one_kernel_call_per_flat_buffer(kernel_calls, factory, kernel, donate):
+    calls = kernel_calls(kernel)
     params = {"a": torch.randn(3, 5), "b": torch.randn(7), "c": torch.randn(2, 2)}
     grads = _flat_views({k: torch.randn_like(v) for k, v in params.items()})
     opt = factory(1e-2, exact=False)

@@ -30,7 +30,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-__all__ = ["APPLY_SHAPE_ATTR", "ParamCheck", "check_names", "refuse_torch_checkpointing"]
+__all__ = [
+    "APPLY_SHAPE_ATTR",
+    "ParamCheck",
+    "check_name_set",
+    "check_names",
+    "refuse_torch_checkpointing",
+]
 
 APPLY_SHAPE_ATTR = "fscale_apply_shape"
 """A parameter attribute: the shape `apply` is given for it when that is not the module's own.
@@ -153,21 +159,38 @@ def check_names(
             f"{caller}: `{argument}` must be a dict of name -> tensor (the `{argument}` "
             f"returned by functionalize), got {type(given).__name__}"
         )
-    expected_set = set(expected)
-    missing = [name for name in expected if name not in given]
-    unknown = [name for name in given if name not in expected_set]
-    if missing or unknown:
-        lines = [f"{caller}: `{argument}` does not match the module {module_name}:"]
-        if missing:
-            lines.append(f"  - missing: {missing}")
-        lines.extend(f"  - unknown: {name!r}{hint(name)}" for name in unknown)
-        lines.append(
-            f"  Pass exactly the names of the `{argument}` dict returned by functionalize."
-        )
-        raise ValueError("\n".join(lines))
+    check_name_set(caller, argument, given, expected, module_name, hint)
     for name in expected:
         if not isinstance(given[name], torch.Tensor):
             raise TypeError(
                 f"{caller}: `{argument}[{name!r}]` must be a tensor, got "
                 f"{type(given[name]).__name__}"
             )
+
+
+def check_name_set(
+    caller: str,
+    argument: str,
+    given: Iterable[str],
+    expected: Sequence[str],
+    module_name: str,
+    hint: Callable[[str], str],
+    advice: str | None = None,
+) -> None:
+    """The names `given` are exactly `expected`; else a ValueError listing every missing and
+    unknown name, each unknown one with ``hint(name)``, and `advice` (by default: pass the names
+    functionalize returned)."""
+    given = list(given)
+    expected_set, given_set = set(expected), set(given)
+    missing = [name for name in expected if name not in given_set]
+    unknown = [name for name in given if name not in expected_set]
+    if not (missing or unknown):
+        return
+    lines = [f"{caller}: `{argument}` does not match the module {module_name}:"]
+    if missing:
+        lines.append(f"  - missing: {missing}")
+    lines.extend(f"  - unknown: {name!r}{hint(name)}" for name in unknown)
+    lines.append(
+        advice or f"  Pass exactly the names of the `{argument}` dict returned by functionalize."
+    )
+    raise ValueError("\n".join(lines))

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fscale import tree
+from fscale.functional import checks
 from fscale.functional import slots as slots_lib
 from fscale.functional.units import ParamUnit, UnitCall, UnitParams
 
@@ -97,16 +98,15 @@ def _check_unit_names(
     param_names: Sequence[str],
     hint: Callable[[str], str],
 ) -> None:
-    expected_set = set(param_names)
-    missing = [name for name in param_names if name not in params]
-    unknown = [name for name in params if name not in expected_set]
-    if missing or unknown:
-        lines = [f"apply: `params` does not match the module {type(module).__name__}:"]
-        if missing:
-            lines.append(f"  - missing: {missing}")
-        lines.extend(f"  - unknown: {name!r}{hint(name)}" for name in unknown)
-        lines.append("  Every unit together must hold exactly the names functionalize returned.")
-        raise ValueError("\n".join(lines))
+    checks.check_name_set(
+        "apply",
+        "params",
+        params,
+        param_names,
+        type(module).__name__,
+        hint,
+        "  Every unit together must hold exactly the names functionalize returned.",
+    )
     for name, tensor in params.eager.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
