@@ -295,17 +295,9 @@ def _torch_ddp_family(variant: Variant, workload: Workload, model: nn.Module) ->
         else:
             wrapped = DistributedDataParallel(model)
 
-    def run(batch: Any) -> torch.Tensor:
-        if name in FAIRSCALE:
-            model.zero_grad()  # ShardedDDP's documented reset: its gradients live in buckets
-        else:
-            optimizer.zero_grad(set_to_none=True)
-        loss = workload.loss(wrapped(workload.inputs(batch)), batch)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    variant._run = run
+    # ShardedDDP's documented reset is the model's: its gradients live in buckets.
+    reset = model.zero_grad if name in FAIRSCALE else lambda: optimizer.zero_grad(set_to_none=True)
+    variant._run = _eager_step(workload, wrapped, optimizer, reset)
 
 
 def _fsdp2(variant: Variant, workload: Workload, model: nn.Module) -> None:
@@ -318,11 +310,18 @@ def _fsdp2(variant: Variant, workload: Workload, model: nn.Module) -> None:
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
 
+    reset = lambda: optimizer.zero_grad(set_to_none=True)  # noqa: E731
+    variant._run = _eager_step(workload, model, optimizer, reset)
+
+
+def _eager_step(workload: Workload, model: nn.Module, optimizer: Any, reset: Any) -> Any:
+    """A torch peer's training step: reset the gradients, forward, backward, update."""
+
     def run(batch: Any) -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
+        reset()
         loss = workload.loss(model(workload.inputs(batch)), batch)
         loss.backward()
         optimizer.step()
         return loss.detach()
 
-    variant._run = run
+    return run
