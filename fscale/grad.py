@@ -26,29 +26,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from fscale import purity, tree
+from fscale.step_means import StepMeans
 
 if TYPE_CHECKING:
     from fscale.plan import Context
 
-__all__ = ["GRAD_MODES", "FoldedMeans", "LossOutput", "normalize_loss_output", "value_and_grad"]
+__all__ = ["GRAD_MODES", "LossOutput", "normalize_loss_output", "value_and_grad"]
 
 PyTree = Any
 Metrics = dict[str, Any]
 GRAD_MODES = ("autograd", "func")
-
-
-class FoldedMeans(NamedTuple):
-    """Scalar metrics whose means over data axes the gradient reduction computed in passing.
-
-    Attributes:
-        axes: the axes the means are over.
-        local: metric name -> this rank's value (the very tensor the loss output holds).
-        means: metric name -> its mean over `axes`, as `fscale.spmd.reduce_metrics` gives it.
-    """
-
-    axes: tuple[str, ...]
-    local: dict[str, torch.Tensor]
-    means: dict[str, torch.Tensor]
 
 
 class LossOutput(NamedTuple):
@@ -56,15 +43,15 @@ class LossOutput(NamedTuple):
 
     `used` is filled in by `value_and_grad`: per leaf of the params, whether the loss used it
     (autograd returned a gradient for it), or None where that is not known (torch.func
-    gradients, or params mapped before the loss sees them). `folded`: the means the reducer
-    computed with the gradients (the loss and scalar metrics), or None.
+    gradients, or params mapped before the loss sees them). `means`: the means over the data
+    axes begun after the forward (`fscale.step_means.StepMeans`), or None.
     """
 
     loss: torch.Tensor
     buffers: PyTree
     metrics: Metrics
     used: tuple[bool, ...] | None = None
-    folded: FoldedMeans | None = None
+    means: StepMeans | None = None
 
 
 # Metric names the step itself reports; a loss function's own metric must not replace them.
@@ -168,17 +155,25 @@ def value_and_grad(
     if session is not None:
         session.seed(accumulated)
         maps.insert(0, session.prepare)
+    means = _step_means(ctx, grad_mode)
     # The loss and scalar metrics ride in the last gradient bucket's collective where the
     # reducer can take them: one collective less per step.
-    fold = getattr(session, "fold", None) if accumulated is None and ctx is not None else None
-    folding: list[Any] = []
+    fold = getattr(session, "fold", None)
 
     def call_loss(live_tree: PyTree) -> LossOutput:
         for fn in maps:
             live_tree = fn(live_tree)
         out = normalize_loss_output(loss_fn(live_tree, buffers, batch, key), buffers)
-        if fold is not None and grad_mode == "autograd":
-            folding.extend(_fold_scalars(fold, out, ctx.metric_axes))  # type: ignore[union-attr]
+        if means is not None:
+            means.after_forward(
+                out.loss,
+                out.metrics,
+                buffers,
+                out.buffers,
+                fold=fold,
+                folded=lambda: getattr(session, "folded", None),
+                scalars=accumulated is None,
+            )
         for fn in maps:
             after_forward = getattr(fn, "after_forward", None)
             if after_forward is not None:
@@ -203,39 +198,20 @@ def value_and_grad(
     if session is not None:
         grads = session.finish(grads)
         out = out._replace(metrics={**out.metrics, **session.metrics()})
-        if folding:
-            out = out._replace(folded=_folded_means(out, session.folded, *folding))
     elif accumulated is not None:
         grads = tree.unflatten(treedef, [g + a for g, a in zip(tree.leaves(grads), accumulated)])
-    return out, grads
+    if means is not None:
+        means.returned_loss(out.loss)  # the detached loss is what the step's metrics hold
+    return out._replace(means=means), grads
 
 
-def _scalar_names(metrics: Metrics) -> list[str]:
-    return [
-        k
-        for k, v in metrics.items()
-        if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()
-    ]
-
-
-def _fold_scalars(fold: Callable[..., bool], out: LossOutput, axes: tuple[str, ...]) -> list[Any]:
-    """Offer the loss and scalar metrics to the reducer, to be averaged over `axes`:
-    ``[axes, names]``, or [] if it cannot."""
-    if not axes:
-        return []
-    names = _scalar_names(out.metrics)
-    values = [out.loss, *(out.metrics[k] for k in names)]
-    if not fold(torch.stack([v.detach().reshape(()).float() for v in values]), axes):
-        return []
-    return [tuple(axes), ["loss", *names]]
-
-
-def _folded_means(
-    out: LossOutput, folded: torch.Tensor, axes: tuple[str, ...], names: list[str]
-) -> FoldedMeans:
-    local = {k: out.loss if k == "loss" else out.metrics[k] for k in names}
-    means = {k: folded[i].to(local[k].dtype) for i, k in enumerate(names)}
-    return FoldedMeans(axes, local, means)
+def _step_means(ctx: Context | None, grad_mode: str) -> StepMeans | None:
+    """The means over the data axes this backward's forward begins (the step's last)."""
+    if ctx is None or not ctx.final or not ctx.metric_axes or ctx.metric_mesh is None:
+        return None
+    if grad_mode != "autograd":
+        return None
+    return StepMeans(ctx.metric_mesh, ctx.metric_axes, start=not torch.compiler.is_compiling())
 
 
 def _accumulated_leaves(accumulated: PyTree, treedef: Any) -> list[torch.Tensor]:

@@ -2,8 +2,9 @@
 
 A step's gradients are checked once they are reduced, in the plan's own layout (full gradients,
 ZeRO's bucket shards, FSDP's unit shards): each rank checks what it holds, and the ranks of the
-data axes exchange their findings in one small all-reduce, so every rank takes the same decision
-even when only one rank's shard holds the NaN. `train_step`'s ``on_nonfinite`` chooses it:
+step's mesh (every axis: data, pipeline stages, tensor shards) exchange their findings in one
+small all-reduce, so every rank takes the same decision even when only one rank's shard or one
+pipeline stage holds the NaN. `train_step`'s ``on_nonfinite`` chooses it:
 
 - ``"propagate"`` (default): no check, no collective; the update runs as torch.optim's would.
 - ``"skip"``: no rank updates: params and optimizer state are returned unchanged (the optimizer's
@@ -57,11 +58,11 @@ class NonFiniteGradientError(FloatingPointError):
 
 
 class Agreement(NamedTuple):
-    """What the ranks of the data axes agreed on about one step's gradients.
+    """What the ranks of a step's mesh agreed on about one step's gradients.
 
     Attributes:
-        nonfinite_ranks: the ranks (indices along the data axes) whose gradients hold a NaN or
-            an infinity; empty when every gradient is finite.
+        nonfinite_ranks: the ranks (row-major indices along the axes the verdict was exchanged
+            over) whose gradients hold a NaN or an infinity; empty when every gradient is finite.
         used: per state leaf, whether some rank's loss used it (None when not asked).
     """
 
@@ -132,25 +133,44 @@ def agree(
     used: Sequence[bool] | None,
     mesh: Mesh | None,
     axes: tuple[str, ...],
+    *,
+    verdict_axes: tuple[str, ...] | None = None,
 ) -> Agreement:
-    """Every rank's finding, exchanged over `axes` in one all-reduce (none on one process).
+    """Every rank's finding, exchanged in one all-reduce (two when the axes differ; none on one
+    process).
 
-    `nonfinite` is this rank's verdict on the gradients it holds; `used`, if given, is whether
-    its loss used each state leaf: a leaf counts as used when any rank used it (the gradient it
-    gets is the mean over the ranks, as torch DDP's ``find_unused_parameters``).
+    `nonfinite` is this rank's verdict on the gradients it holds, exchanged over `verdict_axes`
+    (default `axes`): a step skips or raises on every rank of its mesh alike, pipeline stages
+    and tensor-parallel shards included, so none updates while another does not. `used`, if
+    given, is whether its loss used each state leaf, exchanged over the data `axes`: a leaf
+    counts as used when any rank used it (the gradient it gets is the mean over the ranks, as
+    torch DDP's ``find_unused_parameters``).
     """
+    verdict_axes = tuple(axes) if verdict_axes is None else tuple(verdict_axes)
+    if verdict_axes == tuple(axes):
+        return Agreement(*_exchange(nonfinite, used, mesh, verdict_axes))
+    ranks, _ = _exchange(nonfinite, None, mesh, verdict_axes)
+    agreed_used = None if used is None else _exchange(None, used, mesh, tuple(axes))[1]
+    return Agreement(ranks, agreed_used)
+
+
+def _exchange(
+    nonfinite: bool | None, used: Sequence[bool] | None, mesh: Mesh | None, axes: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[bool, ...] | None]:
+    """The ranks along `axes` that found non-finite values (none asked when `nonfinite` is
+    None), and which leaves some rank used, in one all-reduce over `axes`."""
     if mesh is None or not axes or mesh.size(_axis(axes)) == 1:
-        return Agreement((0,) if nonfinite else (), None if used is None else tuple(used))
+        return ((0,) if nonfinite else ()), None if used is None else tuple(used)
     axis = _axis(axes)
-    size, rank = mesh.size(axis), mesh.rank(axis)
+    size = 0 if nonfinite is None else mesh.size(axis)
     flags = torch.zeros(size + (0 if used is None else len(used)), dtype=torch.float32)
-    flags[rank] = float(nonfinite)
+    if nonfinite is not None:
+        flags[mesh.rank(axis)] = float(nonfinite)
     if used is not None:
         flags[size:] = torch.tensor(used, dtype=torch.float32)
     counts = collectives.all_reduce(flags, axis, "sum", mesh=mesh).tolist()
     ranks = tuple(r for r in range(size) if counts[r] > 0)
-    agreed_used = None if used is None else tuple(c > 0 for c in counts[size:])
-    return Agreement(ranks, agreed_used)
+    return ranks, None if used is None else tuple(c > 0 for c in counts[size:])
 
 
 def _axis(axes: tuple[str, ...]) -> str | tuple[str, ...]:
@@ -162,7 +182,7 @@ def raise_nonfinite(agreement: Agreement, step_count: int) -> None:
     ranks = ", ".join(map(str, agreement.nonfinite_ranks))
     raise NonFiniteGradientError(
         f"the gradients of step {step_count} hold NaN or infinity (in the reduced gradients "
-        f"held by rank(s) {ranks} of the data axes); the state was not updated. Look for the "
+        f"held by rank(s) {ranks} of the step's mesh); the state was not updated. Look for the "
         "source in the loss (log(0), division by zero, an overflow in low precision), or build "
         "the step with train_step(..., on_nonfinite='skip') to skip such steps."
     )

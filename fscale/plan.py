@@ -82,9 +82,10 @@ class GradAux(NamedTuple):
         used: per leaf of ``state.params``, whether the loss used it (a leaf it did not use is
             left as it was by the update, see `fscale.unused`); None: every leaf counts as
             used. `Step.apply_gradients` replaces this rank's mask by the one the ranks agree on.
-        folded: means of the loss and scalar metrics over data axes that the gradient
-            reduction computed (`fscale.grad.FoldedMeans`), which `Step.apply_gradients` uses
-            for the metrics still holding those very values; None: none.
+        means: the means over the data axes begun in the gradient phase, of the loss, the
+            scalar metrics and the updated buffers (`fscale.step_means.StepMeans`), which
+            `Step.apply_gradients` uses for the values still holding those very tensors;
+            None: none.
     """
 
     loss: torch.Tensor
@@ -92,7 +93,7 @@ class GradAux(NamedTuple):
     metrics: Metrics
     carry: dict[str, Any] = {}  # noqa: RUF012 - NamedTuple defaults are shared, never mutated
     used: tuple[bool, ...] | None = None
-    folded: Any = None
+    means: Any = None
 
 
 class OptimizerRole(Protocol):
@@ -170,6 +171,8 @@ class Context:
             but for its step counter and buffers.
         metric_axes: the axes the step averages its metrics over (the plan's data axes); a
             reducer over exactly these may average the loss with the gradients.
+        metric_mesh: the mesh of `metric_axes`: the innermost plan begins the means over them
+            after the forward pass (`fscale.step_means`); None: they are not begun early.
     """
 
     key: torch.Tensor | None = None
@@ -181,6 +184,7 @@ class Context:
     final: bool = True
     skip_update: bool = False
     metric_axes: tuple[str, ...] = ()
+    metric_mesh: Any = None
 
     def replace(self, **changes: Any) -> Context:
         return dataclasses.replace(self, **changes)
@@ -324,7 +328,7 @@ class LocalPlan(Plan):
             ctx=ctx,
         )
         metrics = {**out.metrics, "grad_bytes": tree_bytes(grads)}
-        return grads, GradAux(out.loss, out.buffers, metrics, used=out.used, folded=out.folded)
+        return grads, GradAux(out.loss, out.buffers, metrics, used=out.used, means=out.means)
 
     def apply_gradients(self, step, state, grads, aux, ctx):
         if ctx.skip_update:

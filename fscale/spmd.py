@@ -16,6 +16,7 @@ recorded in the comm ledger, which counts what a training step moves.
 from __future__ import annotations
 
 import hashlib
+import operator
 from typing import Any
 
 import torch
@@ -195,21 +196,7 @@ def mean_floating_leaves(values: Any, mesh: Mesh, axis: str | tuple[str, ...]) -
     """
     if mesh.size(axis) == 1:
         return values
-    leaves, treedef = tree.flatten(values)
-    floating = [i for i, leaf in enumerate(leaves) if leaf.is_floating_point()]
-    out = list(leaves)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i in floating:
-        by_dtype.setdefault(leaves[i].dtype, []).append(i)
-    for indices in by_dtype.values():
-        flat = torch.cat([leaves[i].detach().reshape(-1) for i in indices])
-        flat = _mean_of_detached(flat, axis, mesh)
-        offset = 0
-        for i in indices:
-            n = leaves[i].numel()
-            out[i] = flat[offset : offset + n].view(leaves[i].shape)
-            offset += n
-    return tree.unflatten(treedef, out)
+    return StartedLeafMeans(values, mesh, axis).wait()
 
 
 def average_updated_buffers(old: Any, new: Any, mesh: Mesh, axis: str | tuple[str, ...]) -> Any:
@@ -219,37 +206,110 @@ def average_updated_buffers(old: Any, new: Any, mesh: Mesh, axis: str | tuple[st
     buffers. A buffer returned as the very tensor it was given (a frozen parameter:
     `functionalize` passes those through) is the same on every rank already and is not sent.
     """
-    new_leaves, treedef = tree.flatten(new)
-    old_leaves, old_def = tree.flatten(old)
-    if old_def != treedef:
-        return mean_floating_leaves(new, mesh, axis)
-    updated = [i for i, (n, o) in enumerate(zip(new_leaves, old_leaves)) if n is not o]
-    averaged = mean_floating_leaves([new_leaves[i] for i in updated], mesh, axis)
-    for i, value in zip(updated, averaged):
-        new_leaves[i] = value
-    return tree.unflatten(treedef, new_leaves)
+    return StartedBufferMeans(old, new, mesh, axis).wait()
 
 
-def _mean_of_detached(flat: torch.Tensor, axis: str | tuple[str, ...], mesh: Mesh) -> torch.Tensor:
-    """The mean of `flat` over `axis`, computed in `flat` (a new buffer no graph tracks).
+class StartedMean:
+    """The mean over `axis` of the 1-D `flat`, computed in `flat`: begun now, ended by `wait`.
 
-    The same arithmetic and ledger record as ``collectives.all_reduce(flat, axis, "mean")``
-    (divide, then sum; axis after axis), without its two autograd Functions per axis, whose
-    argument binding is a fixed cost of every step. Under a torch.func transform the
-    differentiable collective is used.
+    The collective over the first axis is issued at once and runs while the caller computes;
+    `wait` ends it, then averages over any further axes in turn. The arithmetic and the ledger
+    records are ``collectives.all_reduce(flat, axis, "mean")``'s (divide, then sum; axis after
+    axis), without its two autograd Functions per axis, whose argument binding is a fixed cost
+    of every step. Under a torch.func transform that differentiable collective runs, at once.
     """
-    if torch._C._are_functorch_transforms_active():
-        return collectives.all_reduce(flat, axis, "mean", mesh=mesh)
-    for name in (axis,) if isinstance(axis, str) else axis:
-        comm = resolve_comm(name, mesh, "reduce_metrics")
-        if comm.size == 1:
-            continue
+
+    def __init__(self, flat: torch.Tensor, axis: str | tuple[str, ...], mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.work: Work | None = None
+        self.axes: list[str] = []
+        if torch._C._are_functorch_transforms_active():
+            self.flat = collectives.all_reduce(flat, axis, "mean", mesh=mesh)
+            return
+        self.flat = flat
+        self.axes = [a for a in ((axis,) if isinstance(axis, str) else axis) if mesh.size(a) > 1]
+        if self.axes:
+            self.work = self._start(self.axes[0])
+
+    def _start(self, name: str) -> Work:
+        comm = resolve_comm(name, self.mesh, "reduce_metrics")
         work = Work()
-        work.ticket = issue(comm, "all_reduce", flat, flat.numel(), extra=_MEAN)
-        flat.div_(comm.size)
-        work.work = dist.all_reduce(flat, group=comm.group, async_op=True)
-        work.wait()
-    return flat
+        work.ticket = issue(comm, "all_reduce", self.flat, self.flat.numel(), extra=_MEAN)
+        self.flat.div_(comm.size)
+        work.work = dist.all_reduce(self.flat, group=comm.group, async_op=True)
+        return work
+
+    def wait(self) -> torch.Tensor:
+        """The means; a second call returns them again."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            for name in self.axes[1:]:
+                self._start(name).wait()
+        return self.flat
+
+
+class StartedLeafMeans:
+    """`mean_floating_leaves` begun at once: its collectives run while the caller computes."""
+
+    def __init__(self, values: Any, mesh: Mesh, axis: str | tuple[str, ...]) -> None:
+        self.leaves, self.treedef = tree.flatten(values)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, leaf in enumerate(self.leaves):
+            if leaf.is_floating_point():
+                by_dtype.setdefault(leaf.dtype, []).append(i)
+        self.groups = []
+        for indices in by_dtype.values():
+            flat = torch.cat([self.leaves[i].detach().reshape(-1) for i in indices])
+            self.groups.append((indices, StartedMean(flat, axis, mesh)))
+
+    def wait(self) -> Any:
+        """The tree of means (each floating leaf a view of its dtype's averaged buffer)."""
+        out = list(self.leaves)
+        for indices, started in self.groups:
+            flat = started.wait()
+            offset = 0
+            for i in indices:
+                n = self.leaves[i].numel()
+                out[i] = flat[offset : offset + n].view(self.leaves[i].shape)
+                offset += n
+        return tree.unflatten(self.treedef, out)
+
+
+class StartedBufferMeans:
+    """`average_updated_buffers` begun at once (right after a forward pass, its collectives
+    travel during the backward pass); `wait` gives its result.
+
+    `holds` tells whether a tree is made of the very buffers averaged here: the end of a step
+    uses these means only for the buffers it actually returns.
+    """
+
+    def __init__(self, old: Any, new: Any, mesh: Mesh, axis: str | tuple[str, ...]) -> None:
+        self.new_leaves, self.treedef = tree.flatten(new)
+        old_leaves, old_def = tree.flatten(old)
+        if not tree.same_structure(old_def, self.treedef):
+            self.updated = list(range(len(self.new_leaves)))
+        else:
+            pairs = zip(self.new_leaves, old_leaves)
+            self.updated = [i for i, (n, o) in enumerate(pairs) if n is not o]
+        self.started: StartedLeafMeans | None = None
+        if self.updated and mesh.size(axis) > 1:
+            updated = [self.new_leaves[i] for i in self.updated]
+            self.started = StartedLeafMeans(updated, mesh, axis)
+
+    def holds(self, new: Any) -> bool:
+        """Whether `new` is the tree of the very tensors this averages."""
+        leaves, treedef = tree.flatten(new)
+        same = len(leaves) == len(self.new_leaves) and tree.same_structure(treedef, self.treedef)
+        return same and all(map(operator.is_, leaves, self.new_leaves))
+
+    def wait(self) -> Any:
+        """The buffers, those the loss returned anew averaged over the axis."""
+        out = list(self.new_leaves)
+        if self.started is not None:
+            for i, value in zip(self.updated, self.started.wait()):
+                out[i] = value
+        return tree.unflatten(self.treedef, out)
 
 
 def reduce_metrics(
@@ -266,7 +326,7 @@ def reduce_metrics(
     if not names:
         return metrics
     stacked = torch.stack([metrics[k].detach().reshape(()).float() for k in names])
-    stacked = _mean_of_detached(stacked, axis, mesh)
+    stacked = StartedMean(stacked, axis, mesh).wait()
     reduced = dict(metrics)
     for i, k in enumerate(names):
         reduced[k] = stacked[i].to(metrics[k].dtype)

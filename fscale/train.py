@@ -36,13 +36,14 @@ from typing import Any
 
 import torch
 
-from fscale import nonfinite, purity, spmd, tree
+from fscale import nonfinite, purity, spmd, step_means, tree
 from fscale import optim as optim_lib
 from fscale import random as fsrandom
 from fscale.functional import ownership
 from fscale.grad import GRAD_MODES, value_and_grad
 from fscale.optim.hyper import check_bool
 from fscale.plan import Context, GradAux, LocalPlan, PlainOptimizer, Plan, TrainState
+from fscale.step_means import StepMeans
 
 __all__ = ["LossFn", "Plan", "Step", "TrainState", "train_step", "value_and_grad"]
 
@@ -142,7 +143,7 @@ class Step:
         purity.check_usable(state, "Step.gradients")
         mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
         key = _step_key(state, mesh, axes)
-        ctx = Context(key=key, optimizer=_PLAIN, metric_axes=axes)
+        ctx = Context(key=key, optimizer=_PLAIN, metric_axes=axes, metric_mesh=mesh)
         return self.plan.gradients(self, state, batch, ctx)
 
     def apply_gradients(
@@ -172,7 +173,7 @@ class Step:
             new_state, metrics = self.plan.apply_gradients(self, state, grads, aux, ctx)
         if mesh is not None and axes:
             new_state, metrics = _reduce_over_data_axes(
-                state, new_state, metrics, aux.folded, mesh, axes
+                state, new_state, metrics, aux.means, mesh, axes
             )
         if self.on_nonfinite == "skip":  # equal on every rank: added after the reduction
             metrics = {**metrics, "skipped": torch.tensor(float(skip))}
@@ -181,8 +182,9 @@ class Step:
     def _agree(
         self, state: TrainState, grads: PyTree, aux: GradAux, mesh: Any, axes: tuple[str, ...]
     ) -> tuple[GradAux, bool]:
-        """The usage mask and the non-finite verdict every rank agrees on (one all-reduce at
-        most, none on one process or when neither is asked for)."""
+        """The usage mask the ranks of the data axes agree on, and the non-finite verdict every
+        rank of the mesh agrees on (one all-reduce, two when the mesh has more axes than the
+        data axes and both are asked for; none on one process or when neither is)."""
         single = mesh is None or not axes or mesh.size(spmd.axis_arg(axes)) == 1
         mode = self.unused_params
         skip_unused = mode == "skip" or (mode == "auto" and single)
@@ -191,7 +193,10 @@ class Step:
         if not checking and (used is None or single):
             return (aux if used is aux.used else aux._replace(used=used)), False
         found = nonfinite.has_nonfinite(grads) if checking else False
-        agreement = nonfinite.agree(found, used, mesh, axes)
+        # The verdict holds for every rank of the mesh (pipeline stages, tensor shards too): a
+        # rank that updated while another skipped would leave the model inconsistent.
+        everywhere = tuple(mesh.axis_names) if checking and mesh is not None else axes
+        agreement = nonfinite.agree(found, used, mesh, axes, verdict_axes=everywhere)
         if agreement.nonfinite and self.on_nonfinite == "raise":
             nonfinite.raise_nonfinite(agreement, int(state.step))
         return aux._replace(used=agreement.used), agreement.nonfinite
@@ -232,17 +237,6 @@ class Step:
         )
 
 
-def _mean_metrics(metrics: Metrics, folded: Any, mesh: Any, axes: tuple[str, ...]) -> Metrics:
-    """`spmd.reduce_metrics`, using the means the gradient reduction folded in for the metrics
-    that still hold the values it averaged (a collective only for the others, if any)."""
-    axis = spmd.axis_arg(axes)
-    if folded is None or tuple(folded.axes) != tuple(axes):
-        return spmd.reduce_metrics(metrics, mesh, axis)
-    done = {k: folded.means[k] for k, v in folded.local.items() if metrics.get(k) is v}
-    rest = spmd.reduce_metrics({k: v for k, v in metrics.items() if k not in done}, mesh, axis)
-    return {k: done[k] if k in done else rest[k] for k in metrics}
-
-
 @torch.compiler.disable(recursive=True)
 def _step_key(state: TrainState, mesh: Any, axes: tuple[str, ...]) -> torch.Tensor:
     # The key is mixed in 64-bit host integers from the step counter's value: under
@@ -255,20 +249,26 @@ def _reduce_over_data_axes(
     state: TrainState,
     new_state: TrainState,
     metrics: Metrics,
-    folded: Any,
+    means: StepMeans | None,
     mesh: Any,
     axes: tuple[str, ...],
 ) -> tuple[TrainState, Metrics]:
     """`new_state` with the buffers the loss updated averaged over `axes`, and the metrics'
-    means over them (`_mean_metrics`).
+    means over them: from the means the gradient phase began (`fscale.step_means`) where they
+    hold the values the step returns, else by collectives issued here.
 
     Under torch.compile this runs outside the graph: its collectives end a graph anyway (c10d
     with the ledger's and watchdog's host bookkeeping), and Dynamo rebuilds the pytree specs
     held across such a break wrongly (torch 2.13: "length mismatch" when unflattening).
     """
-    axis = spmd.axis_arg(axes)
-    buffers = spmd.average_updated_buffers(state.buffers, new_state.buffers, mesh, axis)
-    return new_state._replace(buffers=buffers), _mean_metrics(metrics, folded, mesh, axes)
+    if means is None or means.axes != tuple(axes):
+        axis = spmd.axis_arg(axes)
+        buffers = spmd.average_updated_buffers(state.buffers, new_state.buffers, mesh, axis)
+        return new_state._replace(buffers=buffers), spmd.reduce_metrics(metrics, mesh, axis)
+    buffers = step_means.mean_buffers(state.buffers, new_state.buffers, means)
+    metrics = step_means.mean_metrics(metrics, means)
+    means.finish()
+    return new_state._replace(buffers=buffers), metrics
 
 
 def _key(key: Any) -> torch.Tensor:

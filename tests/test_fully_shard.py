@@ -320,8 +320,10 @@ def _backward_collectives(prefetch):
     with fs.distributed.comm_ledger() as ledger:
         step(state, _local(case, 0, rank, world))
     ops = [{"all_gather": "AG", "reduce_scatter": "RS"}.get(r.op, r.op) for r in ledger.records]
-    assert ops[:4] == ["AG"] * 4 and ops[-1] == "all_reduce"  # root + 3 blocks; the metrics
-    return " ".join(ops[4:-1])
+    # The forward's gathers (root + 3 blocks), then the metrics' mean, begun once the forward
+    # returns, then the backward.
+    assert ops[:5] == ["AG"] * 4 + ["all_reduce"]
+    return " ".join(ops[5:])
 
 
 @pytest.mark.parametrize(

@@ -159,3 +159,68 @@ def test_skipped_is_a_reserved_metric_and_the_error_is_exported():
     with pytest.raises(ValueError, match="metric named 'skipped'"):
         step(step.init({"w": torch.ones(2)}), None)
     assert fs.NonFiniteGradientError is nonfinite.NonFiniteGradientError
+
+
+class _InfGradient(torch.autograd.Function):
+    """Adds nothing in forward; its backward gives `w` an infinite gradient (and `x` its own)."""
+
+    @staticmethod
+    def forward(x, w):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((3, 3), float("inf"))
+
+
+def _pipeline_stage(params, buffers, x, key):
+    return x @ params["w"]
+
+
+def _poisoned_last_stage(params, buffers, x, key):
+    return _InfGradient.apply(x @ params["w"], params["w"])
+
+
+def _pipeline_with_a_bad_last_stage(policy):
+    """Two stages; at BAD_STEP only the last stage's gradient is infinite."""
+    rank = dist.get_rank()
+    stages = [_pipeline_stage, _pipeline_stage]
+    bad = fs.pipeline(
+        [_pipeline_stage, _poisoned_last_stage],
+        torch.nn.functional.mse_loss,
+        fs.optim.sgd(0.1),
+        fs.Mesh(pp=2),
+        micro_batches=2,
+        on_nonfinite=policy,
+    )
+    good = fs.pipeline(
+        stages, torch.nn.functional.mse_loss, fs.optim.sgd(0.1), fs.Mesh(pp=2), micro_batches=2
+    )
+    g = torch.Generator().manual_seed(0)
+    params = [{"w": torch.randn(3, 3, generator=g)} for _ in range(2)]
+    state = good.init(params, [{}, {}])
+    history, skipped = [], []
+    for i in range(STEPS):
+        history.append(state.params)
+        batch = (torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g))
+        try:
+            state, metrics = (bad if i == BAD_STEP else good)(state, batch)
+        except nonfinite.NonFiniteGradientError as error:
+            return rank, "raised", str(error)
+        skipped.append(float(metrics.get("skipped", 0.0)))
+    return rank, history, skipped
+
+
+def test_a_nan_in_one_pipeline_stage_skips_or_raises_on_every_stage():
+    for rank, history, skipped in run_spmd(_pipeline_with_a_bad_last_stage, 2, "skip"):
+        assert skipped == [0.0, 1.0, 0.0], rank
+        assert_trees_equal(history[BAD_STEP + 1], history[BAD_STEP])  # no stage moved
+        (before,), (after,) = fs.tree.leaves(history[0]), fs.tree.leaves(history[1])
+        assert not torch.equal(after, before)  # this rank's stage, trained by a good step
+    for rank, outcome, message in run_spmd(_pipeline_with_a_bad_last_stage, 2, "raise"):
+        assert outcome == "raised", rank
+        assert "rank(s) 1 of the step's mesh" in message

@@ -56,6 +56,7 @@ def pipeline(
     virtual: int = 2,
     per_stage: Callable[[Step], Step] | None = None,
     pad: bool = False,
+    on_nonfinite: str = "propagate",
 ) -> Step:
     """A Step that trains `stages` as a pipeline over `axis` (see the module docstring).
 
@@ -89,6 +90,8 @@ def pipeline(
             filled with copies of the last sample, which the loss never sees, so loss,
             gradients and results equal those of the unpadded batch. The stages must treat
             samples independently (no BatchNorm statistics over the batch).
+        on_nonfinite: ``"propagate"``, ``"skip"`` or ``"raise"``, as for `fscale.train_step`:
+            the stages agree, so a NaN in one stage's gradients skips (or raises on) every rank.
 
     Returns:
         A Step; ``state = step.init(params, buffers)`` takes the full model's pytrees (a list
@@ -120,7 +123,7 @@ def pipeline(
             f"{table.num_ranks} ranks of axis {axis!r} runs {table.num_stages}; give one stage "
             "per rank" + (f" times virtual={virtual}" if table.name == "interleaved" else "")
         )
-    base = train_step(loss_fn, optimizer)
+    base = train_step(loss_fn, optimizer, on_nonfinite=on_nonfinite)
     if per_stage is not None:
         if not callable(per_stage):
             raise TypeError(f"{caller}: `per_stage` must be a Step -> Step transformation")

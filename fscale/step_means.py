@@ -1,0 +1,154 @@
+"""Means over the data axes that a step begins in its gradient phase and uses at its end.
+
+A multi-rank step ends with the mean over its data axes of the loss (and of the loss function's
+scalar metrics), and of the buffers the loss returned anew (BatchNorm statistics). Both are
+known as soon as the forward pass returns, so `fscale.grad.value_and_grad` begins them there
+and `Step.apply_gradients` waits for them instead of issuing collectives of its own after the
+update: they travel while the backward pass computes.
+
+- The scalars ride in the last gradient bucket's collective where the reducer can take them
+  (one axis of two ranks: ``session.fold``, see `fscale.parallel.reduce`); otherwise they get a
+  collective of their own, begun after the forward.
+- The buffers get a collective per dtype, begun after the forward.
+
+The collectives are the ones the end of the step would issue (`fscale.spmd.reduce_metrics`,
+`fscale.spmd.average_updated_buffers`), only earlier, so every mean is bit for bit the same.
+Each mean is used only for the very values it was begun on: a metric a plan replaced after
+the gradient phase (the mean over micro-batches of `fscale.accumulate`), or buffers other than
+the ones the step returns, are averaged at the end as before. Under ``torch.compile`` and on
+the ``grad_mode="func"`` path nothing is begun early (a collective inside the graph would end
+it; under torch.func the collectives are differentiable ones, run at once); folding into the
+bucket still applies where the reducer folds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fscale import spmd
+from fscale.distributed.mesh import Mesh
+
+__all__ = ["StepMeans", "mean_buffers", "mean_metrics", "scalar_metric_names"]
+
+PyTree = Any
+
+
+def scalar_metric_names(metrics: dict[str, Any]) -> list[str]:
+    """The metrics that are averaged over the data axes: floating-point scalar tensors."""
+    return [
+        k
+        for k, v in metrics.items()
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()
+    ]
+
+
+class StepMeans:
+    """The means one step began over `axes` of `mesh`; see the module docstring.
+
+    Args:
+        mesh: the mesh of the data axes.
+        axes: the step's data axes (its metrics' axes).
+        start: whether collectives of their own may be begun (False under ``torch.compile``).
+    """
+
+    def __init__(self, mesh: Mesh, axes: tuple[str, ...], *, start: bool = True) -> None:
+        self.mesh = mesh
+        self.axes = tuple(axes)
+        self.start = start
+        self.local: dict[str, torch.Tensor] = {}
+        self._stacked: Callable[[], torch.Tensor] | None = None
+        self._means: dict[str, torch.Tensor] | None = None
+        self._buffers: spmd.StartedBufferMeans | None = None
+
+    def after_forward(
+        self,
+        loss: torch.Tensor,
+        metrics: dict[str, Any],
+        old_buffers: PyTree,
+        new_buffers: PyTree,
+        *,
+        fold: Callable[[torch.Tensor, tuple[str, ...]], bool] | None = None,
+        folded: Callable[[], torch.Tensor | None] | None = None,
+        scalars: bool = True,
+    ) -> None:
+        """Begin the means of the loss and scalar metrics (when `scalars`) and of the buffers.
+
+        `fold(values, axes)` offers the scalars to the gradient reducer (True: it averages them
+        with the last bucket); `folded()` then returns the averaged values once the reduction
+        is done.
+        """
+        if scalars:
+            names = scalar_metric_names(metrics)
+            values = [loss, *(metrics[k] for k in names)]
+            stacked = torch.stack([v.detach().reshape(()).float() for v in values])
+            if fold is not None and folded is not None and fold(stacked, self.axes):
+                self._stacked = lambda: _done(folded())
+            elif self.start:
+                started = spmd.StartedMean(stacked, spmd.axis_arg(self.axes), self.mesh)
+                self._stacked = started.wait
+            if self._stacked is not None:
+                self.local = {"loss": loss, **{k: metrics[k] for k in names}}
+        if self.start:
+            axis = spmd.axis_arg(self.axes)
+            self._buffers = spmd.StartedBufferMeans(old_buffers, new_buffers, self.mesh, axis)
+
+    def returned_loss(self, loss: torch.Tensor) -> None:
+        """`loss` stands for the loss begun on (the detached tensor the gradient phase returns)."""
+        if "loss" in self.local:
+            self.local["loss"] = loss
+
+    def metric_means(self) -> dict[str, torch.Tensor]:
+        """Metric name -> its mean over the axes, for the metrics in `local` (waits)."""
+        if self._means is None:
+            if self._stacked is None:
+                self._means = {}
+            else:
+                stacked = self._stacked()
+                self._means = {
+                    k: stacked[i].to(v.dtype) for i, (k, v) in enumerate(self.local.items())
+                }
+        return self._means
+
+    def buffers_for(self, new_buffers: PyTree) -> PyTree | None:
+        """The averaged buffers if `new_buffers` are the very ones begun on, else None."""
+        if self._buffers is None or not self._buffers.holds(new_buffers):
+            return None
+        return self._buffers.wait()
+
+    def finish(self) -> None:
+        """Wait for every collective begun, used or not (none is left in flight)."""
+        self.metric_means()
+        if self._buffers is not None:
+            self._buffers.wait()
+
+
+def _done(values: torch.Tensor | None) -> torch.Tensor:
+    if values is None:
+        raise RuntimeError(
+            "StepMeans: the gradient reducer took the metrics into its last bucket but "
+            "returned no means for them"
+        )
+    return values
+
+
+def mean_metrics(metrics: dict[str, Any], means: StepMeans) -> dict[str, Any]:
+    """`spmd.reduce_metrics` over the step's axes, taking the means begun early for the
+    metrics that still hold the values they were begun on (a collective only for the rest)."""
+    axis = spmd.axis_arg(means.axes)
+    begun = means.metric_means()
+    done = {k: begun[k] for k, v in means.local.items() if metrics.get(k) is v}
+    others = {k: v for k, v in metrics.items() if k not in done}
+    rest = spmd.reduce_metrics(others, means.mesh, axis)
+    return {k: done[k] if k in done else rest[k] for k in metrics}
+
+
+def mean_buffers(old: PyTree, new: PyTree, means: StepMeans) -> PyTree:
+    """`spmd.average_updated_buffers` over the step's axes, from the means begun early when
+    `new` holds the very buffers they were begun on."""
+    averaged = means.buffers_for(new)
+    if averaged is not None:
+        return averaged
+    return spmd.average_updated_buffers(old, new, means.mesh, spmd.axis_arg(means.axes))

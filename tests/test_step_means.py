@@ -1,0 +1,147 @@
+"""Means begun after the forward: the same bits as at the step's end, travelling during backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fscale as fs
+from fscale import grad, spmd, step_means
+from fscale.distributed import collectives
+from fscale.testing import assert_trees_equal, run_spmd
+from fscale.testing import strategies as fst
+
+BATCH = 8
+
+
+def _batch(case, index, rank, world):
+    return fs.data.split_batch(case.batch(BATCH, seed=index), rank, world)
+
+
+def _cnn_steps(strategy, early, micro_batches=1):
+    """Two steps of a CNN with BatchNorm; the ledger of the second; with the means begun after
+    the forward (`early`) or all at the step's end."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = fst.ModelCase("cnn", width=4, depth=1)
+    apply, params, buffers = fs.functionalize(case.module())
+
+    def loss_fn(params, buffers, batch, key):
+        loss, new_buffers = case.loss_fn(apply)(params, buffers, batch, key)
+        return loss, new_buffers, {"half": loss.detach() / 2}
+
+    step = fs.train_step(loss_fn, fs.optim.adamw(1e-2), donate=True)
+    mesh = fs.Mesh(dp=world)
+    step = {"ddp": fs.data_parallel, "zero": fs.shard_optimizer, "fsdp": fs.fully_shard}[strategy](
+        step, mesh
+    )
+    if micro_batches > 1:
+        step = fs.accumulate(step, micro_batches)
+    state = step.init(params, buffers)
+    original = grad._step_means
+    if not early:  # as under torch.compile: folding into the last bucket, no collective begun
+        grad._step_means = lambda ctx, grad_mode: _not_started(original(ctx, grad_mode))
+    try:
+        state, _ = step(state, _batch(case, 0, rank, world))
+        with fs.distributed.comm_ledger() as ledger:
+            state, metrics = step(state, _batch(case, 1, rank, world))
+    finally:
+        grad._step_means = original
+    floating = sum(b.numel() for b in fs.tree.leaves(buffers) if b.is_floating_point())
+    records = [(r.op, r.numel) for r in ledger.records]
+    return fs.consolidate(step, state), metrics, records, floating
+
+
+def _not_started(means):
+    if means is not None:
+        means.start = False
+    return means
+
+
+def _reductions(ledger):
+    """The ledger without fully_shard's parameter gathers (in forward and backward alike)."""
+    return [record for record in ledger if record[0] != "all_gather"]
+
+
+def _both(strategy, micro_batches=1):
+    return _cnn_steps(strategy, True, micro_batches), _cnn_steps(strategy, False, micro_batches)
+
+
+@pytest.mark.parametrize(("strategy", "world"), [("ddp", 2), ("zero", 2), ("fsdp", 2), ("ddp", 4)])
+def test_means_begun_after_the_forward_equal_the_end_of_step_means(strategy, world):
+    for (state, metrics, ledger, floating), (late_state, late_metrics, late_ledger, _) in run_spmd(
+        _both, world, strategy
+    ):
+        assert_trees_equal(state, late_state)  # buffers, params, optimizer state: every bit
+        # grad_peak_bytes samples what is alive, which depends on when gloo ends each collective.
+        metrics.pop("grad_peak_bytes", None), late_metrics.pop("grad_peak_bytes", None)
+        assert_trees_equal(metrics, late_metrics)
+        # The same collectives, but the means move from after the update to before the
+        # backward's gradient collectives. At two ranks data_parallel's and shard_optimizer's
+        # metrics ride in their last gradient bucket instead.
+        buffer_mean = ("all_reduce", floating)  # the BatchNorms' running means and variances
+        metric_mean = ("all_reduce", 2)  # the loss and "half"
+        folded = world == 2 and strategy != "fsdp"
+        means = [buffer_mean] if folded else [metric_mean, buffer_mean]
+        at_end = [buffer_mean] if folded else [buffer_mean, metric_mean]
+        ledger, late_ledger = _reductions(ledger), _reductions(late_ledger)
+        assert ledger[: len(means)] == means and late_ledger[-len(at_end) :] == at_end
+        assert ledger[len(means) :] == late_ledger[: -len(at_end)]
+
+
+def test_accumulated_metrics_are_averaged_at_the_end():
+    # The loss of an accumulated step is the mean over its micro-batches, known only at the end;
+    # the last micro-batch's buffers are the step's, and their mean is begun early.
+    for (state, metrics, ledger, _), (late_state, late_metrics, *_) in run_spmd(_both, 4, "ddp", 2):
+        assert_trees_equal(state, late_state)
+        assert_trees_equal(metrics, late_metrics)
+        assert ledger[-1] == ("all_reduce", 2)
+
+
+def _started_means():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = fs.Mesh(a=2, b=world // 2)
+    flat = torch.arange(6, dtype=torch.float32) * (rank + 1) / 3
+    started = spmd.StartedMean(flat.clone(), ("a", "b"), mesh)
+    by_collective = collectives.all_reduce(flat.clone(), ("a", "b"), "mean", mesh=mesh)
+    first, second = started.wait(), started.wait()
+    tree = {"x": flat.clone(), "n": torch.tensor([rank]), "h": flat[:2].clone().half()}
+    leaf_means = spmd.StartedLeafMeans(tree, mesh, ("a", "b")).wait()
+    old = {"kept": torch.ones(2), "new": torch.zeros(2)}
+    new = {"kept": old["kept"], "new": torch.full((2,), float(rank))}
+    buffers = spmd.StartedBufferMeans(old, new, mesh, "a")
+    holds = buffers.holds(new), buffers.holds({**new, "new": new["new"].clone()})
+    return first, second is first, by_collective, leaf_means, buffers.wait(), holds, rank
+
+
+def test_started_means_equal_the_collectives():
+    for first, again, expected, leaf_means, buffers, holds, rank in run_spmd(_started_means, 4):
+        assert again  # a second wait returns the same means
+        assert torch.equal(first, expected)
+        assert torch.equal(leaf_means["x"], expected)
+        assert leaf_means["h"].dtype == torch.float16
+        assert torch.equal(leaf_means["n"], torch.tensor([rank]))  # an integer leaf: kept
+        # Along axis "a" of the 2 x 2 mesh, rank r pairs with r + 2: the mean of r % 2 and
+        # r % 2 + 2. The buffer returned as the very tensor it was given is not sent.
+        assert torch.equal(buffers["new"], torch.full((2,), rank % 2 + 1.0))
+        assert torch.equal(buffers["kept"], torch.ones(2))
+        assert holds == (True, False)
+
+
+def test_step_means_use_only_the_values_they_began_on():
+    # One process: a mesh of size 1, so every mean is the value itself, with no collective.
+    mesh = fs.Mesh(dp=1)
+    means = step_means.StepMeans(mesh, ("dp",))
+    loss, other = torch.tensor(2.0), torch.tensor(3.0)
+    old, new = {"b": torch.zeros(2)}, {"b": torch.ones(2)}
+    means.after_forward(loss, {"m": other, "n": 4}, old, new)
+    detached = loss.detach()
+    means.returned_loss(detached)
+    metrics = {"loss": detached, "m": torch.tensor(3.0), "n": 4}  # "m" replaced after
+    averaged = step_means.mean_metrics(metrics, means)
+    assert averaged["loss"] is not detached and torch.equal(averaged["loss"], detached)
+    assert averaged["m"] is metrics["m"] and averaged["n"] == 4  # not the value begun on
+    assert torch.equal(step_means.mean_buffers(old, new, means)["b"], new["b"])
+    names = {"a": torch.tensor(1.0), "i": torch.tensor(1), "v": torch.ones(2), "f": 1.0}
+    assert step_means.scalar_metric_names(names) == ["a"]
+    means.finish()
