@@ -35,6 +35,7 @@ batches, so their figures can be read side by side.
 from __future__ import annotations
 
 import cProfile
+import ctypes
 import json
 import math
 import os
@@ -303,6 +304,29 @@ def reset_peak_rss() -> bool:
 
 # --------------------------------------------------------------------------------------------
 # The machine
+
+
+# mallopt's parameter numbers in glibc's malloc.h.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_heap() -> bool:
+    """Make glibc keep freed memory for reuse in this process; whether it could.
+
+    By default glibc serves blocks above its mmap threshold with fresh mappings and gives the
+    top of its heap back to the system when more than twice that is free; a training step that
+    frees its activations then takes new zero-filled pages (page faults) for them in the next
+    step, and how many depends on the order of the frees, not on the work. With the mmap
+    threshold at glibc's maximum (32 MiB on 64-bit) and the trim threshold at 1 GiB, each process
+    reuses its freed memory, as a caching allocator (CUDA's, jemalloc's) would. Call it first
+    thing in each rank, before any tensor is made.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    mapped = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+    return bool(mapped) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 
 def _cpu_jiffies() -> tuple[int, int] | None:

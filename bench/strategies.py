@@ -1,7 +1,7 @@
 """Benchmark: the step time of every fscale strategy beside its peers, one run per model and ranks.
 
 Usage: ``python bench/strategies.py [--quick] [--ranks N ...] [--models gpt cnn] [--rounds N]
-[--warmup N]``
+[--warmup N] [--keep-heap]``
 
 For each model (the GPT language model of `_util.gpt_config`, 8 sequences per rank, and the
 ResNet of ``bench/oss.py``, 32 images per rank) and each number of gloo ranks (default 2 and 4,
@@ -25,8 +25,11 @@ Reported per variant: median step time with its IQR and the global mean loss aft
 step; per strategy: the ratio of its median to the median of the peer issue 11 names (ZeRO-2
 and DDP against torch DDP, ZeRO-3 against FSDP2, remat against torch's checkpoint), the median
 of the round-by-round ratios, and whether the goal (<= 1.00x; ZeRO-3 <= 0.95x) is met, judged
-on the ratio of medians. ``--quick``: the small models, 4 timed rounds after 2. Writes
-``bench/results/strategies.json``.
+on the ratio of medians. ``--quick``: the small models, 4 timed rounds after 2. ``--keep-heap``:
+every rank first makes glibc keep the memory it frees for reuse (`_util.keep_heap`), so no
+variant's time depends on how its frees order the heap (with glibc's defaults a step that frees
+its activations takes fresh zero-filled pages for them in the next one). Writes
+``bench/results/strategies.json`` (``strategies_keep_heap.json``).
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ def variants_for(model: str, with_fairscale: bool) -> list[str]:
 
 def rank_main(model: str, names: list[str], options: dict[str, Any]) -> dict[str, Any]:
     """One rank: build the variants, time them interleaved, then reduce their last losses."""
+    if options["keep_heap"] and not _util.keep_heap():
+        raise RuntimeError("--keep-heap: glibc's mallopt refused the thresholds")
     torch.set_num_threads(1)
     fs.distributed.set_debug(False)  # the cross-rank metadata check is a test aid, not timed
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -126,12 +131,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--models", nargs="+", default=["gpt", "cnn"], choices=["gpt", "cnn"])
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first")
+    parser.add_argument(
+        "--keep-heap",
+        action="store_true",
+        help="every rank keeps its freed memory for reuse (glibc thresholds; see _util.keep_heap)",
+    )
     args = parser.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (4 if args.quick else 20)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     if rounds < 1 or warmup < 0 or any(n < 1 for n in args.ranks):
         parser.error("--rounds and every --ranks must be >= 1, --warmup >= 0")
-    options = {"quick": args.quick, "rounds": rounds, "warmup": warmup}
+    options = {"quick": args.quick, "rounds": rounds, "warmup": warmup, "keep_heap": args.keep_heap}
     fairscale = _variants.fairscale_status()
     deepspeed = _variants.deepspeed_status()
     for reason in (fairscale, deepspeed):
@@ -226,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"{rounds} interleaved rounds after {warmup}; a round's time is its slowest rank's; "
         "ratio = fscale median / peer median"
+        + ("; freed memory kept for reuse (--keep-heap)" if args.keep_heap else "")
     )
     payload = {
         "options": {**options, "ranks": args.ranks, "models": args.models},
@@ -233,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "deepspeed": deepspeed or "imported (no DeepSpeed variant is built)",
         "runs": runs,
     }
-    path = _util.write_results("strategies", payload)
+    path = _util.write_results("strategies_keep_heap" if args.keep_heap else "strategies", payload)
     print(f"wrote {path}")
     return payload
 

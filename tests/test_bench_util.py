@@ -267,3 +267,35 @@ def test_profile_against_names_the_extra_op():
     assert calls == {"plain": 8, "more": 8}  # the same calls, unprofiled
     with pytest.raises(ValueError, match=r"no variants named \['missing'\]"):
         util.profile_against(variants, "plain", ["missing"], rounds=1)
+
+
+_KEEP_HEAP = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("bench_util", sys.argv[1])
+util = importlib.util.module_from_spec(spec)
+sys.modules["bench_util"] = util
+spec.loader.exec_module(util)
+
+def kept_after_free(size):
+    block = bytearray(size)  # zero-filled: every page touched
+    held = util.rss_bytes()
+    del block
+    return (util.rss_bytes() - held + size) / size  # 1.0: all of it is still resident
+
+before = kept_after_free(8 << 20)  # glibc's default: a fresh mapping, unmapped when freed
+ok = util.keep_heap()
+after = kept_after_free(16 << 20)  # from the heap, which keeps it
+print(before, ok, after)
+"""
+
+
+def test_keep_heap_keeps_freed_memory_resident():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's mallopt: Linux only")
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _KEEP_HEAP, str(_PATH)], capture_output=True, text=True, check=True
+    )
+    before, ok, after = out.stdout.split()
+    assert float(before) < 0.2 and ok == "True" and float(after) > 0.8, out.stdout

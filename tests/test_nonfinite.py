@@ -224,3 +224,23 @@ def test_a_nan_in_one_pipeline_stage_skips_or_raises_on_every_stage():
     for rank, outcome, message in run_spmd(_pipeline_with_a_bad_last_stage, 2, "raise"):
         assert outcome == "raised", rank
         assert "rank(s) 1 of the step's mesh" in message
+
+
+def _agree_over_more_axes_than_the_data_axes():
+    rank = dist.get_rank()
+    mesh = fs.Mesh(pp=2, dp=2)  # rank = 2 * pp index + dp index
+    used = [rank == 0, rank == 3, False]
+    together = nonfinite.agree(rank == 3, used, mesh, ("dp",), verdict_axes=("dp",))
+    apart = nonfinite.agree(rank == 3, used, mesh, ("dp",), verdict_axes=("pp", "dp"))
+    return rank, together, apart
+
+
+def test_the_verdict_spans_its_axes_and_the_usage_mask_the_data_axes():
+    for rank, together, apart in run_spmd(_agree_over_more_axes_than_the_data_axes, 4):
+        # Over the data axis alone, only rank 3's dp group (ranks 2 and 3) sees the NaN.
+        assert together.nonfinite_ranks == ((1,) if rank >= 2 else ())
+        # Over the whole mesh every rank sees it, at rank 3's row-major index.
+        assert apart.nonfinite_ranks == (3,)
+        # The usage mask is agreed over "dp" only, in both: ranks 0-1 used leaf 0, ranks 2-3 leaf 1.
+        expected = (True, False, False) if rank < 2 else (False, True, False)
+        assert together.used == apart.used == expected
