@@ -59,8 +59,35 @@ class Bucket:
     def numel(self) -> int:
         return self.layout.numel
 
+    @functools.cached_property
+    def placements(self) -> list[tuple[torch.Size, tuple[int, ...], int]]:
+        """Per slot, ``(shape, contiguous strides, offset)`` of its leaf in the bucket's buffer:
+        one ``as_strided`` call makes the leaf's view (buckets are built once per model and
+        reused every step, so this is computed once)."""
+        layout = self.layout
+        return [
+            (shape, torch.empty(shape, device="meta").stride(), offset)
+            for shape, offset in zip(layout.shapes, layout.offsets)
+        ]
+
     def __repr__(self) -> str:
         return f"Bucket({self.index}, leaves={self.leaf_indices}, {self.layout.numel} elements)"
+
+
+# One stride-0 zero per (shape, dtype, device), handed to autograd in place of every gradient
+# whose only copy is its bucket: made once, not once per leaf and step.
+_ZEROS: dict[tuple[torch.Size, torch.dtype, torch.device], torch.Tensor] = {}
+_MAX_ZEROS = 4096
+
+
+def _zero_like(grad: torch.Tensor) -> torch.Tensor:
+    key = (grad.shape, grad.dtype, grad.device)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        if len(_ZEROS) >= _MAX_ZEROS:
+            _ZEROS.clear()
+        zero = _ZEROS[key] = grad.new_zeros(()).expand(grad.shape)
+    return zero
 
 
 def assign_buckets(
@@ -218,8 +245,6 @@ class GradBuckets:
         self._pending = [len(b.leaf_indices) for b in self.buckets]
         self._next_ready = 0  # buckets before this one have been handed to `on_ready`
         self._trailing: torch.Tensor | None = None
-        # The stride-0 zero each hook hands autograd when gradients stay only in the buckets.
-        self._zero: torch.Tensor | None = None
 
     def fold(self, values: torch.Tensor) -> None:
         """Place the 1-D `values` after the last bucket's elements in its buffer.
@@ -253,37 +278,42 @@ class GradBuckets:
         return [None if where is None else self._make_hook(*where) for where in self._where]
 
     def _make_hook(self, bucket_index: int, slot: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        shape, stride, offset = self.buckets[bucket_index].placements[slot]
+
         def hook(grad: torch.Tensor) -> torch.Tensor:
-            return self._deliver(bucket_index, slot, grad)
+            return self._deliver(bucket_index, slot, grad, shape, stride, offset)
 
         return hook
 
-    def _deliver(self, bucket_index: int, slot: int, grad: torch.Tensor) -> torch.Tensor:
-        if self._delivered[bucket_index][slot]:
+    def _deliver(
+        self,
+        bucket_index: int,
+        slot: int,
+        grad: torch.Tensor,
+        shape: torch.Size,
+        stride: tuple[int, ...],
+        offset: int,
+    ) -> torch.Tensor:
+        delivered = self._delivered[bucket_index]
+        if delivered[slot]:
             # A second call would complete the bucket while another leaf is still unwritten.
             raise RuntimeError(
                 f"GradBuckets: the gradient of leaf {self.buckets[bucket_index].leaf_indices[slot]}"
                 " arrived twice; a collector serves exactly one backward pass"
             )
-        layout = self.buckets[bucket_index].layout
         data = self._data[bucket_index]
         if data is None:
             data = self._allocate(bucket_index)
-        offset, numel = layout.offsets[slot], layout.numels[slot]
-        target = data[offset : offset + numel].view(layout.shapes[slot])
+        target = data.as_strided(shape, stride, offset)
         target.copy_(grad)
         if self.initial is not None:
             target.add_(self.initial[self.buckets[bucket_index].leaf_indices[slot]])
-        self._delivered[bucket_index][slot] = True
-        self._pending[bucket_index] -= 1
-        if self._pending[bucket_index] == 0 and bucket_index == self._next_ready:
+        delivered[slot] = True
+        pending = self._pending[bucket_index] - 1
+        self._pending[bucket_index] = pending
+        if pending == 0 and bucket_index == self._next_ready:
             self._hand_out_ready()
-        if self.keep_grads:
-            return target
-        zero = self._zero
-        if zero is None or zero.dtype != grad.dtype or zero.device != grad.device:
-            zero = self._zero = grad.new_zeros(())
-        return zero.expand(grad.shape)
+        return target if self.keep_grads else _zero_like(grad)
 
     def _allocate(self, bucket_index: int) -> torch.Tensor:
         """A new buffer for a bucket: the padding zeroed, the folded values after the last."""
