@@ -169,3 +169,19 @@ def test_fold_places_values_after_the_last_bucket():
     unused.fold(torch.tensor([5.0]))
     unused.flush()  # no gradient arrived: the folded value still travels
     assert flushed[-1].tolist() == [0.0] * last.numel + [5.0]
+
+
+def test_bucket_views_equal_the_layout_views_and_zeros_are_shared():
+    leaves = [torch.zeros(2, 3), torch.zeros(5), torch.zeros(1, 4)]
+    (bucket,) = assign_buckets(leaves, 1 << 20, num_shards=4)
+    flat = torch.arange(40.0)[3 : 3 + bucket.numel]  # a buffer that starts inside its storage
+    for view, expected in zip(bucket.views(flat), bucket.layout.views(flat)):
+        assert view.shape == expected.shape and torch.equal(view, expected)
+        assert view.data_ptr() == expected.data_ptr()  # a view, not a copy
+    # Gradients kept only in the buckets: autograd gets one stride-0 zero per shape.
+    collector = GradBuckets([bucket], 3, lambda b, d: None, keep_grads=False)
+    hooks = collector.hooks()
+    zeros = [hook(torch.ones(leaf.shape)) for hook, leaf in zip(hooks, leaves)]
+    assert all(z.stride() == (0,) * z.dim() and not z.any() for z in zeros)
+    again = GradBuckets([bucket], 3, lambda b, d: None, keep_grads=False).hooks()[0]
+    assert again(torch.ones(2, 3)) is zeros[0]

@@ -70,6 +70,14 @@ class Bucket:
             for shape, offset in zip(layout.shapes, layout.offsets)
         ]
 
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The leaves' views of `flat` (a buffer of this bucket's layout), in slot order."""
+        base = flat.storage_offset()
+        return [
+            flat.as_strided(shape, stride, base + offset)
+            for shape, stride, offset in self.placements
+        ]
+
     def __repr__(self) -> str:
         return f"Bucket({self.index}, leaves={self.leaf_indices}, {self.layout.numel} elements)"
 

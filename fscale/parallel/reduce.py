@@ -301,7 +301,7 @@ class _AllReduceSession:
             if self.num_folded and bucket.index == len(self.buckets) - 1:
                 assert isinstance(pending, BucketPending)  # folding has no reduction hook
                 self.folded = pending.trailing
-            for leaf_index, view in zip(bucket.leaf_indices, bucket.layout.views(flat)):
+            for leaf_index, view in zip(bucket.leaf_indices, bucket.views(flat)):
                 reduced[leaf_index] = view
         if self.reducer.hook_out is not None:
             self.reducer.hook_out["states"] = tuple(
