@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import cProfile
 import ctypes
+import gc
 import json
 import math
 import os
@@ -43,6 +44,7 @@ import platform
 import pstats
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +59,8 @@ __all__ = [
     "format_table",
     "gpt_config",
     "interleave",
+    "keep_heap",
+    "live_tensor_bytes",
     "lm_batch",
     "paired_ratios",
     "peak_rss_bytes",
@@ -304,6 +308,31 @@ def reset_peak_rss() -> bool:
 
 # --------------------------------------------------------------------------------------------
 # The machine
+
+
+def live_tensor_bytes(device: str = "cpu") -> int:
+    """Bytes of every storage that a live tensor on `device` views, each storage counted once.
+
+    Found by walking the garbage collector's objects after a collection: what the process
+    holds in tensors, whatever the allocator keeps besides (resident memory includes freed
+    blocks that the heap retains).
+    """
+    import torch
+
+    gc.collect()
+    storages: dict[int, int] = {}
+    with warnings.catch_warnings():  # some objects warn when their class is looked at
+        warnings.simplefilter("ignore")
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in objects:
+        if obj.device.type != device:
+            continue
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue  # a wrapper subclass (DTensor): its local tensor is counted itself
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 # mallopt's parameter numbers in glibc's malloc.h.

@@ -22,7 +22,9 @@ memory (``VmHWM``) is that variant's alone. The strategies and their peers:
   DDP + checkpoint`` (``torch.utils.checkpoint``, non-reentrant).
 
 Per rank: the resident memory after two warm-up steps (the state at rest, the module and the
-batches included), the peak over the following steps, and for the fscale variants the peak of
+batches included) and the bytes its live tensors hold then (`_util.live_tensor_bytes`: the
+state, the module and the batches, without the memory the allocator keeps), the peak over
+the following steps, and for the fscale variants the peak of
 the gradient phase and of the update phase of one step (``step.gradients`` /
 ``step.apply_gradients``) above the memory before it. Then, per strategy, each fscale variant
 beside its best peer (the one with the lowest peak; a peak is the highest over the ranks) and
@@ -92,12 +94,14 @@ def rank_main(variant: str, options: dict[str, Any]) -> dict[str, Any]:
     run()
     dist.barrier()
     at_rest = _util.rss_bytes()
+    live_at_rest = _util.live_tensor_bytes()
     _util.reset_peak_rss()
     for _ in range(steps):
         run()
     result = {
         "rank": rank,
         "at_rest_mib": at_rest / MIB,
+        "live_at_rest_mib": live_at_rest / MIB,
         "peak_mib": _util.peak_rss_bytes() / MIB,
         "peak_above_rest_mib": (_util.peak_rss_bytes() - at_rest) / MIB,
     }
@@ -212,12 +216,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     print(
         _util.format_table(
-            ["variant", "peak MiB", "at rest MiB", "peak - rest", "gradients +", "update +"],
+            [
+                "variant",
+                "peak MiB",
+                "at rest MiB",
+                "tensors at rest",
+                "peak - rest",
+                "gradients +",
+                "update +",
+            ],
             [
                 [
                     row["variant"],
                     ranks(row, "peak_mib"),
                     ranks(row, "at_rest_mib"),
+                    ranks(row, "live_at_rest_mib"),
                     ranks(row, "peak_above_rest_mib"),
                     ranks(row, "gradient_phase_peak_mib"),
                     ranks(row, "update_phase_peak_mib"),
@@ -226,7 +239,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ],
         )
     )
-    print("each cell: rank 0 / rank 1 / ...; MiB of resident memory (VmRSS / VmHWM)")
+    print(
+        "each cell: rank 0 / rank 1 / ...; MiB of resident memory (VmRSS / VmHWM); tensors at "
+        "rest: MiB of the storages live tensors view (_util.live_tensor_bytes)"
+    )
     comparison = verdicts(rows, absent)
     print()
     print(

@@ -299,3 +299,12 @@ def test_keep_heap_keeps_freed_memory_resident():
     )
     before, ok, after = out.stdout.split()
     assert float(before) < 0.2 and ok == "True" and float(after) > 0.8, out.stdout
+
+
+def test_live_tensor_bytes_counts_each_storage_once():
+    before = util.live_tensor_bytes()
+    block = torch.zeros(1 << 20)  # 4 MiB
+    views = [block[:10], block.view(1024, 1024)]  # no storage of their own
+    assert util.live_tensor_bytes() - before == 4 << 20
+    del block, views
+    assert util.live_tensor_bytes() == before
