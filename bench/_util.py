@@ -329,9 +329,10 @@ def live_tensor_bytes(device: str = "cpu") -> int:
             continue
         try:
             storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
         except (RuntimeError, NotImplementedError):
-            continue  # a wrapper subclass (DTensor): its local tensor is counted itself
-        storages[storage.data_ptr()] = storage.nbytes()
+            continue  # a wrapper subclass (DTensor, whose local tensor counts itself) or a
+            # tensor without valid storage of its own
     return sum(storages.values())
 
 
