@@ -268,8 +268,9 @@ def _live_leaves(leaves: list[torch.Tensor], hooks: list[Any]) -> list[torch.Ten
     """Aliases of `leaves` that require grad, with `hooks` registered on them.
 
     Under torch.compile this runs outside the graph, as one call: Dynamo cannot make a traced
-    tensor require grad, and tracing a hook's registration (which writes the reducer's state)
-    makes it run the whole calling frame eagerly, the trees' structures in it included.
+    tensor require grad, and a hook that writes the reducer's state makes it give up on the
+    frame that registers it; run eagerly, that frame would unflatten with the stand-in treedef
+    of the traced caller, which fails outside a graph (torch 2.13: "length mismatch").
     """
     live = [leaf.detach().requires_grad_(True) for leaf in leaves]
     for leaf, hook in zip(live, hooks):

@@ -6,6 +6,10 @@ this rank's fragments; the new shards all-gathered into fresh full parameter buc
 algorithm, traffic, memory and numerics are described in `fscale.parallel.zero`; the buckets'
 layout in `fscale.parallel.bucket_layout`; how the optimizer state is converted to and from its
 full form in `fscale.parallel.opt_state`.
+
+Under torch.compile the forward is compiled; the state check and the update (optimizer and
+all-gathers) each run outside the graph as one call, and the reduce-scatters start from the
+gradient hooks, eagerly, as backward runs.
 """
 
 from __future__ import annotations
@@ -86,10 +90,9 @@ class ZeroOptimizer:
         return optimizer.init(owned, sharding=self.sharding(treedef))
 
     # Under torch.compile the whole update runs outside the graph, as one call: its all-gathers
-    # end a graph anyway (c10d on gloo), the optimizer's apply already runs eagerly, and the
-    # trees rebuilt after them need optree's own treedef (Dynamo's stand-in for one, held across
-    # a break, is rebuilt wrongly: "length mismatch" when unflattening). The treedef is taken
-    # from the params here, eagerly, not from the traced code.
+    # on gloo end a graph anyway and the optimizer's apply runs eagerly already. The trees it
+    # rebuilds take their treedef from the params here: a treedef made in the graph is
+    # Dynamo's stand-in, which fails outside it (torch 2.13: "length mismatch" unflattening).
     @torch.compiler.disable(recursive=True)
     def apply(self, optimizer, grads, opt_state, params, *, donate):
         flats, owned, treedef = self._owned(params)
