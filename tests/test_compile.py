@@ -27,6 +27,7 @@ import fscale as fs
 from fscale import purity, tree
 from fscale.functional import buffers as buffers_lib
 from fscale.functional import rng
+from fscale.parallel import bucket_layout
 
 ROOT = Path(fs.__file__).resolve().parent
 
@@ -185,6 +186,19 @@ def test_same_structure_compares_a_traced_treedef_with_an_eager_one() -> None:
     compiled = torch.compile(_compare_inside_a_graph, backend="eager")
     assert compiled(outside, value)
     assert not compiled(outside, {"a": torch.ones(1)})
+
+
+def _layout_inside_a_graph(params: dict) -> object:
+    return bucket_layout.layout_of(params, 1 << 20, 2)[0]
+
+
+def test_bucket_layout_inside_a_graph_is_the_cached_one() -> None:
+    # Dynamo reads the cache: the graph holds no layout of its own (no meta tensors in it).
+    params = {"w": torch.ones(3, 5), "b": torch.ones(7)}
+    eager = bucket_layout.layout_of(params, 1 << 20, 2)[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(_layout_inside_a_graph, backend="eager", fullgraph=True)
+    assert compiled(params) is eager
 
 
 def test_seed_generators_draw_as_seeded_by_and_restore_the_ambient_ones() -> None:

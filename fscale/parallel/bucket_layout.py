@@ -173,7 +173,7 @@ def _new_layout(
         groups.extend([indices[j] for j in bucket.leaf_indices] for bucket in buckets)
     layout = BucketLayout(signature, groups, num_shards)
     if len(_LAYOUTS) >= _MAX_LAYOUTS:
-        del _LAYOUTS[next(iter(_LAYOUTS))]
+        _LAYOUTS.pop(next(iter(_LAYOUTS)), None)
     _LAYOUTS[key] = layout
     return layout
 
