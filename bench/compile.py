@@ -1,7 +1,7 @@
 """Benchmark: the fscale step under torch.compile against eager fscale and eager / compiled torch.
 
 Usage: ``python bench/compile.py [--quick] [--steps N] [--warmup N] [--ranks 1 2]
-[--models gpt cnn]``
+[--models gpt cnn] [--plans data_parallel shard_optimizer]``
 
 Models: `fscale.models.GPT` (shape from `_util.gpt_config`, batch 8) and `fscale.models.ResNet`
 (widths 16-32-64, 32x32 images, batch 32), dropout 0, every variant built from seed 0 and fed
@@ -13,7 +13,10 @@ the same batches. Variants, each with AdamW (lr 1e-3):
   torch's fused AdamW does not compile on CPU, see below);
 * ``fscale eager``: ``fscale.train_step(loss_fn, fscale.optim.adamw(lr), donate=True)`` (2
   ranks: under ``fscale.data_parallel``);
-* ``fscale compiled``: ``torch.compile`` of that step.
+* ``fscale compiled``: ``torch.compile`` of that step;
+* on several ranks with ``--plans shard_optimizer``: ``fscale ZeRO-2 eager`` and
+  ``fscale ZeRO-2 compiled``, the same step under ``fscale.shard_optimizer`` instead of
+  ``data_parallel`` (gradients reduce-scattered during backward, optimizer state sharded).
 
 Compile time is reported apart from the step time: it is the first call's duration minus the
 variant's steady-state median. Steady-state steps run interleaved round by round
@@ -93,10 +96,14 @@ class TorchVariant:
         return [p.detach() for p in self.module.parameters()]
 
 
-class FscaleVariant:
-    """fscale.train_step over the functionalized module (data_parallel on several ranks)."""
+PLANS = {"data_parallel": fs.data_parallel, "shard_optimizer": fs.shard_optimizer}
+LABELS = {"data_parallel": "fscale", "shard_optimizer": "fscale ZeRO-2"}
 
-    def __init__(self, build, batch, loss, *, compiled: bool) -> None:
+
+class FscaleVariant:
+    """fscale.train_step over the functionalized module (`plan` on several ranks)."""
+
+    def __init__(self, build, batch, loss, *, compiled: bool, plan: str = "data_parallel") -> None:
         apply, params, buffers = fs.functionalize(build())
 
         def loss_fn(params, buffers, batch, key):
@@ -105,7 +112,7 @@ class FscaleVariant:
 
         step = fs.train_step(loss_fn, fs.optim.adamw(LEARNING_RATE), donate=True)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            step = fs.data_parallel(step, fs.Mesh(dp=dist.get_world_size()))
+            step = PLANS[plan](step, fs.Mesh(dp=dist.get_world_size()))
         self.state = step.init(params, buffers)
         self.step = torch.compile(step) if compiled else step
         self.batch, self.calls = batch, 0
@@ -126,20 +133,24 @@ def _local_batch(batch: Callable[[int], Any]) -> Callable[[int], Any]:
     return lambda index: tuple(t.chunk(world)[rank] for t in batch(index))
 
 
-def run_model(name: str, quick: bool, steps: int, warmup: int) -> dict[str, Any]:
-    """Time the four variants on model `name` in this process (one rank of the group)."""
+def run_model(name: str, quick: bool, steps: int, warmup: int, plans: list[str]) -> dict[str, Any]:
+    """Time the variants on model `name` in this process (one rank of the group)."""
     build, batch, loss = MODELS[name](quick)
     batch = _local_batch(batch)
     barrier = dist.barrier if dist.is_initialized() else None
     variants: dict[str, Any] = {}
     first_call: dict[str, float] = {}
-    for label, kind, compiled in [
-        ("torch eager", TorchVariant, False),
-        ("torch compiled", TorchVariant, True),
-        ("fscale eager", FscaleVariant, False),
-        ("fscale compiled", FscaleVariant, True),
-    ]:
-        variant = kind(build, batch, loss, compiled=compiled)
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    variant_kinds: list[tuple[str, Any, dict[str, Any]]] = [
+        ("torch eager", TorchVariant, {"compiled": False}),
+        ("torch compiled", TorchVariant, {"compiled": True}),
+    ]
+    for plan in plans if several else ["data_parallel"]:
+        for compiled in (False, True):
+            label = f"{LABELS[plan]} {'compiled' if compiled else 'eager'}"
+            variant_kinds.append((label, FscaleVariant, {"compiled": compiled, "plan": plan}))
+    for label, kind, options in variant_kinds:
+        variant = kind(build, batch, loss, **options)
         start = time.perf_counter()
         variant()  # compiles the compiled variants
         first_call[label] = time.perf_counter() - start
@@ -172,9 +183,11 @@ def run_model(name: str, quick: bool, steps: int, warmup: int) -> dict[str, Any]
     return {"rows": rows, "load": load.as_dict()}
 
 
-def _rank_main(models: list[str], quick: bool, steps: int, warmup: int) -> list[dict[str, Any]]:
+def _rank_main(
+    models: list[str], quick: bool, steps: int, warmup: int, plans: list[str]
+) -> list[dict[str, Any]]:
     warnings.filterwarnings("ignore")
-    return [run_model(name, quick, steps, warmup) for name in models]
+    return [run_model(name, quick, steps, warmup, plans) for name in models]
 
 
 def main() -> None:
@@ -184,15 +197,29 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds after compiling")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="world sizes")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument(
+        "--plans",
+        nargs="+",
+        default=["data_parallel"],
+        choices=list(PLANS),
+        help="fscale plans timed on several ranks",
+    )
     args = parser.parse_args()
     results = []
     for world in args.ranks:
         if world == 1:
-            per_model = _rank_main(args.models, args.quick, args.steps, args.warmup)
+            per_model = _rank_main(args.models, args.quick, args.steps, args.warmup, args.plans)
         else:
-            # Each rank compiles four variants: minutes on a small, shared machine.
+            # Each rank compiles two variants per plan and torch's: minutes on a small machine.
             per_model = fs.launch(
-                _rank_main, world, args.models, args.quick, args.steps, args.warmup, timeout=1800.0
+                _rank_main,
+                world,
+                args.models,
+                args.quick,
+                args.steps,
+                args.warmup,
+                args.plans,
+                timeout=1800.0 * len(args.plans),
             )[0]
         results.extend(
             {"ranks": world, **row, "load": outcome["load"]}

@@ -239,6 +239,22 @@ def _weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
     return loss if weight == 1.0 else loss * weight
 
 
+@torch.compiler.disable(recursive=True)
+def _live_leaves(leaves: list[torch.Tensor], hooks: list[Any]) -> list[torch.Tensor]:
+    """Aliases of `leaves` that require grad, with `hooks` registered on them.
+
+    Under torch.compile this runs outside the graph, as one call: Dynamo cannot make a traced
+    tensor require grad, and a hook that writes the reducer's state makes it give up on the
+    frame that registers it; run eagerly, that frame would unflatten with the stand-in treedef
+    of the traced caller, which fails outside a graph (torch 2.13: "length mismatch").
+    """
+    live = [leaf.detach().requires_grad_(True) for leaf in leaves]
+    for leaf, hook in zip(live, hooks):
+        if hook is not None:
+            leaf.register_hook(hook)
+    return live
+
+
 def _value_and_grad_autograd(
     call_loss: Callable[[PyTree], LossOutput],
     leaves: list[torch.Tensor],
@@ -247,10 +263,7 @@ def _value_and_grad_autograd(
     weight: float,
 ) -> tuple[LossOutput, PyTree]:
     with torch.enable_grad():
-        live = [leaf.detach().requires_grad_(True) for leaf in leaves]
-        for leaf, hook in zip(live, hooks):
-            if hook is not None:
-                leaf.register_hook(hook)
+        live = _live_leaves(leaves, hooks)
         out = call_loss(tree.unflatten(treedef, live))
         if not out.loss.requires_grad:
             raise ValueError(

@@ -86,6 +86,9 @@ class BucketPending:
         self._result: torch.Tensor | None = None
         self.trailing: torch.Tensor | None = None
 
+    # Under torch.compile this runs outside the graph, as one call: it blocks on gloo's work
+    # and the watchdog's host bookkeeping, each of which would end a graph of its own.
+    @torch.compiler.disable(recursive=True)
     def wait(self) -> torch.Tensor:
         if self._result is None:
             if self._work is not None:
@@ -173,6 +176,10 @@ def _check_divides(flat: torch.Tensor, comm: Comm, axis: str, caller: str) -> No
         )
 
 
+# Under torch.compile this runs outside the graph, as one call (from a gradient hook, which
+# Dynamo compiles as a frame of its own): issuing a gloo collective and the watchdog's
+# agreement through the store would each end a graph.
+@torch.compiler.disable(recursive=True)
 def reduce_scatter_bucket_start(
     flat: torch.Tensor, axis: str, mesh: Mesh, *, trailing: int = 0
 ) -> BucketPending | Pending:

@@ -12,7 +12,6 @@ buffers, and each rank's fragments of them.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -145,8 +144,18 @@ def _enclosing_flat(layout: FlatBuffer, leaves: Sequence[torch.Tensor]) -> torch
     return first.as_strided((layout.numel,), (1,), base)
 
 
-@functools.lru_cache(maxsize=32)
-def _cached_layout(
+# Layouts by (signature, order of use, bucket bytes, shards), the oldest dropped beyond
+# `_MAX_LAYOUTS`. A dict, not functools.lru_cache: under torch.compile Dynamo looks a key up in a
+# dict (guarding on it) and takes the layout built eagerly, while it traces an lru_cache'd
+# function as if it had no cache, building the layout's meta tensors in the graph (which
+# inductor rejects).
+_LAYOUTS: dict[tuple[Any, ...], BucketLayout] = {}
+_MAX_LAYOUTS = 32
+
+
+@torch.compiler.disable(recursive=True)
+def _new_layout(
+    key: tuple[Any, ...],
     signature: tuple[tuple[torch.Size, torch.dtype, torch.device], ...],
     order: tuple[int, ...],
     bucket_bytes: int,
@@ -162,7 +171,11 @@ def _cached_layout(
         ]
         buckets = assign_buckets(stand_ins, bucket_bytes, num_shards, order=range(len(indices)))
         groups.extend([indices[j] for j in bucket.leaf_indices] for bucket in buckets)
-    return BucketLayout(signature, groups, num_shards)
+    layout = BucketLayout(signature, groups, num_shards)
+    if len(_LAYOUTS) >= _MAX_LAYOUTS:
+        _LAYOUTS.pop(next(iter(_LAYOUTS)), None)
+    _LAYOUTS[key] = layout
+    return layout
 
 
 def layout_of(params: PyTree, bucket_bytes: int, num_shards: int) -> tuple[BucketLayout, Any]:
@@ -180,4 +193,8 @@ def layout_of(params: PyTree, bucket_bytes: int, num_shards: int) -> tuple[Bucke
     leaves, treedef = tree.flatten(params)
     signature = tuple((leaf.shape, leaf.dtype, leaf.device) for leaf in leaves)
     order = tuple(forward_order(params))
-    return _cached_layout(signature, order, bucket_bytes, num_shards), treedef
+    key = (signature, order, bucket_bytes, num_shards)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _new_layout(key, signature, order, bucket_bytes, num_shards)
+    return layout, treedef

@@ -6,6 +6,10 @@ this rank's fragments; the new shards all-gathered into fresh full parameter buc
 algorithm, traffic, memory and numerics are described in `fscale.parallel.zero`; the buckets'
 layout in `fscale.parallel.bucket_layout`; how the optimizer state is converted to and from its
 full form in `fscale.parallel.opt_state`.
+
+Under torch.compile the forward is compiled; the state check and the update (optimizer and
+all-gathers) each run outside the graph as one call, and the reduce-scatters start from the
+gradient hooks, eagerly, as backward runs.
 """
 
 from __future__ import annotations
@@ -62,41 +66,47 @@ class ZeroOptimizer:
     mesh: Mesh
     axis: str
     layout: BucketLayout
-    treedef: Any
 
     @property
     def rank(self) -> int:
         return self.mesh.rank(self.axis)
 
-    def sharding(self) -> Sharding:
+    def sharding(self, treedef: Any) -> Sharding:
+        """The fragments' places in a params tree of structure `treedef`, and the all-reduce."""
         mesh, axis = self.mesh, self.axis
         return Sharding(
-            tree.unflatten(self.treedef, self.layout.fragments(self.rank)),
+            tree.unflatten(treedef, self.layout.fragments(self.rank)),
             lambda t: collectives.all_reduce(t, axis, "sum", mesh=mesh),
         )
 
-    def _owned(self, params: PyTree) -> tuple[list[torch.Tensor], PyTree]:
-        flats = self.layout.flats_of(tree.leaves(params))
+    def _owned(self, params: PyTree) -> tuple[list[torch.Tensor], PyTree, Any]:
+        leaves, treedef = tree.flatten(params)
+        flats = self.layout.flats_of(leaves)
         owned = self.layout.fragment_views(self.rank, self.layout.owned(self.rank, flats))
-        return flats, tree.unflatten(self.treedef, owned)
+        return flats, tree.unflatten(treedef, owned), treedef
 
     def init(self, optimizer: optim_lib.Optimizer, params: PyTree) -> PyTree:
-        _, owned = self._owned(params)
-        return optimizer.init(owned, sharding=self.sharding())
+        _, owned, treedef = self._owned(params)
+        return optimizer.init(owned, sharding=self.sharding(treedef))
 
+    # Under torch.compile the whole update runs outside the graph, as one call: its all-gathers
+    # on gloo end a graph anyway and the optimizer's apply runs eagerly already. The trees it
+    # rebuilds take their treedef from the params here: a treedef made in the graph is
+    # Dynamo's stand-in, which fails outside it (torch 2.13: "length mismatch" unflattening).
+    @torch.compiler.disable(recursive=True)
     def apply(self, optimizer, grads, opt_state, params, *, donate):
-        flats, owned = self._owned(params)
-        grad_fragments = tree.unflatten(self.treedef, self.layout.fragment_views(self.rank, grads))
+        flats, owned, treedef = self._owned(params)
+        grad_fragments = tree.unflatten(treedef, self.layout.fragment_views(self.rank, grads))
         new_fragments, new_opt_state = optim_lib.step(
             optimizer,
             grad_fragments,
             opt_state,
             owned,
-            sharding=self.sharding(),
+            sharding=self.sharding(treedef),
             donate=donate,
         )
         new_flats = self._gather_params(tree.leaves(new_fragments), flats, donate)
-        return tree.unflatten(self.treedef, self.layout.leaf_views(new_flats)), new_opt_state
+        return tree.unflatten(treedef, self.layout.leaf_views(new_flats)), new_opt_state
 
     def _gather_params(
         self, new_fragments: list[torch.Tensor], flats: list[torch.Tensor], donate: bool
@@ -190,7 +200,7 @@ class ShardedOptimizerPlan(Plan):
         # At rest the parameters view full bucket buffers, which the all-gather writes into.
         flats = layout.pack(tree.leaves(params))
         params = tree.unflatten(treedef, layout.leaf_views(flats))
-        role = ZeroOptimizer(self.mesh, self.axis, layout, treedef)
+        role = ZeroOptimizer(self.mesh, self.axis, layout)
         state = self.inner.init(
             step, params, buffers, key, self.context(ctx).replace(optimizer=role)
         )
@@ -199,15 +209,15 @@ class ShardedOptimizerPlan(Plan):
         )
 
     def gradients(self, step, state, batch, ctx):
-        opt_state = self._local_opt_state(step, state)
+        self._check_opt_state(step, state)
         return self.inner.gradients(
-            step, state._replace(opt_state=opt_state.shard), batch, self.context(ctx)
+            step, state._replace(opt_state=state.opt_state.shard), batch, self.context(ctx)
         )
 
     def apply_gradients(self, step, state, grads, aux, ctx):
-        layout, treedef = self._layout(state.params)
-        opt_state = self._local_opt_state(step, state, layout, treedef)
-        role = ZeroOptimizer(self.mesh, self.axis, layout, treedef)
+        layout = self._check_opt_state(step, state)
+        opt_state = state.opt_state
+        role = ZeroOptimizer(self.mesh, self.axis, layout)
         new_state, metrics = self.inner.apply_gradients(
             step,
             state._replace(opt_state=opt_state.shard),
@@ -221,10 +231,19 @@ class ShardedOptimizerPlan(Plan):
 
     # ---- checks --------------------------------------------------------------------------
 
-    def _local_opt_state(
-        self, step: Any, state: TrainState, layout: BucketLayout | None = None, treedef: Any = None
-    ) -> ShardedOptState:
-        opt_state = state.opt_state
+    # Under torch.compile the check runs outside the graph, as one call: it reads the shard
+    # count's value (a host read ends a graph anyway) and keys its spec cache by the params'
+    # treedef, which must be optree's own, not Dynamo's stand-in for it.
+    @torch.compiler.disable(recursive=True)
+    def _check_opt_state(self, step: Any, state: TrainState) -> BucketLayout:
+        """Check that `state.opt_state` is this step's sharded state; the params' layout."""
+        layout, treedef = self._layout(state.params)
+        self._check_opt_state_on(step, state.opt_state, layout, treedef)
+        return layout
+
+    def _check_opt_state_on(
+        self, step: Any, opt_state: Any, layout: BucketLayout, treedef: Any
+    ) -> None:
         if not isinstance(opt_state, ShardedOptState):
             raise ValueError(
                 "shard_optimizer: `state.opt_state` is a full (unsharded) optimizer state, "
@@ -239,8 +258,6 @@ class ShardedOptimizerPlan(Plan):
                 "fscale.shard_state(step, fscale.consolidate(old_step, state)), where old_step "
                 "is the step that made it"
             )
-        if layout is None:
-            layout, treedef = self._layout(state.params)
         expected = self._rank_spec(step, layout, treedef)
         check_state(
             "shard_optimizer",
@@ -249,7 +266,6 @@ class ShardedOptimizerPlan(Plan):
             expected,
             "it does not come from this step's init on these params",
         )
-        return opt_state
 
     def _rank_spec(self, step: Any, layout: BucketLayout, treedef: Any) -> StateSpec:
         """`_state_spec` for this rank, computed once per optimizer, layout and tree."""
@@ -266,7 +282,8 @@ class ShardedOptimizerPlan(Plan):
 
     def consolidate(self, step, state):
         layout, treedef = self._layout(state.params)
-        opt_state = self._local_opt_state(step, state, layout, treedef)
+        opt_state = state.opt_state
+        self._check_opt_state_on(step, opt_state, layout, treedef)
         full = self._state_map(step, layout, treedef).consolidate(
             opt_state.shard,
             self._rank,
