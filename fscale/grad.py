@@ -155,10 +155,7 @@ def value_and_grad(
     if session is not None:
         session.seed(accumulated)
         maps.insert(0, session.prepare)
-    means = _step_means(ctx, grad_mode)
-    # The loss and scalar metrics ride in the last gradient bucket's collective where the
-    # reducer can take them: one collective less per step.
-    fold = getattr(session, "fold", None)
+    means = _step_means(ctx, grad_mode, session)
 
     def call_loss(live_tree: PyTree) -> LossOutput:
         for fn in maps:
@@ -166,13 +163,7 @@ def value_and_grad(
         out = normalize_loss_output(loss_fn(live_tree, buffers, batch, key), buffers)
         if means is not None:
             means.after_forward(
-                out.loss,
-                out.metrics,
-                buffers,
-                out.buffers,
-                fold=fold,
-                folded=lambda: getattr(session, "folded", None),
-                scalars=accumulated is None,
+                out.loss, out.metrics, buffers, out.buffers, scalars=accumulated is None
             )
         for fn in maps:
             after_forward = getattr(fn, "after_forward", None)
@@ -205,13 +196,18 @@ def value_and_grad(
     return out._replace(means=means), grads
 
 
-def _step_means(ctx: Context | None, grad_mode: str) -> StepMeans | None:
-    """The means over the data axes this backward's forward begins (the step's last)."""
+def _step_means(ctx: Context | None, grad_mode: str, session: Any) -> StepMeans | None:
+    """The means over the data axes this backward's forward begins (the step's last).
+
+    None under torch.compile: a collective begun inside the graph would end it, and an object
+    made in the graph that outlives a graph break must be rebuilt by Dynamo, which fails for
+    one that holds the reducer's session; the step's end averages everything there.
+    """
     if ctx is None or not ctx.final or not ctx.metric_axes or ctx.metric_mesh is None:
         return None
-    if grad_mode != "autograd":
+    if grad_mode != "autograd" or torch.compiler.is_compiling():
         return None
-    return StepMeans(ctx.metric_mesh, ctx.metric_axes, start=not torch.compiler.is_compiling())
+    return StepMeans(ctx.metric_mesh, ctx.metric_axes, session=session)
 
 
 def _accumulated_leaves(accumulated: PyTree, treedef: Any) -> list[torch.Tensor]:

@@ -16,9 +16,9 @@ The collectives are the ones the end of the step would issue (`fscale.spmd.reduc
 Each mean is used only for the very values it was begun on: a metric a plan replaced after
 the gradient phase (the mean over micro-batches of `fscale.accumulate`), or buffers other than
 the ones the step returns, are averaged at the end as before. Under ``torch.compile`` and on
-the ``grad_mode="func"`` path nothing is begun early (a collective inside the graph would end
-it; under torch.func the collectives are differentiable ones, run at once); folding into the
-bucket still applies where the reducer folds.
+the ``grad_mode="func"`` path nothing is begun early and nothing rides in a bucket: the end of
+the step averages all (a collective inside the graph would end it; under torch.func the
+collectives are differentiable ones, run at once).
 """
 
 from __future__ import annotations
@@ -51,13 +51,15 @@ class StepMeans:
     Args:
         mesh: the mesh of the data axes.
         axes: the step's data axes (its metrics' axes).
-        start: whether collectives of their own may be begun (False under ``torch.compile``).
+        session: the gradient reducer's session of this backward (None: none); where it can,
+            it averages the scalars with its last bucket (``session.fold``), and holds their
+            means in ``session.folded`` once its reduction is done.
     """
 
-    def __init__(self, mesh: Mesh, axes: tuple[str, ...], *, start: bool = True) -> None:
+    def __init__(self, mesh: Mesh, axes: tuple[str, ...], *, session: Any = None) -> None:
         self.mesh = mesh
         self.axes = tuple(axes)
-        self.start = start
+        self.session = session
         self.local: dict[str, torch.Tensor] = {}
         self._stacked: Callable[[], torch.Tensor] | None = None
         self._means: dict[str, torch.Tensor] | None = None
@@ -70,30 +72,30 @@ class StepMeans:
         old_buffers: PyTree,
         new_buffers: PyTree,
         *,
-        fold: Callable[[torch.Tensor, tuple[str, ...]], bool] | None = None,
-        folded: Callable[[], torch.Tensor | None] | None = None,
         scalars: bool = True,
     ) -> None:
-        """Begin the means of the loss and scalar metrics (when `scalars`) and of the buffers.
-
-        `fold(values, axes)` offers the scalars to the gradient reducer (True: it averages them
-        with the last bucket); `folded()` then returns the averaged values once the reduction
-        is done.
-        """
+        """Begin the means of the loss and scalar metrics (when `scalars`) and of the buffers."""
+        axis = spmd.axis_arg(self.axes)
         if scalars:
             names = scalar_metric_names(metrics)
             values = [loss, *(metrics[k] for k in names)]
             stacked = torch.stack([v.detach().reshape(()).float() for v in values])
-            if fold is not None and folded is not None and fold(stacked, self.axes):
-                self._stacked = lambda: _done(folded())
-            elif self.start:
-                started = spmd.StartedMean(stacked, spmd.axis_arg(self.axes), self.mesh)
-                self._stacked = started.wait
-            if self._stacked is not None:
-                self.local = {"loss": loss, **{k: metrics[k] for k in names}}
-        if self.start:
-            axis = spmd.axis_arg(self.axes)
-            self._buffers = spmd.StartedBufferMeans(old_buffers, new_buffers, self.mesh, axis)
+            fold = getattr(self.session, "fold", None)
+            if fold is not None and fold(stacked, self.axes):
+                self._stacked = self._folded
+            else:
+                self._stacked = spmd.StartedMean(stacked, axis, self.mesh).wait
+            self.local = {"loss": loss, **{k: metrics[k] for k in names}}
+        self._buffers = spmd.StartedBufferMeans(old_buffers, new_buffers, self.mesh, axis)
+
+    def _folded(self) -> torch.Tensor:
+        values = getattr(self.session, "folded", None)
+        if values is None:
+            raise RuntimeError(
+                "StepMeans: the gradient reducer took the metrics into its last bucket but "
+                "returned no means for them"
+            )
+        return values
 
     def returned_loss(self, loss: torch.Tensor) -> None:
         """`loss` stands for the loss begun on (the detached tensor the gradient phase returns)."""
@@ -123,15 +125,6 @@ class StepMeans:
         self.metric_means()
         if self._buffers is not None:
             self._buffers.wait()
-
-
-def _done(values: torch.Tensor | None) -> torch.Tensor:
-    if values is None:
-        raise RuntimeError(
-            "StepMeans: the gradient reducer took the metrics into its last bucket but "
-            "returned no means for them"
-        )
-    return values
 
 
 def mean_metrics(metrics: dict[str, Any], means: StepMeans) -> dict[str, Any]:

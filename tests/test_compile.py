@@ -400,8 +400,6 @@ SHARD_OPTIMIZER_BREAKS = {
     # grad_bytes (as the local step) and the reducer's peak of gradient bytes, which tracks
     # storages through weak references: UntypedStorage is not traceable.
     "memory.py": 2,
-    # Mesh.size takes math.prod of a generator, which Dynamo does not trace (torch 2.13).
-    "distributed/mesh.py": 1,
 }
 
 

@@ -39,8 +39,8 @@ def _cnn_steps(strategy, early, micro_batches=1):
         step = fs.accumulate(step, micro_batches)
     state = step.init(params, buffers)
     original = grad._step_means
-    if not early:  # as under torch.compile: folding into the last bucket, no collective begun
-        grad._step_means = lambda ctx, grad_mode: _not_started(original(ctx, grad_mode))
+    if not early:  # as under torch.compile: every mean at the step's end
+        grad._step_means = lambda ctx, grad_mode, session: None
     try:
         state, _ = step(state, _batch(case, 0, rank, world))
         with fs.distributed.comm_ledger() as ledger:
@@ -50,12 +50,6 @@ def _cnn_steps(strategy, early, micro_batches=1):
     floating = sum(b.numel() for b in fs.tree.leaves(buffers) if b.is_floating_point())
     records = [(r.op, r.numel) for r in ledger.records]
     return fs.consolidate(step, state), metrics, records, floating
-
-
-def _not_started(means):
-    if means is not None:
-        means.start = False
-    return means
 
 
 def _reductions(ledger):
@@ -73,20 +67,23 @@ def test_means_begun_after_the_forward_equal_the_end_of_step_means(strategy, wor
         _both, world, strategy
     ):
         assert_trees_equal(state, late_state)  # buffers, params, optimizer state: every bit
-        # grad_peak_bytes samples what is alive, which depends on when gloo ends each collective.
-        metrics.pop("grad_peak_bytes", None), late_metrics.pop("grad_peak_bytes", None)
+        # grad_bytes counts the scalars riding in the last bucket; grad_peak_bytes samples what
+        # is alive, which depends on when gloo ends each collective.
+        for name in ("grad_bytes", "grad_peak_bytes"):
+            metrics.pop(name, None), late_metrics.pop(name, None)
         assert_trees_equal(metrics, late_metrics)
         # The same collectives, but the means move from after the update to before the
         # backward's gradient collectives. At two ranks data_parallel's and shard_optimizer's
-        # metrics ride in their last gradient bucket instead.
+        # metrics ride in their last gradient bucket instead (the ledger records them after it).
         buffer_mean = ("all_reduce", floating)  # the BatchNorms' running means and variances
         metric_mean = ("all_reduce", 2)  # the loss and "half"
         folded = world == 2 and strategy != "fsdp"
         means = [buffer_mean] if folded else [metric_mean, buffer_mean]
-        at_end = [buffer_mean] if folded else [buffer_mean, metric_mean]
         ledger, late_ledger = _reductions(ledger), _reductions(late_ledger)
-        assert ledger[: len(means)] == means and late_ledger[-len(at_end) :] == at_end
-        assert ledger[len(means) :] == late_ledger[: -len(at_end)]
+        assert ledger[: len(means)] == means
+        assert late_ledger[-2:] == [buffer_mean, metric_mean]
+        gradients, late_gradients = ledger[len(means) :], late_ledger[:-2]
+        assert gradients == late_gradients + ([metric_mean] if folded else [])
 
 
 def test_accumulated_metrics_are_averaged_at_the_end():
@@ -131,7 +128,7 @@ def test_started_means_equal_the_collectives():
 def test_step_means_use_only_the_values_they_began_on():
     # One process: a mesh of size 1, so every mean is the value itself, with no collective.
     mesh = fs.Mesh(dp=1)
-    means = step_means.StepMeans(mesh, ("dp",))
+    means = step_means.StepMeans(mesh, ("dp",))  # no reducer session: nothing to fold into
     loss, other = torch.tensor(2.0), torch.tensor(3.0)
     old, new = {"b": torch.zeros(2)}, {"b": torch.ones(2)}
     means.after_forward(loss, {"m": other, "n": 4}, old, new)

@@ -54,21 +54,25 @@ class Bucket:
         self.index = index
         self.leaf_indices = leaf_indices
         self.layout = layout
+        self._placements: list[tuple[torch.Size, tuple[int, ...], int]] | None = None
 
     @property
     def numel(self) -> int:
         return self.layout.numel
 
-    @functools.cached_property
+    @property
     def placements(self) -> list[tuple[torch.Size, tuple[int, ...], int]]:
         """Per slot, ``(shape, contiguous strides, offset)`` of its leaf in the bucket's buffer:
-        one ``as_strided`` call makes the leaf's view (buckets are built once per model and
-        reused every step, so this is computed once)."""
-        layout = self.layout
-        return [
-            (shape, torch.empty(shape, device="meta").stride(), offset)
-            for shape, offset in zip(layout.shapes, layout.offsets)
-        ]
+        one ``as_strided`` call makes the leaf's view. Computed once per bucket (buckets are
+        built once per model and reused every step), in plain Python, which torch.compile
+        traces."""
+        if self._placements is None:
+            layout = self.layout
+            self._placements = [
+                (shape, _contiguous_strides(shape), offset)
+                for shape, offset in zip(layout.shapes, layout.offsets)
+            ]
+        return self._placements
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The leaves' views of `flat` (a buffer of this bucket's layout), in slot order."""
@@ -80,6 +84,14 @@ class Bucket:
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, leaves={self.leaf_indices}, {self.layout.numel} elements)"
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 # One stride-0 zero per (shape, dtype, device), handed to autograd in place of every gradient
