@@ -400,6 +400,12 @@ SHARD_OPTIMIZER_BREAKS = {
     # grad_bytes (as the local step) and the reducer's peak of gradient bytes, which tracks
     # storages through weak references: UntypedStorage is not traceable.
     "memory.py": 2,
+    # Mesh.size takes math.prod of a generator, which Dynamo does not trace (torch 2.13). The
+    # break is kept: with it the reducer's session is made after a resumed graph, and Dynamo can
+    # carry it across the later breaks; made inside one graph (math.prod of a list), Dynamo
+    # cannot rebuild its bound methods that the gradient hooks hold at the next break, and
+    # runs the rest of value_and_grad eagerly with its stand-in treedef, which then fails.
+    "distributed/mesh.py": 1,
 }
 
 

@@ -105,8 +105,7 @@ class Mesh:
 
     def size(self, axis: Axis) -> int:
         """Number of ranks along `axis` (a name, or a tuple of names: the product)."""
-        # A list, not a generator: Dynamo traces `math.prod` of a list (a generator breaks).
-        return math.prod([self._shape[i] for i in self._indices(axis)])
+        return math.prod(self._shape[i] for i in self._indices(axis))
 
     def rank(self, axis: Axis) -> int:
         """This rank's index along `axis`.
