@@ -45,6 +45,7 @@ __all__ = [
     "mean_floating_leaves",
     "rank_key",
     "reduce_metrics",
+    "scalar_metric_names",
 ]
 
 
@@ -312,17 +313,22 @@ class StartedBufferMeans:
         return tree.unflatten(self.treedef, out)
 
 
+def scalar_metric_names(metrics: dict[str, Any]) -> list[str]:
+    """The metrics a step averages over its data axes: floating-point scalar tensors."""
+    return [
+        k
+        for k, v in metrics.items()
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()
+    ]
+
+
 def reduce_metrics(
     metrics: dict[str, Any], mesh: Mesh, axis: str | tuple[str, ...]
 ) -> dict[str, Any]:
     """Mean of the scalar floating-point metrics over `axis`, in one collective."""
     if mesh.size(axis) == 1:
         return metrics
-    names = [
-        k
-        for k, v in metrics.items()
-        if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()
-    ]
+    names = scalar_metric_names(metrics)
     if not names:
         return metrics
     stacked = torch.stack([metrics[k].detach().reshape(()).float() for k in names])

@@ -31,18 +31,9 @@ import torch
 from fscale import spmd
 from fscale.distributed.mesh import Mesh
 
-__all__ = ["StepMeans", "mean_buffers", "mean_metrics", "scalar_metric_names"]
+__all__ = ["StepMeans", "mean_buffers", "mean_metrics"]
 
 PyTree = Any
-
-
-def scalar_metric_names(metrics: dict[str, Any]) -> list[str]:
-    """The metrics that are averaged over the data axes: floating-point scalar tensors."""
-    return [
-        k
-        for k, v in metrics.items()
-        if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point()
-    ]
 
 
 class StepMeans:
@@ -77,7 +68,7 @@ class StepMeans:
         """Begin the means of the loss and scalar metrics (when `scalars`) and of the buffers."""
         axis = spmd.axis_arg(self.axes)
         if scalars:
-            names = scalar_metric_names(metrics)
+            names = spmd.scalar_metric_names(metrics)
             values = [loss, *(metrics[k] for k in names)]
             stacked = torch.stack([v.detach().reshape(()).float() for v in values])
             fold = getattr(self.session, "fold", None)

@@ -140,5 +140,5 @@ def test_step_means_use_only_the_values_they_began_on():
     assert averaged["m"] is metrics["m"] and averaged["n"] == 4  # not the value begun on
     assert torch.equal(step_means.mean_buffers(old, new, means)["b"], new["b"])
     names = {"a": torch.tensor(1.0), "i": torch.tensor(1), "v": torch.ones(2), "f": 1.0}
-    assert step_means.scalar_metric_names(names) == ["a"]
+    assert spmd.scalar_metric_names(names) == ["a"]
     means.finish()
