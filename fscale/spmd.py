@@ -46,6 +46,7 @@ __all__ = [
     "rank_key",
     "reduce_metrics",
     "scalar_metric_names",
+    "stack_scalars",
 ]
 
 
@@ -297,6 +298,7 @@ class StartedBufferMeans:
         if self.updated and mesh.size(axis) > 1:
             updated = [self.new_leaves[i] for i in self.updated]
             self.started = StartedLeafMeans(updated, mesh, axis)
+        self._result: Any = None
 
     def holds(self, new: Any) -> bool:
         """Whether `new` is the tree of the very tensors this averages."""
@@ -305,12 +307,15 @@ class StartedBufferMeans:
         return same and all(map(operator.is_, leaves, self.new_leaves))
 
     def wait(self) -> Any:
-        """The buffers, those the loss returned anew averaged over the axis."""
-        out = list(self.new_leaves)
-        if self.started is not None:
-            for i, value in zip(self.updated, self.started.wait()):
-                out[i] = value
-        return tree.unflatten(self.treedef, out)
+        """The buffers, those the loss returned anew averaged over the axis (the same tree on
+        every call)."""
+        if self._result is None:
+            out = list(self.new_leaves)
+            if self.started is not None:
+                for i, value in zip(self.updated, self.started.wait()):
+                    out[i] = value
+            self._result = tree.unflatten(self.treedef, out)
+        return self._result
 
 
 def scalar_metric_names(metrics: dict[str, Any]) -> list[str]:
@@ -322,6 +327,11 @@ def scalar_metric_names(metrics: dict[str, Any]) -> list[str]:
     ]
 
 
+def stack_scalars(values: list[torch.Tensor]) -> torch.Tensor:
+    """Scalar tensors as one new 1-D float32 buffer (detached: a collective may write into it)."""
+    return torch.stack([v.detach().reshape(()).float() for v in values])
+
+
 def reduce_metrics(
     metrics: dict[str, Any], mesh: Mesh, axis: str | tuple[str, ...]
 ) -> dict[str, Any]:
@@ -331,8 +341,7 @@ def reduce_metrics(
     names = scalar_metric_names(metrics)
     if not names:
         return metrics
-    stacked = torch.stack([metrics[k].detach().reshape(()).float() for k in names])
-    stacked = StartedMean(stacked, axis, mesh).wait()
+    stacked = StartedMean(stack_scalars([metrics[k] for k in names]), axis, mesh).wait()
     reduced = dict(metrics)
     for i, k in enumerate(names):
         reduced[k] = stacked[i].to(metrics[k].dtype)

@@ -69,8 +69,7 @@ class StepMeans:
         axis = spmd.axis_arg(self.axes)
         if scalars:
             names = spmd.scalar_metric_names(metrics)
-            values = [loss, *(metrics[k] for k in names)]
-            stacked = torch.stack([v.detach().reshape(()).float() for v in values])
+            stacked = spmd.stack_scalars([loss, *(metrics[k] for k in names)])
             fold = getattr(self.session, "fold", None)
             if fold is not None and fold(stacked, self.axes):
                 self._stacked = self._folded

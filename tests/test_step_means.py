@@ -142,3 +142,13 @@ def test_step_means_use_only_the_values_they_began_on():
     names = {"a": torch.tensor(1.0), "i": torch.tensor(1), "v": torch.ones(2), "f": 1.0}
     assert spmd.scalar_metric_names(names) == ["a"]
     means.finish()
+
+
+def test_stacked_scalars_are_a_detached_float32_copy():
+    loss = torch.tensor(2.0, dtype=torch.float64, requires_grad=True) * 1
+    stacked = spmd.stack_scalars([loss, torch.tensor([3.0], dtype=torch.bfloat16)])
+    assert stacked.dtype == torch.float32 and not stacked.requires_grad
+    assert stacked.tolist() == [2.0, 3.0]
+    # The buffer means give one tree, however often they are waited for.
+    buffers = spmd.StartedBufferMeans({}, {"b": torch.ones(2)}, fs.Mesh(dp=1), "dp")
+    assert buffers.wait() is buffers.wait()
