@@ -13,7 +13,8 @@ round by round alternating (`_util.interleave`, a barrier before every step):
 
 * ``torch``: ``PipelineStage`` per local stage and ``ScheduleGPipe`` / ``Schedule1F1B`` /
   ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``, ``torch.optim.AdamW``;
-* ``fscale``: ``fscale.pipeline(..., schedule=...)`` over the same modules.
+* ``fscale``: ``fscale.pipeline(..., schedule=..., donate=True)`` over the same modules (the
+  update in place, as torch's optimizer does it).
 
 Reported per configuration: median step time of each (the slowest rank's per round), the
 throughput ratio fscale / torch (samples per second), the CPU ratio torch / fscale (the CPU
@@ -26,8 +27,14 @@ analytical (P−1)/(M+P−1).
 Measured, from extra fscale steps run under `fscale.parallel.pipeline.record_timeline` after
 the timed rounds (so the recording costs the timed steps nothing): the bubble, each rank's
 ``1 - busy / wall`` of its part of the step (busy: its actions' time less their waits on
-receives; median over the steps, mean over the ranks), and each rank's peak of the activation
-bytes autograd saves for backward (parameters excluded). Below the table, per (P, M): 1F1B's
+receives; median over the steps, mean over the ranks), timed without counting activations
+(the count slows every forward); then, in as many steps again, each rank's peak of the
+activation bytes autograd saves for backward (parameters excluded). The *floor* is fscale's
+table run on a clock where every action takes its measured cost (`fscale.parallel.pipeline.
+simulate`): the critical path of those actions in that order, with no time for messages, the
+update or anything else between them. ``fscale/floor`` and ``torch/floor`` say how far each
+step is above it; for ``zero_bubble`` torch runs another table (two stages per rank), so its
+figure compares schedules, not runtimes. Below the table, per (P, M): 1F1B's
 activation peak over GPipe's (the goal: at most P/M) and zero-bubble's measured bubble beside
 1F1B's (the goal: below it). Writes ``bench/results/pipeline.json``.
 """
@@ -46,7 +53,7 @@ from torch import nn
 
 import fscale as fs
 from fscale.models import GPT, GPTConfig
-from fscale.parallel.pipeline import record_timeline
+from fscale.parallel.pipeline import record_timeline, simulate
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -157,6 +164,7 @@ def _fscale_variant(cfg, balance, num_stages, schedule, micro_batches):
         schedule=schedule,
         balance=balance,
         checkpoint="never",
+        donate=True,  # torch's optimizer updates its parameters in place too
     )
     holder = {"state": step.init(params, buffers)}
 
@@ -167,16 +175,24 @@ def _fscale_variant(cfg, balance, num_stages, schedule, micro_batches):
 
 
 def _measure(run: Any, tokens: torch.Tensor, targets: torch.Tensor, steps: int) -> dict[str, Any]:
-    """This rank's measured bubble (median over `steps` steps) and activation peak (max)."""
-    with record_timeline() as timeline:
+    """This rank's measured bubble and action costs (medians over `steps` steps, timed without
+    counting activations, which slows every forward), then its activation peak (max over as
+    many steps again, counted)."""
+    with record_timeline(activations=False) as timeline:
         for _ in range(steps):
             dist.barrier()
             run(tokens, targets)
+    with record_timeline() as counted:
+        for _ in range(steps):
+            dist.barrier()
+            run(tokens, targets)
+    runs = [s.costs() for s in timeline.steps]
     return {
         "bubble": statistics.median(s.bubble for s in timeline.steps),
-        "activation_peak": max(s.activation_peak for s in timeline.steps),
+        "activation_peak": max(s.activation_peak or 0 for s in counted.steps),
         "busy_s": statistics.median(s.busy for s in timeline.steps),
         "wall_s": statistics.median(s.wall for s in timeline.steps),
+        "costs": {key: statistics.median(r[key] for r in runs) for key in runs[0]},
     }
 
 
@@ -233,6 +249,7 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_growth": peaks,
         "torch_error": variants_error,
         "bubble": table.bubble_fraction(),
+        "table": table,
         "activation_bound": list(table.activation_bound),
         "balance": balance,
         "seconds": time.perf_counter() - start,
@@ -319,6 +336,10 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
     }
     medians = {name: _util.summarize(values).median for name, values in per_round.items()}
     analytic = (ranks - 1) / (micro_batches + ranks - 1) if schedule in ("gpipe", "1f1b") else None
+    # The critical path of fscale's table with each action at its measured cost: the least
+    # time any runtime takes for these actions in this order (`simulate`).
+    costs = {key: c for r in results for key, c in r["measured"]["costs"].items()}
+    floor = simulate(results[0]["table"], costs).makespan
     # CPU seconds of all ranks per round: the work each variant does, which other processes'
     # load on the machine does not stretch as it stretches wall time.
     cpu = {
@@ -333,6 +354,9 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
         "torch_s": medians.get("torch"),
         "throughput_ratio": medians["torch"] / medians["fscale"] if "torch" in medians else None,
         "cpu_ratio": cpu["torch"] / cpu["fscale"] if "torch" in cpu else None,
+        "floor_s": floor,
+        "fscale_over_floor": medians["fscale"] / floor,
+        "torch_over_floor": medians["torch"] / floor if "torch" in medians else None,
         "fscale_peak_mib": [r["peak_rss_growth"].get("fscale", 0) / 2**20 for r in results],
         "torch_peak_mib": [r["peak_rss_growth"].get("torch", 0) / 2**20 for r in results],
         "table_bubble": results[0]["bubble"],
@@ -351,6 +375,9 @@ def _format(rows: list[dict[str, Any]]) -> str:
         "schedule",
         "fscale ms",
         "torch ms",
+        "floor ms",
+        "fscale/floor",
+        "torch/floor",
         "fscale/torch thr",
         "torch/fscale cpu",
         "fscale peak MiB",
@@ -367,6 +394,9 @@ def _format(rows: list[dict[str, Any]]) -> str:
             r["schedule"],
             r["fscale_s"] * 1e3,
             (r["torch_s"] or float("nan")) * 1e3,
+            r["floor_s"] * 1e3,
+            r["fscale_over_floor"],
+            r["torch_over_floor"] if r["torch_over_floor"] is not None else "n/a",
             r["throughput_ratio"] if r["throughput_ratio"] is not None else "n/a",
             r["cpu_ratio"] if r["cpu_ratio"] is not None else "n/a",
             "/".join(f"{v:.1f}" for v in r["fscale_peak_mib"]),

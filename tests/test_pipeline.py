@@ -157,6 +157,40 @@ def test_consolidate_gives_the_sequential_names_and_a_state_that_continues():
         assert_trees_close(continued, reference, rtol=1e-5, atol=1e-6)
 
 
+def _donated_and_pure(schedule):
+    model = _mlp(2, 5, 2)
+    _, params, buffers = fs.functionalize(model)
+    batch = _batch(2, 8, 5)
+    results = []
+    for donate in (False, True):
+        step = pipeline(
+            model,
+            _mse,
+            fs.optim.adam(1e-2),
+            fs.Mesh(pp=2),
+            micro_batches=4,
+            balance=[2, 2],
+            schedule=schedule,
+            donate=donate,
+        )
+        state = step.init(params, buffers)
+        for _ in range(2):
+            before = {t.data_ptr() for t in fs.tree.leaves(state.params)}
+            state, _ = step(state, batch)
+            after = {t.data_ptr() for t in fs.tree.leaves(state.params)}
+        results.append((state, before == after))
+    return results
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_a_donated_pipeline_updates_in_place_and_equals_the_pure_one(schedule):
+    for (pure, pure_in_place), (donated, donated_in_place) in run_spmd(
+        _donated_and_pure, 2, schedule
+    ):
+        assert_trees_equal(donated, pure)
+        assert donated_in_place and not pure_in_place
+
+
 def _function_stages():
     torch.manual_seed(0)
     w0, w1 = torch.randn(4, 6), torch.randn(6, 3)

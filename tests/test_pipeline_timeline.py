@@ -3,6 +3,7 @@ the measured bubble and activation peak; recording changes no result."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -57,7 +58,7 @@ def test_each_rank_records_its_actions_and_waits_without_changing_results():
         assert starts == sorted(starts) and step.start == starts[0]
         assert all(0.0 <= a.waited <= a.end - a.start for a in step.actions)
         assert 0.0 < step.busy <= step.wall and 0.0 <= step.bubble < 1.0
-        assert step.activation_peak > 0
+        assert step.activation_peak is not None and step.activation_peak > 0
         if rank == 0:  # stage 0 waits for every gradient the last stage sends back
             assert sum(a.waited for a in step.actions if a.kind == "B") > 0.0
 
@@ -67,7 +68,9 @@ def _peaks(schedule: str) -> int:
     step(state, batch)
     with record_timeline() as timeline:
         step(state, batch)
-    return timeline.steps[0].activation_peak
+    peak = timeline.steps[0].activation_peak
+    assert peak is not None  # counted: the block counts activations
+    return peak
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe():
@@ -85,3 +88,22 @@ def test_zero_bubble_holds_what_1f1b_holds():
     one = run_spmd(_peaks, 2, "1f1b")
     zero = run_spmd(_peaks, 2, "zero_bubble")
     assert all(z <= o * 1.05 for z, o in zip(zero, one)), (zero, one)
+
+
+def _times_only():
+    step, state, batch = _step("1f1b")
+    step(state, batch)
+    with record_timeline(activations=False) as timeline:
+        step(state, batch)
+    return timeline.steps[0]
+
+
+def test_times_can_be_recorded_without_counting_activations_and_give_the_costs():
+    for step in run_spmd(_times_only, 2):
+        assert step.activation_peak is None
+        costs = step.costs()
+        assert list(costs) == [(a.kind, a.micro_batch, a.stage) for a in step.actions]
+        assert all(c == a.end - a.start - a.waited for c, a in zip(costs.values(), step.actions))
+        assert sum(costs.values()) == pytest.approx(step.busy)
+    with pytest.raises(TypeError, match="activations"), record_timeline(activations=1):  # type: ignore[arg-type]
+        pass

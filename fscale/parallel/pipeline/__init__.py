@@ -8,7 +8,8 @@ schedules split each backward into its input and weight halves (`split_backward`
 that joins it to the Plan protocol is `layer`, which applies the step's mixed-precision policy
 and loss scale where the stages run (`precision`). `balance` cuts layers into even stages,
 `batchnorm` keeps BatchNorm's statistics those of the whole batch, `chart` draws a schedule,
-`timeline` measures the steps as they run.
+`timeline` measures the steps as they run, and `simulate` gives the time a schedule takes when
+its actions cost what was measured.
 """
 
 from fscale.parallel.pipeline.balance import balance_by_size as balance_by_size
@@ -29,6 +30,8 @@ from fscale.parallel.pipeline.schedule import Action as Action
 from fscale.parallel.pipeline.schedule import Schedule as Schedule
 from fscale.parallel.pipeline.schedule import ScheduleError as ScheduleError
 from fscale.parallel.pipeline.schedule import from_orders as from_orders
+from fscale.parallel.pipeline.simulate import Simulated as Simulated
+from fscale.parallel.pipeline.simulate import simulate as simulate
 from fscale.parallel.pipeline.timeline import ActionTime as ActionTime
 from fscale.parallel.pipeline.timeline import StepTimeline as StepTimeline
 from fscale.parallel.pipeline.timeline import Timeline as Timeline
@@ -42,6 +45,7 @@ __all__ = [
     "PipelinePlan",
     "Schedule",
     "ScheduleError",
+    "Simulated",
     "StageContractError",
     "StepTimeline",
     "Timeline",
@@ -58,5 +62,6 @@ __all__ = [
     "pipeline",
     "pipeline_chart",
     "record_timeline",
+    "simulate",
     "zero_bubble",
 ]

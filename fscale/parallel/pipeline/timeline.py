@@ -12,7 +12,12 @@ one `StepTimeline` to ``timeline.steps``:
 - the peak bytes of the activations the step holds for its backward: every tensor autograd
   saves is counted (`fscale.memory.LiveBytes`, one count per storage, until freed) unless it
   shares storage with a parameter or buffer of the step, so the figure is what the schedule's
-  in-flight micro-batches cost, sampled at each save.
+  in-flight micro-batches cost, sampled at each save. Counting costs time at every save (a
+  forward's actions take longer under it), so ``record_timeline(activations=False)`` leaves
+  it out when the times are what is measured; the peak is then None.
+
+`StepTimeline.costs` gives each action's busy seconds, which `fscale.parallel.pipeline.
+makespan` turns into the time the schedule would take with no overhead between the actions.
 
 Recording is off unless a block is open; a step then pays one truth test per action.
 """
@@ -56,7 +61,7 @@ class StepTimeline:
     start: float
     end: float
     drain_wait: float
-    activation_peak: int
+    activation_peak: int | None
 
     @property
     def wall(self) -> float:
@@ -73,25 +78,41 @@ class StepTimeline:
         """The fraction of `wall` the rank was not busy."""
         return 1.0 - self.busy / self.wall if self.wall > 0 else 0.0
 
+    def costs(self) -> dict[tuple[str, int, int], float]:
+        """Each action's busy seconds (its time less its waits), keyed (kind, micro-batch,
+        stage): the costs `fscale.parallel.pipeline.makespan` takes."""
+        return {(a.kind, a.micro_batch, a.stage): a.end - a.start - a.waited for a in self.actions}
+
 
 class Timeline:
     """The `StepTimeline` of every pipeline step run while the block was open.
 
     Attributes:
         steps: one entry per step, in the order they ran.
+        activations: whether the activations' peak is counted (see `record_timeline`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, activations: bool = True) -> None:
         self.steps: list[StepTimeline] = []
+        self.activations = activations
 
     def __repr__(self) -> str:
         return f"Timeline({len(self.steps)} steps)"
 
 
 @contextlib.contextmanager
-def record_timeline() -> Iterator[Timeline]:
-    """Record the pipeline steps run inside the block (see the module docstring)."""
-    with _TIMELINES.open(Timeline()) as timeline:
+def record_timeline(*, activations: bool = True) -> Iterator[Timeline]:
+    """Record the pipeline steps run inside the block (see the module docstring).
+
+    Args:
+        activations: count the bytes autograd saves for backward (each step's
+            ``activation_peak``); False when only the times matter, which counting inflates.
+    """
+    if not isinstance(activations, bool):
+        raise TypeError(
+            f"record_timeline: `activations` must be a bool, got {type(activations).__name__}"
+        )
+    with _TIMELINES.open(Timeline(activations)) as timeline:
         yield timeline
 
 
@@ -112,6 +133,7 @@ class StepRecorder:
         self._state_storages = {t.untyped_storage().data_ptr() for t in state}
         self._actions: list[ActionTime] = []
         self._live = LiveBytes()
+        self.counts_activations = any(t.activations for t in _TIMELINES.active())
         self._waited = 0.0
         self._start = time.perf_counter()
 
@@ -131,7 +153,10 @@ class StepRecorder:
         self._waited += seconds
 
     def saving(self) -> Any:
-        """A context under which the activations autograd saves are counted."""
+        """A context under which the activations autograd saves are counted (if any open block
+        counts them)."""
+        if not self.counts_activations:
+            return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -145,9 +170,8 @@ class StepRecorder:
     def finish(self, drain_wait: float) -> None:
         """Close the step: its timeline goes to every open `record_timeline` block."""
         start = self._actions[0].start if self._actions else self._start
-        step = StepTimeline(
-            tuple(self._actions), start, time.perf_counter(), drain_wait, self._live.peak
-        )
+        peak = self._live.peak if self.counts_activations else None
+        step = StepTimeline(tuple(self._actions), start, time.perf_counter(), drain_wait, peak)
         for timeline in _TIMELINES.active():
             timeline.steps.append(step)
 

@@ -57,6 +57,7 @@ def pipeline(
     per_stage: Callable[[Step], Step] | None = None,
     pad: bool = False,
     on_nonfinite: str = "propagate",
+    donate: bool = False,
 ) -> Step:
     """A Step that trains `stages` as a pipeline over `axis` (see the module docstring).
 
@@ -92,6 +93,8 @@ def pipeline(
             samples independently (no BatchNorm statistics over the batch).
         on_nonfinite: ``"propagate"``, ``"skip"`` or ``"raise"``, as for `fscale.train_step`:
             the stages agree, so a NaN in one stage's gradients skips (or raises on) every rank.
+        donate: as for `fscale.train_step`: the step updates the incoming state's parameters
+            and optimizer state in place (as a torch.optim loop does) instead of copying them.
 
     Returns:
         A Step; ``state = step.init(params, buffers)`` takes the full model's pytrees (a list
@@ -123,7 +126,7 @@ def pipeline(
             f"{table.num_ranks} ranks of axis {axis!r} runs {table.num_stages}; give one stage "
             "per rank" + (f" times virtual={virtual}" if table.name == "interleaved" else "")
         )
-    base = train_step(loss_fn, optimizer, on_nonfinite=on_nonfinite)
+    base = train_step(loss_fn, optimizer, on_nonfinite=on_nonfinite, donate=donate)
     if per_stage is not None:
         if not callable(per_stage):
             raise TypeError(f"{caller}: `per_stage` must be a Step -> Step transformation")
