@@ -34,7 +34,9 @@ table run on a clock where every action takes its measured cost (`fscale.paralle
 simulate`): the critical path of those actions in that order, with no time for messages, the
 update or anything else between them. ``fscale/floor`` and ``torch/floor`` say how far each
 step is above it; for ``zero_bubble`` torch runs another table (two stages per rank), so its
-figure compares schedules, not runtimes. Below the table, per (P, M): 1F1B's
+figure compares schedules, not runtimes. The floor assumes a core per rank: with more ranks
+than cores the ranks share them, an action's measured time includes the time it waited for a
+core, and the floor is no bound. Below the table, per (P, M): 1F1B's
 activation peak over GPipe's (the goal: at most P/M) and zero-bubble's measured bubble beside
 1F1B's (the goal: below it). Writes ``bench/results/pipeline.json``.
 """
