@@ -140,12 +140,40 @@ class FlatBuffer:
         return self.with_data(torch.zeros_like(self.data))
 
     def views(self, data: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Zero-copy views of `data` (default: this buffer) with the packed tensors' shapes."""
+        """Zero-copy views of `data` (default: this buffer) with the packed tensors' shapes.
+
+        When `data` requires grad (a gathered unit), the views come from one
+        ``split_with_sizes``, whose backward writes every view's gradient into one new buffer
+        once. Slices would each give back a zero-filled buffer of the full size with its
+        gradient in it, summed by autograd: k fills and k - 1 additions for k tensors.
+        """
         data = self.data if data is None else data
+        if data.requires_grad and len(self.shapes) > 1:
+            pieces = data.split_with_sizes(self._pieces()[0])
+            return [pieces[i].view(shape) for i, shape in zip(self._pieces()[1], self.shapes)]
         return [
             data[o : o + n].view(shape)
             for o, n, shape in zip(self.offsets, self.numels, self.shapes)
         ]
+
+    def _pieces(self) -> tuple[list[int], list[int]]:
+        """The buffer cut into the tensors and the gaps around them: the sizes of the pieces,
+        and the position of each tensor's piece."""
+        cached = self.__dict__.get("_pieces_cache")
+        if cached is None:
+            sizes: list[int] = []
+            positions: list[int] = []
+            end = 0
+            for offset, n in zip(self.offsets, self.numels):
+                if offset > end:
+                    sizes.append(offset - end)
+                positions.append(len(sizes))
+                sizes.append(n)
+                end = offset + n
+            if self.numel > end:
+                sizes.append(self.numel - end)
+            cached = self.__dict__["_pieces_cache"] = (sizes, positions)
+        return cached
 
     def shard(self, index: int, data: torch.Tensor | None = None) -> torch.Tensor:
         """The `index`-th of `num_shards` equal slices of `data` (default: this buffer)."""

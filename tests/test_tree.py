@@ -91,6 +91,37 @@ def test_with_data_shares_the_layout():
         flat.with_data(torch.zeros(6, dtype=torch.float64))
 
 
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("align", [1, 4])
+def test_views_of_a_differentiable_buffer_give_one_gradient_buffer(align):
+    shapes = [(2, 3), (5,), (1,), (3, 1)]
+    g = torch.Generator().manual_seed(0)
+    flat = FlatBuffer([torch.randn(s, generator=g) for s in shapes], 3, align=align)
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    grads[1][0] = -0.0  # a negative zero stays one: no zero buffer is added to it
+    data = flat.data.clone().requires_grad_(True)
+    views = flat.views(data)
+    assert [v.shape for v in views] == [torch.Size(s) for s in shapes]
+    assert all(torch.equal(v, w) for v, w in zip(views, flat.views()))
+    with _CountOps() as ops:
+        (got,) = torch.autograd.grad(views, [data], grads)
+    expected = torch.zeros(flat.numel)
+    for offset, grad in zip(flat.offsets, grads):
+        expected[offset : offset + grad.numel()] = grad.reshape(-1)
+    assert torch.equal(got, expected) and got[flat.offsets[1]].signbit()
+    # One write of the whole buffer; slices would each zero-fill it and autograd sum them.
+    assert "slice_backward" not in ops.names and "add" not in ops.names, ops.names
+
+
 def test_flatbuffer_errors():
     with pytest.raises(ValueError, match="empty"):
         FlatBuffer([])
