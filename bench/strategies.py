@@ -1,7 +1,7 @@
 """Benchmark: the step time of every fscale strategy beside its peers, one run per model and ranks.
 
 Usage: ``python bench/strategies.py [--quick] [--ranks N ...] [--models gpt cnn] [--rounds N]
-[--warmup N] [--keep-heap]``
+[--warmup N] [--keep-heap] [--strategies DDP ZeRO-2 ZeRO-3 remat]``
 
 For each model (the GPT language model of `_util.gpt_config`, 8 sequences per rank, and the
 ResNet of ``bench/oss.py``, 32 images per rank) and each number of gloo ranks (default 2 and 4,
@@ -28,8 +28,11 @@ of the round-by-round ratios, and whether the goal (<= 1.00x; ZeRO-3 <= 0.95x) i
 on the ratio of medians. ``--quick``: the small models, 4 timed rounds after 2. ``--keep-heap``:
 every rank first makes glibc keep the memory it frees for reuse (`_util.keep_heap`), so no
 variant's time depends on how its frees order the heap (with glibc's defaults a step that frees
-its activations takes fresh zero-filled pages for them in the next one). Writes
-``bench/results/strategies.json`` (``strategies_keep_heap.json``).
+its activations takes fresh zero-filled pages for them in the next one). ``--strategies``
+times only those strategies' variants and their peers (fewer variants share the machine's
+caches differently, so such figures are read beside each other, not beside a full run's).
+Writes ``bench/results/strategies.json`` (``strategies_keep_heap.json``; with
+``--strategies``, ``strategies_<names>.json``).
 """
 
 from __future__ import annotations
@@ -63,13 +66,25 @@ VARIANTS = (
 )
 
 
-def variants_for(model: str, with_fairscale: bool) -> list[str]:
-    """The variants timed on `model`: no checkpoint pair on the CNN, FairScale when it imports."""
+def variants_for(
+    model: str, with_fairscale: bool, strategies: list[str] | None = None
+) -> list[str]:
+    """The variants timed on `model`: no checkpoint pair on the CNN, FairScale when it imports;
+    with `strategies`, only their fscale variants and peers."""
+    wanted = None
+    if strategies is not None:
+        wanted = {
+            name
+            for strategy, ours, peer, _, others in COMPARISONS
+            if strategy in strategies
+            for name in (ours, peer, *others)
+        }
     return [
         name
         for name in VARIANTS
         if (model == "gpt" or "checkpoint" not in name)
         and (with_fairscale or name not in _variants.FAIRSCALE)
+        and (wanted is None or name in wanted)
     ]
 
 
@@ -136,6 +151,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="every rank keeps its freed memory for reuse (glibc thresholds; see _util.keep_heap)",
     )
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        default=None,
+        choices=[c[0] for c in COMPARISONS],
+        help="time only these strategies and their peers",
+    )
     args = parser.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (4 if args.quick else 20)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
@@ -152,7 +174,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     runs, table, verdicts = [], [], []
     for model in args.models:
-        names = variants_for(model, fairscale is None)
+        names = variants_for(model, fairscale is None, args.strategies)
+        if not names:
+            continue
         for world in args.ranks:
             with _util.MachineLoad() as load:
                 per_rank = fs.launch(
@@ -239,12 +263,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + ("; freed memory kept for reuse (--keep-heap)" if args.keep_heap else "")
     )
     payload = {
-        "options": {**options, "ranks": args.ranks, "models": args.models},
+        "options": {
+            **options,
+            "ranks": args.ranks,
+            "models": args.models,
+            "strategies": args.strategies,
+        },
         "fairscale": fairscale or "imported",
         "deepspeed": deepspeed or "imported (no DeepSpeed variant is built)",
         "runs": runs,
     }
-    path = _util.write_results("strategies_keep_heap" if args.keep_heap else "strategies", payload)
+    name = "strategies_keep_heap" if args.keep_heap else "strategies"
+    if args.strategies:
+        name += "_" + "_".join(s.lower().replace("-", "") for s in args.strategies)
+    path = _util.write_results(name, payload)
     print(f"wrote {path}")
     return payload
 

@@ -109,11 +109,14 @@ class FlatBuffer:
         self.numel = self.shard_size * num_shards
         if data is None:
             data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-            if align == 1 and end:
-                torch.cat([t.reshape(-1) for t in tensors], out=data[:end])
-            else:
-                for view, t in zip(self.views(data), tensors):
-                    view.copy_(t)
+            # The values are copied, not differentiated: parameters that require grad pack
+            # as any tensor does.
+            with torch.no_grad():
+                if align == 1 and end:
+                    torch.cat([t.reshape(-1) for t in tensors], out=data[:end])
+                else:
+                    for view, t in zip(self.views(data), tensors):
+                        view.copy_(t)
         else:
             self._check_data(data)
         self.data: torch.Tensor = data

@@ -122,6 +122,14 @@ def test_views_of_a_differentiable_buffer_give_one_gradient_buffer(align):
     assert "slice_backward" not in ops.names and "add" not in ops.names, ops.names
 
 
+@pytest.mark.parametrize("align", [1, 4])
+def test_parameters_that_require_grad_pack_by_value(align):
+    params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(5))]
+    flat = FlatBuffer(params, 2, align=align)
+    assert not flat.data.requires_grad
+    assert all(torch.equal(v, p) for v, p in zip(flat.views(), params))
+
+
 def test_flatbuffer_errors():
     with pytest.raises(ValueError, match="empty"):
         FlatBuffer([])
