@@ -189,6 +189,58 @@ def test_parked_copies_restore_exactly(monkeypatch, path, policy):
 
 
 # ----------------------------------------------------------------------------------------------
+# early stop: the first-order recompute ends with the last tensor backward reads
+
+
+def _two_matmuls(x, w1, w2):
+    return torch.tanh(x @ w1) @ w2  # nothing saves the second product
+
+
+def test_the_recompute_stops_once_backward_has_every_saved_tensor():
+    x, w1, w2 = _f64(4, 4, seed=1), _f64(4, 4, seed=2), _f64(4, 4, seed=3)
+    expected = torch.autograd.grad(_two_matmuls(x, w1, w2).sum(), (x, w1, w2))
+    y = checkpoint(_two_matmuls)(x, w1, w2)
+    with _CountOps() as ops:
+        got = torch.autograd.grad(y.sum(), (x, w1, w2))
+    _assert_equal(got, expected)
+    # Backward's four products and the recompute's first one; the second is not run again.
+    assert ops.counts["mm"] == 5 and ops.counts["tanh"] == 1, ops.counts
+
+
+def test_an_early_stopped_graph_differentiates_twice_with_retain_graph():
+    x, w1, w2 = _f64(3, 4, seed=4), _f64(4, 4, seed=5), _f64(4, 2, seed=6)
+    expected = torch.autograd.grad(_two_matmuls(x, w1, w2).sum(), (x, w1, w2))
+    y = checkpoint(_two_matmuls)(x, w1, w2).sum()
+    _assert_equal(torch.autograd.grad(y, (x, w1, w2), retain_graph=True), expected)
+    _assert_equal(torch.autograd.grad(y, (x, w1, w2)), expected)
+
+
+def test_a_recompute_that_saves_other_tensors_is_refused_with_the_cause():
+    runs = []
+
+    def changing(x):
+        runs.append(1)
+        return (x if len(runs) == 1 else x[:2]).sin().sum()
+
+    x = _f64(4, seed=7)
+    y = checkpoint(changing)(x)
+    with pytest.raises(RuntimeError, match=r"saved a \(2,\) .* where the forward saved a \(4,\)"):
+        torch.autograd.grad(y, x)
+    with pytest.raises(TypeError, match="early_stop"):
+        checkpoint_call(lambda state, x: x.sin(), (x,), early_stop=1)  # type: ignore[arg-type]
+
+
+def test_without_early_stop_the_recompute_runs_to_the_end():
+    x, w1, w2 = _f64(4, 4, seed=1), _f64(4, 4, seed=2), _f64(4, 4, seed=3)
+    y = checkpoint_call(
+        lambda state, x: _two_matmuls(x, *state), (x,), state=[w1, w2], early_stop=False
+    )
+    with _CountOps() as ops:
+        torch.autograd.grad(y.sum(), (x, w1, w2))
+    assert ops.counts["mm"] == 6, ops.counts
+
+
+# ----------------------------------------------------------------------------------------------
 # what runs, what is kept
 
 
@@ -197,7 +249,7 @@ def test_no_grad_just_runs_fn_and_keeps_nothing():
 
     def fn(x):
         calls.append(1)
-        return x * 2
+        return x.sin() * 2
 
     remat = checkpoint(fn)
     x = torch.ones(3, requires_grad=True)

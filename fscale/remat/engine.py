@@ -7,7 +7,10 @@ saved-tensor hooks raise inside `torch.func` grad transforms. A new-style Functi
 `setup_context` works under `torch.autograd.grad`, `torch.func.grad`, `torch.func.vjp`, nested
 checkpoints and higher-order gradients. Its backward has two branches:
 
-* grad mode off (first-order `autograd.grad`, a `vjp_fn` called without a graph): detach the
+* grad mode off (first-order `autograd.grad`, a `vjp_fn` called without a graph): when the
+  forward ran outside torch.func and torch.compile (`fscale.remat.early_stop`), it recorded
+  fn's graph with positions in place of its saved tensors; backward runs through that graph
+  and reruns fn only until it has rebuilt the last tensor backward reads. Otherwise detach the
   saved inputs, run fn again under `enable_grad` and call `torch.autograd.grad` on that graph;
 * grad mode on (`torch.func.grad`, `create_graph=True`): take `torch.func.grad` of
   ``<fn(inputs), grad_outputs>`` with respect to the saved inputs *as tracked by the outer
@@ -35,6 +38,7 @@ import torch
 from fscale import tree
 from fscale.offload import transfer
 from fscale.random import RngState
+from fscale.remat.early_stop import EarlyStopGraph, eligible
 from fscale.remat.mutation import Watch, describe_argument
 from fscale.remat.policy import (
     KeptOutputs,
@@ -86,6 +90,7 @@ class _ExecutionState:
 class _Options:
     offload: bool
     policy: SavePolicy | None
+    early_stop: bool = True
 
 
 class _Call:
@@ -123,6 +128,10 @@ class _Call:
         self.out_leaves: list[Any] = []
         self.out_positions: list[int] = []
         self.out_differentiable: list[bool] = []
+        # Set by `_checkpointed_call`: whether forward records the graph for a first-order
+        # backward that stops its recompute early (`fscale.remat.early_stop`).
+        self.early_stop = False
+        self.graph: EarlyStopGraph | None = None
 
     def run(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> Any:
         leaves = list(self._leaves)
@@ -144,7 +153,10 @@ class _Call:
         watch = Watch(self._leaves, lambda i: describe_argument(self._treedef.paths()[i]))
 
         policy = self.options.policy
-        if policy is None:
+        if self.early_stop:
+            self.graph = EarlyStopGraph()
+            out = self.graph.build(self.run, tensors)
+        elif policy is None:
             out = self.run(tensors)
         else:
             with recording(policy) as recorder:
@@ -180,6 +192,10 @@ class _Call:
             for t in (out_leaves[i] for i in self.out_positions)
         )
         self.out_differentiable = [t.is_floating_point() or t.is_complex() for t in out_tensors]
+        if self.graph is not None:
+            # The graph's own outputs stay here for backward; the Function hands out aliases.
+            self.graph.outputs = list(out_tensors)
+            out_tensors = tuple(t.detach() for t in out_tensors)
         return out_tensors
 
     def _count_saved(self, tensors: tuple[torch.Tensor, ...]) -> None:
@@ -249,6 +265,14 @@ class _Call:
         count(recomputations=1)
         out_leaves = tree.leaves(out)
         return [v for v in out_leaves if isinstance(v, torch.Tensor)]
+
+    def rerun_to_stop(self, values: list[torch.Tensor]) -> None:
+        """Run fn again on `values` for `EarlyStopGraph`, which stops it once backward has
+        every tensor it saved."""
+        values = [v.clone() if i in self.mutated else v for i, v in enumerate(values)]
+        count(recomputations=1)
+        with self.replaying(use_kept_values=False):
+            self.run(values)
 
     def rebuild_output(self, out_tensors: tuple[torch.Tensor, ...]) -> Any:
         leaves = list(self.out_leaves)
@@ -329,6 +353,8 @@ class _Remat(torch.autograd.Function):
         values = call.restore_inputs(ctx.saved_tensors)
         if torch.is_grad_enabled():
             grads = _higher_order_grads(call, values, needs, pairs)
+        elif call.graph is not None:
+            grads = call.graph.grads(call.rerun_to_stop, values, pairs, needs)
         else:
             grads = _first_order_grads(call, values, needs, pairs)
         return (None, *grads)
@@ -343,6 +369,7 @@ def checkpoint_call(
     mutable: Iterable[int] = (),
     offload: bool = False,
     policy: SavePolicy | None = None,
+    early_stop: bool = True,
 ) -> Any:
     """Call ``fn(state, *args, **kwargs)`` checkpointed: keep its inputs, run it again in backward.
 
@@ -371,6 +398,11 @@ def checkpoint_call(
         offload: park the kept arguments (and kept named values, and snapshots of mutated
             buffers) in host memory until backward, as `checkpoint(offload=True)`.
         policy: what to keep besides the inputs, as `checkpoint(policy=...)`.
+        early_stop: in a first-order backward outside torch.func and torch.compile, stop the
+            recompute once it has rebuilt every tensor backward reads
+            (`fscale.remat.early_stop`). That needs fn to save the same tensors in the same
+            order both times; a fn that runs differently in its recompute by design (fully_shard's
+            remat units gather differently there) passes False.
 
     Returns:
         fn's result; its tensor leaves are differentiable outputs of the checkpoint.
@@ -415,6 +447,8 @@ def checkpoint_call(
         )
     if not isinstance(offload, bool):
         raise TypeError(f"checkpoint_call: `offload` must be True or False, got {offload!r}")
+    if not isinstance(early_stop, bool):
+        raise TypeError(f"checkpoint_call: `early_stop` must be True or False, got {early_stop!r}")
     if policy is not None and not isinstance(policy, SavePolicy):
         raise TypeError(
             "checkpoint_call: `policy` must be None or a SavePolicy from fscale.remat.save_names"
@@ -428,7 +462,7 @@ def checkpoint_call(
     return _checkpointed_call(
         run,
         (state, tuple(args), dict(kwargs)),
-        _Options(offload=offload, policy=policy),
+        _Options(offload=offload, policy=policy, early_stop=early_stop),
         module_state=len(state),
         buffer_indexes=buffer_indexes,
     )
@@ -450,4 +484,7 @@ def _checkpointed_call(
     # inputs alive on the device.
     static_leaves = [None if isinstance(v, torch.Tensor) else v for v in leaves]
     call = _Call(run, static_leaves, treedef, positions, module_state, buffer_indexes, options)
+    call.early_stop = (
+        options.early_stop and options.policy is None and not options.offload and eligible()
+    )
     return call.rebuild_output(_Remat.apply(call, *tensors))

@@ -356,6 +356,9 @@ class ShardedUnit:
             call.kwargs,
             state=[self.shard, *call.state],
             mutable=[1 + i for i in call.mutable],
+            # The recompute gathers differently from the forward (above), so what it saves for
+            # backward is not the forward's tensor for tensor: it runs to the end.
+            early_stop=False,
         )
 
     def __repr__(self) -> str:

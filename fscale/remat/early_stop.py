@@ -1,0 +1,165 @@
+"""The first-order recompute that stops once backward has what it needs.
+
+A checkpointed function's last operations often save nothing for backward: in a transformer
+block the output projection's matmul keeps its input and weight, not its result, and the
+residual add keeps nothing. Rebuilding a fresh graph of the whole function and differentiating
+it (`fscale.remat.engine`'s general path) runs them again anyway. Here the forward builds the
+function's graph as usual but saves no tensor in it: a saved-tensor hook replaces each by its
+position. When backward first unpacks one, the function runs again and each tensor it saves is
+kept at its position; once the last position is filled the rerun is stopped, before the
+operations that only lead to the output. Then backward runs through the graph the forward
+built, reading the kept tensors. Same operations on the same values, so the gradients are the
+same bits; the rerun skips what comes after the last saved tensor.
+
+Saved-tensor hooks raise inside `torch.func` transforms and do not trace under
+`torch.compile`, so the engine takes this path only outside them, in first-order backward,
+without offload or a save policy (`eligible`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["EarlyStopGraph", "eligible"]
+
+
+def eligible() -> bool:
+    """Whether a checkpoint called now may take this path: grad mode on, no torch.func
+    transform around it, not being compiled."""
+    return (
+        torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+class _StopRecomputeError(Exception):
+    """Raised inside the rerun once every saved position is filled."""
+
+
+class EarlyStopGraph:
+    """One checkpointed call's forward graph, its saved tensors replaced by positions.
+
+    `build` runs the forward; `grads` runs backward through it, rerunning the function
+    (through `rerun`) when the first saved tensor is read.
+    """
+
+    def __init__(self) -> None:
+        self.leaves: list[torch.Tensor] = []
+        self.outputs: list[torch.Tensor] = []
+        self._saved = 0  # positions handed out in forward
+        self._specs: list[tuple[torch.Size, torch.dtype]] = []  # what forward saved at each
+        self._kept: dict[int, torch.Tensor] = {}
+        self._filled = 0
+        self._rerun: Callable[[list[torch.Tensor]], Any] | None = None
+        self._values: list[torch.Tensor] = []
+
+    def build(
+        self, run: Callable[[list[torch.Tensor]], Any], tensors: Sequence[torch.Tensor]
+    ) -> Any:
+        """Run `run` on leaves that alias `tensors` with the graph recorded; returns its
+        result, whose tensors `grads` differentiates (the caller hands out detached aliases)."""
+        self.leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(self._pack_position, self._unpack),
+        ):
+            return run(self.leaves)
+
+    def grads(
+        self,
+        rerun: Callable[[list[torch.Tensor]], Any],
+        values: list[torch.Tensor],
+        pairs: list[tuple[int, torch.Tensor]],
+        needs: list[bool],
+    ) -> list[torch.Tensor | None]:
+        """The gradients w.r.t. the inputs `needs` marks, given output gradients `pairs`
+        ((output index, gradient)); `rerun(inputs)` runs the function again on `values`."""
+        self._rerun, self._values = rerun, values
+        roots = [(self.outputs[j], g) for j, g in pairs if self.outputs[j].requires_grad]
+        wanted = [leaf for leaf, need in zip(self.leaves, needs) if need]
+        if not roots:
+            return [None] * len(needs)
+        try:
+            # Retained: the graph holds positions, not tensors, so keeping it costs nothing,
+            # and a backward of the outer graph with retain_graph may come through again.
+            found = iter(
+                torch.autograd.grad(
+                    [o for o, _ in roots],
+                    wanted,
+                    [g for _, g in roots],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+            )
+        finally:
+            self._rerun, self._values = None, []
+        return [next(found) if need else None for need in needs]
+
+    # hooks -----------------------------------------------------------------------------
+
+    def _pack_position(self, tensor: torch.Tensor) -> int:
+        position = self._saved
+        self._saved += 1
+        self._specs.append((tensor.shape, tensor.dtype))
+        return position
+
+    def _unpack(self, position: int) -> torch.Tensor:
+        if position not in self._kept:
+            self._fill()
+        # Released once read: what backward has used need not outlive its node (a second
+        # backward with retain_graph reruns the function again).
+        return self._kept.pop(position)
+
+    def _fill(self) -> None:
+        if self._rerun is None:
+            raise RuntimeError(
+                "fscale.checkpoint: a saved tensor of a checkpointed call was read outside its "
+                "backward; read the graph's saved tensors only while backward runs"
+            )
+        self._filled = 0
+        inputs = [
+            v.detach().requires_grad_(leaf.requires_grad)
+            for v, leaf in zip(self._values, self.leaves)
+        ]
+        try:
+            with (
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(self._pack_kept, _refuse_unpack),
+            ):
+                self._rerun(inputs)
+        except _StopRecomputeError:
+            pass
+        if self._filled != self._saved:
+            raise RuntimeError(
+                f"fscale.checkpoint: the recompute saved {self._filled} tensors for backward "
+                f"where the forward saved {self._saved}; the checkpointed function must run "
+                "the same operations both times"
+            )
+
+    def _pack_kept(self, tensor: torch.Tensor) -> None:
+        if self._filled >= self._saved:
+            raise RuntimeError(
+                f"fscale.checkpoint: the recompute saved more tensors for backward than the "
+                f"forward's {self._saved}; the checkpointed function must run the same "
+                "operations both times"
+            )
+        expected = self._specs[self._filled]
+        if (tensor.shape, tensor.dtype) != expected:
+            raise RuntimeError(
+                f"fscale.checkpoint: the recompute saved a {tuple(tensor.shape)} "
+                f"{tensor.dtype} tensor for backward where the forward saved a "
+                f"{tuple(expected[0])} {expected[1]} one (saved tensor {self._filled}); the "
+                "checkpointed function must run the same operations both times"
+            )
+        self._kept[self._filled] = tensor.detach()
+        self._filled += 1
+        if self._filled == self._saved:
+            raise _StopRecomputeError
+
+
+def _refuse_unpack(_: None) -> torch.Tensor:
+    raise RuntimeError("fscale.checkpoint: the recompute's own graph is never differentiated")
