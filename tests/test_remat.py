@@ -230,6 +230,22 @@ def test_a_recompute_that_saves_other_tensors_is_refused_with_the_cause():
         checkpoint_call(lambda state, x: x.sin(), (x,), early_stop=1)  # type: ignore[arg-type]
 
 
+def test_a_finished_call_leaves_no_graph_behind():
+    # The graph's saved-tensor hooks must not hold the call: that cycle runs through autograd's
+    # C++ nodes, which the garbage collector cannot see, and leaked every call's graph.
+    import gc
+
+    from fscale.remat.early_stop import EarlyStopGraph
+
+    x, w1, w2 = _f64(4, 4, seed=1), _f64(4, 4, seed=2), _f64(4, 4, seed=3)
+    for _ in range(3):
+        y = checkpoint(_two_matmuls)(x, w1, w2)
+        torch.autograd.grad(y.sum(), (x, w1, w2))
+        del y
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is EarlyStopGraph]
+
+
 def test_without_early_stop_the_recompute_runs_to_the_end():
     x, w1, w2 = _f64(4, 4, seed=1), _f64(4, 4, seed=2), _f64(4, 4, seed=3)
     y = checkpoint_call(

@@ -18,6 +18,7 @@ without offload or a save policy (`eligible`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,10 +64,18 @@ class EarlyStopGraph:
         """Run `run` on leaves that alias `tensors` with the graph recorded; returns its
         result, whose tensors `grads` differentiates (the caller hands out detached aliases)."""
         self.leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-        with (
-            torch.enable_grad(),
-            torch.autograd.graph.saved_tensors_hooks(self._pack_position, self._unpack),
-        ):
+        # The graph's nodes keep the hooks and this object keeps the graph's outputs: hooks
+        # that held it strongly would close a cycle through autograd's C++ nodes, which the
+        # garbage collector cannot see, and every call would leak its graph.
+        this: weakref.ref[EarlyStopGraph] = weakref.ref(self)
+
+        def pack(tensor: torch.Tensor) -> int:
+            return _alive(this)._pack_position(tensor)
+
+        def unpack(position: int) -> torch.Tensor:
+            return _alive(this)._unpack(position)
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return run(self.leaves)
 
     def grads(
@@ -159,6 +168,16 @@ class EarlyStopGraph:
         self._filled += 1
         if self._filled == self._saved:
             raise _StopRecomputeError
+
+
+def _alive(ref: weakref.ref[EarlyStopGraph]) -> EarlyStopGraph:
+    graph = ref()
+    if graph is None:
+        raise RuntimeError(
+            "fscale.checkpoint: a saved tensor of a checkpointed call was read after the call's "
+            "backward graph was freed"
+        )
+    return graph
 
 
 def _refuse_unpack(_: None) -> torch.Tensor:
