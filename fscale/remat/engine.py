@@ -39,6 +39,7 @@ from fscale import tree
 from fscale.offload import transfer
 from fscale.random import RngState
 from fscale.remat.early_stop import EarlyStopGraph, eligible
+from fscale.remat.fresh_graph import first_order_grads, higher_order_grads
 from fscale.remat.mutation import Watch, describe_argument
 from fscale.remat.policy import (
     KeptOutputs,
@@ -281,46 +282,6 @@ class _Call:
         return tree.unflatten(self.out_treedef, leaves)
 
 
-def _first_order_grads(call, values, needs, pairs):  # type: ignore[no-untyped-def]
-    """Classic recompute: rebuild fn's graph on detached inputs and differentiate it once."""
-    leaves = [v.detach().requires_grad_(need) for v, need in zip(values, needs)]
-    with torch.enable_grad():
-        outs = call.rerun(leaves)
-    roots = [(outs[j], g) for j, g in pairs if outs[j].requires_grad]
-    wrt = [leaf for leaf, need in zip(leaves, needs) if need]
-    if not roots:
-        return [None] * len(values)
-    grads = iter(
-        torch.autograd.grad([o for o, _ in roots], wrt, [g for _, g in roots], allow_unused=True)
-    )
-    return [next(grads) if need else None for need in needs]
-
-
-def _higher_order_grads(call, values, needs, pairs):  # type: ignore[no-untyped-def]
-    """Recompute inside `torch.func.grad` so the gradient stays differentiable in its inputs.
-
-    `torch.func.vjp` here breaks nested checkpoints (functorch loses track of its level);
-    the gradient of the scalar <fn(x), g> is the same vector-Jacobian product without it.
-    """
-    wrt = [i for i, need in enumerate(needs) if need]
-
-    def contraction(*wrt_values: torch.Tensor) -> torch.Tensor:
-        inputs = list(values)
-        for i, value in zip(wrt, wrt_values):
-            inputs[i] = value
-        # Kept values are spliced in only where the inputs come from this transform level:
-        # with inputs restored from host copies, functorch's wrapping of a replayed output
-        # fails an internal assertion, so the whole function is recomputed (same values).
-        outs = call.rerun(inputs, use_kept_values=not call.parked_inputs)
-        terms = [(outs[j] * g).sum() for j, g in pairs]
-        return torch.stack(terms).sum() if len(terms) > 1 else terms[0]
-
-    grads = iter(
-        torch.func.grad(contraction, argnums=tuple(range(len(wrt))))(*[values[i] for i in wrt])
-    )
-    return [next(grads) if need else None for need in needs]
-
-
 class _Remat(torch.autograd.Function):
     """Run fn without keeping its graph; run it again in backward."""
 
@@ -352,11 +313,11 @@ class _Remat(torch.autograd.Function):
             return (None,) * (1 + len(needs))
         values = call.restore_inputs(ctx.saved_tensors)
         if torch.is_grad_enabled():
-            grads = _higher_order_grads(call, values, needs, pairs)
+            grads = higher_order_grads(call, values, needs, pairs)
         elif call.graph is not None:
             grads = call.graph.grads(call.rerun_to_stop, values, pairs, needs)
         else:
-            grads = _first_order_grads(call, values, needs, pairs)
+            grads = first_order_grads(call, values, needs, pairs)
         return (None, *grads)
 
 
