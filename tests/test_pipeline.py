@@ -64,6 +64,19 @@ def _reference(model, batch, steps, micro_batches=1, optimizer=None):
     return state, losses
 
 
+def _two_stages(model, **options):
+    """`model` pipelined over 2 ranks, 2 layers per stage, 4 micro-batches, Adam."""
+    return pipeline(
+        model,
+        _mse,
+        fs.optim.adam(1e-2),
+        fs.Mesh(pp=2),
+        micro_batches=4,
+        balance=[2, 2],
+        **options,
+    )
+
+
 def _train(step, params, buffers, batch, steps):
     state = step.init(params, buffers)
     losses = []
@@ -134,9 +147,7 @@ def _consolidate_and_continue():
     model = _mlp(2, 5, 0)
     _, params, buffers = fs.functionalize(model)
     batch = _batch(0, 8, 5)
-    step = pipeline(
-        model, _mse, fs.optim.adam(1e-2), fs.Mesh(pp=2), micro_batches=4, balance=[2, 2]
-    )
+    step = _two_stages(model)
     state, _ = _train(step, params, buffers, batch, 2)
     full = fs.consolidate(step, state)
     again = fs.shard_state(step, full)
@@ -163,16 +174,7 @@ def _donated_and_pure(schedule):
     batch = _batch(2, 8, 5)
     results = []
     for donate in (False, True):
-        step = pipeline(
-            model,
-            _mse,
-            fs.optim.adam(1e-2),
-            fs.Mesh(pp=2),
-            micro_batches=4,
-            balance=[2, 2],
-            schedule=schedule,
-            donate=donate,
-        )
+        step = _two_stages(model, schedule=schedule, donate=donate)
         state = step.init(params, buffers)
         for _ in range(2):
             before = {t.data_ptr() for t in fs.tree.leaves(state.params)}
@@ -492,15 +494,7 @@ def _user_schedule():
     model = _mlp(2, 4, 6)
     _, params, buffers = fs.functionalize(model)
     batch = _batch(6, 8, 4)
-    step = pipeline(
-        model,
-        _mse,
-        fs.optim.adam(1e-2),
-        fs.Mesh(pp=2),
-        micro_batches=4,
-        balance=[2, 2],
-        schedule=eager_1f1b,
-    )
+    step = _two_stages(model, schedule=eager_1f1b)
     state, _ = _train(step, params, buffers, batch, 2)
     expected, _ = _reference(model, batch, 2)
     return fs.consolidate(step, state).params, expected.params, repr(step)

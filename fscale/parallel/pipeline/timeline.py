@@ -129,11 +129,14 @@ class StepRecorder:
     """
 
     def __init__(self, state: Iterable[torch.Tensor]) -> None:
-        # The step's parameters and buffers are state, not activations, when autograd saves them.
-        self._state_storages = {t.untyped_storage().data_ptr() for t in state}
         self._actions: list[ActionTime] = []
         self._live = LiveBytes()
         self.counts_activations = any(t.activations for t in _TIMELINES.active())
+        # The step's parameters and buffers are state, not activations, when autograd saves
+        # them (looked up only when activations are counted).
+        self._state_storages = (
+            {t.untyped_storage().data_ptr() for t in state} if self.counts_activations else set()
+        )
         self._waited = 0.0
         self._start = time.perf_counter()
 
