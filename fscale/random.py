@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-__all__ = ["RngState", "fold_in", "fold_in_seeds", "is_key", "key", "seed", "split"]
+__all__ = ["RngState", "fold_in", "fold_in_all", "fold_in_seeds", "is_key", "key", "seed", "split"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -79,11 +79,27 @@ def fold_in(k: torch.Tensor, data: int) -> torch.Tensor:
         data = int(data.item())
     if isinstance(data, bool) or not isinstance(data, int):
         raise TypeError(f"fold_in: `data` must be an int, got {type(data).__name__}")
-    hi, lo = _words(k)
+    return _make(*_fold_words(_words(k), data))
+
+
+def fold_in_all(k: torch.Tensor, data: Iterable[int]) -> torch.Tensor:
+    """``fold_in(fold_in(k, d0), d1) ...`` over `data`, in order, building one key tensor.
+
+    A step's key is its state's key folded with the step count and then with the rank: one
+    read of `k` and one new tensor instead of one per fold."""
+    words = _words(k)
+    for d in data:
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"fold_in_all: `data` must hold ints, got {type(d).__name__}")
+        words = _fold_words(words, d)
+    return _make(*words)
+
+
+def _fold_words(words: tuple[int, int], data: int) -> tuple[int, int]:
+    hi, lo = words
     d = data & _MASK64
     new_hi = _mix64(hi ^ _mix64(d))
-    new_lo = _mix64(lo ^ _mix64(d ^ new_hi))
-    return _make(new_hi, new_lo)
+    return new_hi, _mix64(lo ^ _mix64(d ^ new_hi))
 
 
 def split(k: torch.Tensor, num: int = 2) -> list[torch.Tensor]:

@@ -61,10 +61,9 @@ def rank_key(
     a collective that times out names it.
     """
     note_step(step)
-    step_key = fsrandom.fold_in(key, step)
     if mesh is None or not axes:
-        return step_key
-    return fsrandom.fold_in(step_key, mesh.rank(axis_arg(axes)))
+        return fsrandom.fold_in(key, step)
+    return fsrandom.fold_in_all(key, (step, mesh.rank(axis_arg(axes))))
 
 
 def axis_arg(axes: tuple[str, ...]) -> str | tuple[str, ...]:

@@ -83,6 +83,19 @@ def test_unknown_axes_list_the_mesh_axes():
         mesh.size(("dp", "dp"))
 
 
+def test_axes_resolved_once_answer_the_same_and_bad_ones_are_still_refused():
+    mesh = fd.Mesh(dp=1, pp=1)
+    assert [mesh.size("pp"), mesh.rank(("dp", "pp")), mesh.size(("dp", "pp"))] == [1, 0, 1]
+    assert [mesh.size("pp"), mesh.rank(("dp", "pp")), mesh.size(("dp", "pp"))] == [1, 0, 1]
+    for _ in range(2):  # a refused axis is not remembered as resolved
+        with pytest.raises(ValueError, match=UNKNOWN_TP):
+            mesh.size("tp")
+        with pytest.raises(TypeError, match=r"`axis` must be an axis name or a tuple"):
+            mesh.size(["dp"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"`axis` must be an axis name \(str\)"):
+        mesh.group(("dp",))  # resolved as a tuple for size, refused where one name is needed
+
+
 # ---- real ranks ---------------------------------------------------------------------------
 
 

@@ -110,3 +110,8 @@ def test_context_is_immutable():
     assert (changed.loss_weight, changed.final) == (0.5, False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.final = False  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        changed.final = True  # type: ignore[misc]
+    assert changed == fs.Context(loss_weight=0.5, final=False)
+    with pytest.raises(TypeError, match=r"Context.replace: no field\(s\) \['finall'\]"):
+        ctx.replace(finall=False)

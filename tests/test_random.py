@@ -22,6 +22,19 @@ def test_fold_in_separates_steps_and_ranks():
     assert torch.equal(fsr.fold_in(k, torch.tensor(5)), fsr.fold_in(k, 5))
 
 
+def test_fold_in_all_equals_folding_one_after_another():
+    k = fsr.key(7)
+    for data in ([], [3], [3, 1], [2**63 + 5, -1, 0]):
+        expected = k
+        for d in data:
+            expected = fsr.fold_in(expected, d)
+        assert torch.equal(fsr.fold_in_all(k, data), expected)
+    with pytest.raises(TypeError, match="fold_in_all: `data` must hold ints"):
+        fsr.fold_in_all(k, [1, 2.0])
+    with pytest.raises(TypeError, match="expected a key"):
+        fsr.fold_in_all(torch.zeros(2), [1])
+
+
 def test_split_and_seed():
     a, b = fsr.split(fsr.key(1))
     assert not torch.equal(a, b)

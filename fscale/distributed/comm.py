@@ -55,7 +55,13 @@ def resolve_comm(axis: str, mesh: Mesh | None, caller: str) -> Comm:
     mesh = resolve_mesh(mesh, caller)
     if not isinstance(axis, str):
         raise TypeError(f"{caller}: `axis` must be an axis name, got {axis!r}")
-    return Comm(mesh, axis, mesh.group(axis), mesh.size(axis), mesh.rank(axis))
+    # Every collective of a step resolves its axis; a mesh never changes once built.
+    comm = mesh._comms.get(axis)
+    if comm is None:
+        comm = mesh._comms[axis] = Comm(
+            mesh, axis, mesh.group(axis), mesh.size(axis), mesh.rank(axis)
+        )
+    return comm
 
 
 def axes(axis: Axis, caller: str) -> tuple[str, ...]:

@@ -65,6 +65,9 @@ class Mesh:
         self._coordinate = _unravel(global_rank, self._shape)
         self._strides = _row_major_strides(self._shape)
         self._groups: dict[str, Any] = {}
+        # A mesh never changes once built; steps ask for the same axes every call.
+        self._resolved: dict[tuple[Any, bool], tuple[int, ...]] = {}
+        self._comms: dict[str, Any] = {}  # axis -> its `fscale.distributed.comm.Comm`
         self._device_mesh = None
         if any(size > 1 for size in self._shape):
             self._device_mesh = _device_mesh_for(self._names, self._shape)
@@ -165,6 +168,15 @@ class Mesh:
 
     def _indices(self, axis: Axis, *, single: bool = False) -> tuple[int, ...]:
         """Positions of `axis` (a name or, unless `single`, a tuple of distinct names)."""
+        try:
+            return self._resolved[axis, single]
+        except (KeyError, TypeError):  # not seen yet, or not hashable (refused below)
+            pass
+        indices = self._resolve_indices(axis, single)
+        self._resolved[axis, single] = indices
+        return indices
+
+    def _resolve_indices(self, axis: Axis, single: bool) -> tuple[int, ...]:
         names: Sequence[Any]
         if isinstance(axis, str):
             names = (axis,)

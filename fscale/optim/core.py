@@ -62,7 +62,7 @@ def new_count() -> torch.Tensor:
 
 
 def next_count(count: int) -> torch.Tensor:
-    return torch.tensor(count + 1, dtype=torch.int64)
+    return torch.scalar_tensor(count + 1, dtype=torch.int64)
 
 
 def read_count(name: str, count: Any) -> int:
