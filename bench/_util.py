@@ -178,6 +178,60 @@ def summarize(samples: Sequence[float]) -> Summary:
     )
 
 
+@dataclass(frozen=True)
+class MedianInterval:
+    """A confidence interval for the median of the distribution some samples were drawn from.
+
+    Attributes:
+        low: the lower end, an order statistic of the samples.
+        high: the upper end, an order statistic of the samples.
+        coverage: the probability that such an interval holds the median (at least the
+            confidence asked for, when the samples are enough to reach it).
+    """
+
+    low: float
+    high: float
+    coverage: float
+
+    def verdict(self, goal: float) -> str:
+        """``"met"`` when the whole interval is at or below `goal`, ``"missed"`` when it is all
+        above, else ``"undecided"``: the samples cannot tell which side the median is on."""
+        if self.high <= goal:
+            return "met"
+        if self.low > goal:
+            return "missed"
+        return "undecided"
+
+
+def median_interval(samples: Sequence[float], confidence: float = 0.95) -> MedianInterval:
+    """The distribution-free interval for the median: order statistics chosen by the binomial.
+
+    With the samples sorted, ``[x_k, x_(n+1-k)]`` (1-based) holds the median with probability
+    ``1 - 2 P(B < k)`` for B ~ Binomial(n, 1/2), whatever the distribution, as long as the
+    samples are independent draws from it. The largest k whose coverage is still at least
+    `confidence` is taken; too few samples to reach it give the full range and its coverage.
+    Independence is an assumption: interleaved rounds on a shared machine are close to it for
+    paired ratios, which cancel the drift the rounds share.
+
+    Raises:
+        ValueError: no samples, or `confidence` outside (0, 1).
+    """
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"median_interval: `confidence` must be in (0, 1), got {confidence!r}")
+    ordered = sorted(float(v) for v in samples)
+    n = len(ordered)
+    if not n:
+        raise ValueError("median_interval: `samples` is empty; time at least one round")
+    below = 0.0  # P(B < k), for k = 1 first
+    k, coverage = 1, 1.0 - 2.0 * 0.5**n
+    for candidate in range(1, (n + 1) // 2 + 1):
+        below += math.comb(n, candidate - 1) * 0.5**n  # now P(B < candidate)
+        if 1.0 - 2.0 * below < confidence:
+            break
+        k, coverage = candidate, 1.0 - 2.0 * below
+    return MedianInterval(ordered[k - 1], ordered[n - k], coverage)
+
+
 def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
     """Round-by-round ratios ``numerators[i] / denominators[i]`` of two interleaved variants.
 

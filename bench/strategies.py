@@ -24,11 +24,14 @@ update):
 Reported per variant: median step time with its IQR and the global mean loss after the last
 step; per strategy: the ratio of its median to the median of the peer issue 11 names (ZeRO-2
 and DDP against torch DDP, ZeRO-3 against FSDP2, remat against torch's checkpoint), the median
-of the round-by-round ratios, and whether the goal (<= 1.00x; ZeRO-3 <= 0.95x) is met, judged
-on the ratio of medians. ``--quick``: the small models, 4 timed rounds after 2. ``--keep-heap``:
-every rank first makes glibc keep the memory it frees for reuse (`_util.keep_heap`), so no
-variant's time depends on how its frees order the heap (with glibc's defaults a step that frees
-its activations takes fresh zero-filled pages for them in the next one). ``--strategies``
+of the round-by-round ratios with a distribution-free 95% interval for it
+(`_util.median_interval`), and the verdict on the goal (<= 1.00x; ZeRO-3 <= 0.95x): met or
+missed when the whole interval lies on one side of it, undecided when the rounds cannot tell
+(the JSON keeps ``goal_met``, the ratio of medians against the goal, too). ``--quick``: the
+small models, 4 timed rounds after 2. ``--keep-heap``: every rank first makes glibc keep the
+memory it frees for reuse (`_util.keep_heap`), so no variant's time depends on how its frees
+order the heap (with glibc's defaults a step that frees its activations takes fresh zero-filled
+pages for them in the next one). ``--strategies``
 times only those strategies' variants and their peers (fewer variants share the machine's
 caches differently, so such figures are read beside each other, not beside a full run's).
 Writes ``bench/results/strategies.json`` (``strategies_keep_heap.json``; with
@@ -38,6 +41,7 @@ Writes ``bench/results/strategies.json`` (``strategies_keep_heap.json``; with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 import _util
@@ -129,7 +133,10 @@ def compare(per_round: dict[str, list[float]]) -> list[dict[str, Any]]:
         row["ratio"] = median / row["peer_median_s"]
         paired = _util.paired_ratios(per_round[ours], per_round[peer])
         row["paired_ratio"] = _util.summarize(paired).as_dict()
+        interval = _util.median_interval(paired)
+        row["paired_interval"] = dataclasses.asdict(interval)
         row["goal_met"] = row["ratio"] <= goal
+        row["verdict"] = interval.verdict(goal)
         row["other_peers"] = {
             other: median / _util.summarize(per_round[other]).median
             for other in others
@@ -216,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     ]
                 )
             for row in comparisons:
-                paired = row["paired_ratio"]
+                paired, interval = row["paired_ratio"], row["paired_interval"]
                 verdicts.append(
                     [
                         model,
@@ -226,9 +233,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         row["fscale_median_s"] * 1e3,
                         row["peer_median_s"] * 1e3,
                         f"{row['ratio']:.3f}x",
-                        f"{paired['median']:.3f} ({paired['iqr']:.3f})",
+                        f"{paired['median']:.3f} ({interval['low']:.3f}-{interval['high']:.3f})",
                         f"<= {row['goal']:.2f}x",
-                        "met" if row["goal_met"] else "missed",
+                        row["verdict"],
                         ", ".join(f"{v:.3f}x {k}" for k, v in row["other_peers"].items()) or "-",
                     ]
                 )
@@ -248,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "fscale ms",
                 "peer ms",
                 "ratio",
-                "paired (IQR)",
+                "paired (95% CI)",
                 "goal",
                 "verdict",
                 "fscale also vs",
@@ -259,7 +266,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print(
         f"{rounds} interleaved rounds after {warmup}; a round's time is its slowest rank's; "
-        "ratio = fscale median / peer median"
+        "ratio = fscale median / peer median; paired = the median of the round-by-round ratios, "
+        "with a distribution-free 95% interval for it; verdict: met / missed when the whole "
+        "interval is on one side of the goal, else undecided"
         + ("; freed memory kept for reuse (--keep-heap)" if args.keep_heap else "")
     )
     payload = {

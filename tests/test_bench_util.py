@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import math
+import random
 import sys
 from pathlib import Path
 
@@ -81,6 +83,50 @@ def test_paired_ratios_divide_round_by_round():
         util.paired_ratios([], [])
     with pytest.raises(ValueError, match="denominator must be positive"):
         util.paired_ratios([1.0], [0.0])
+
+
+def test_median_interval_takes_the_binomial_order_statistics():
+    # The textbook 95% interval for 20 samples is the 6th to the 15th of them.
+    samples = [float(v) for v in reversed(range(1, 21))]
+    interval = util.median_interval(samples)
+    below = sum(math.comb(20, i) for i in range(6)) / 2**20
+    assert (interval.low, interval.high) == (6.0, 15.0)
+    assert interval.coverage == pytest.approx(1 - 2 * below) and interval.coverage >= 0.95
+    # 12 samples: the 3rd to the 10th; a looser confidence narrows it.
+    twelve = util.median_interval(list(range(12)))
+    assert (twelve.low, twelve.high) == (2.0, 9.0)
+    assert (
+        util.median_interval(list(range(12)), 0.5).high
+        - util.median_interval(list(range(12)), 0.5).low
+        < twelve.high - twelve.low
+    )
+    # Too few samples for the confidence: the whole range, with the coverage it does have.
+    few = util.median_interval([3.0, 1.0, 2.0, 5.0, 4.0])
+    assert (few.low, few.high, few.coverage) == (1.0, 5.0, 1 - 2 / 32)
+
+
+def test_median_interval_holds_the_median_as_often_as_it_says():
+    rng = random.Random(0)
+    n, trials = 12, 3000
+    expected = util.median_interval(range(n)).coverage  # 0.961
+    hits = 0
+    for _ in range(trials):
+        interval = util.median_interval([rng.expovariate(1.0) for _ in range(n)])
+        hits += interval.low <= math.log(2) <= interval.high  # the exponential's median
+    assert abs(hits / trials - expected) < 0.015
+
+
+def test_median_interval_verdicts_and_bad_input():
+    interval = util.MedianInterval(0.97, 1.02, 0.95)
+    assert [interval.verdict(goal) for goal in (1.02, 1.00, 0.96)] == [
+        "met",
+        "undecided",
+        "missed",
+    ]
+    with pytest.raises(ValueError, match="`samples` is empty"):
+        util.median_interval([])
+    with pytest.raises(ValueError, match=r"`confidence` must be in \(0, 1\)"):
+        util.median_interval([1.0], 1.0)
 
 
 # ---------------------------------------------------------------------------------- timing
@@ -308,3 +354,26 @@ def test_live_tensor_bytes_counts_each_storage_once():
     assert util.live_tensor_bytes() - before == 4 << 20
     del block, views
     assert util.live_tensor_bytes() == before
+
+
+def test_strategies_compare_gives_the_interval_verdict(monkeypatch):
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    strategies = importlib.import_module("strategies")
+    rounds = 20
+    peer = [1.0] * rounds
+    per_round = {
+        "torch DDP": peer,
+        "fscale DDP": [0.97 + 0.001 * i for i in range(rounds)],  # all below 1.00x
+        "fscale ZeRO-2": [0.945 + 0.01 * i for i in range(rounds)],  # straddles 1.00x
+        "torch FSDP2": peer,
+        "fscale ZeRO-3": [1.01] * rounds,  # all above 0.95x
+    }
+    rows = {row["strategy"]: row for row in strategies.compare(per_round)}
+    assert [rows[s]["verdict"] for s in ("DDP", "ZeRO-2", "ZeRO-3")] == [
+        "met",
+        "undecided",
+        "missed",
+    ]
+    interval = rows["ZeRO-2"]["paired_interval"]
+    assert (interval["low"], interval["high"]) == pytest.approx((0.995, 1.085))
+    assert "remat" not in rows  # neither of its variants was timed
