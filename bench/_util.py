@@ -202,6 +202,14 @@ class MedianInterval:
             return "missed"
         return "undecided"
 
+    def verdict_at_least(self, goal: float) -> str:
+        """As `verdict`, for a goal the median must reach or exceed (a speed-up)."""
+        if self.low >= goal:
+            return "met"
+        if self.high < goal:
+            return "missed"
+        return "undecided"
+
 
 def median_interval(samples: Sequence[float], confidence: float = 0.95) -> MedianInterval:
     """The distribution-free interval for the median: order statistics chosen by the binomial.

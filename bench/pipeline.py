@@ -17,10 +17,12 @@ round by round alternating (`_util.interleave`, a barrier before every step):
   update in place, as torch's optimizer does it).
 
 Reported per configuration: median step time of each (the slowest rank's per round), the
-throughput ratio fscale / torch (samples per second), the CPU ratio torch / fscale (the CPU
-seconds all ranks spend per step, median over rounds: the work done, which the load other
-processes put on a shared machine does not stretch as it stretches step times), the peak RSS
-growth of each rank during its steps (what the step allocates above the model: mostly
+throughput ratio fscale / torch (samples per second) with a distribution-free 95% interval for
+its round-by-round median (`_util.median_interval`) and the verdict on the goal of 1.1x (met or
+missed when the whole interval is on one side of it, else undecided), the CPU ratio torch /
+fscale (the CPU seconds all ranks spend per step, median over rounds: the work done, which the
+load other processes put on a shared machine does not stretch as it stretches step times), the
+peak RSS growth of each rank during its steps (what the step allocates above the model: mostly
 activations), the bubble fraction of fscale's schedule table, and for GPipe and 1F1B the
 analytical (P−1)/(M+P−1).
 
@@ -44,6 +46,7 @@ activation peak over GPipe's (the goal: at most P/M) and zero-bubble's measured 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -64,6 +67,7 @@ SCHEDULES = {
     "zero_bubble": "ScheduleInterleavedZeroBubble",
 }
 LEARNING_RATE = 1e-3
+THROUGHPUT_GOAL = 1.1  # issue 12: fscale >= 1.1x torch pipelining's throughput, same schedule
 SEQUENCES_PER_MICRO_BATCH = 2
 
 
@@ -337,6 +341,12 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
         for name in names
     }
     medians = {name: _util.summarize(values).median for name, values in per_round.items()}
+    # Round by round, torch's step time over fscale's (its throughput over torch's): the pair
+    # ran under the same load, and the interval says whether the rounds decide the 1.1x goal.
+    interval = None
+    if "torch" in per_round:
+        paired = _util.paired_ratios(per_round["torch"], per_round["fscale"])
+        interval = dataclasses.asdict(_util.median_interval(paired))
     analytic = (ranks - 1) / (micro_batches + ranks - 1) if schedule in ("gpipe", "1f1b") else None
     # The critical path of fscale's table with each action at its measured cost: the least
     # time any runtime takes for these actions in this order (`simulate`).
@@ -356,6 +366,10 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
         "torch_s": medians.get("torch"),
         "throughput_ratio": medians["torch"] / medians["fscale"] if "torch" in medians else None,
         "cpu_ratio": cpu["torch"] / cpu["fscale"] if "torch" in cpu else None,
+        "throughput_interval": interval,
+        "throughput_verdict": None
+        if interval is None
+        else _util.MedianInterval(**interval).verdict_at_least(THROUGHPUT_GOAL),
         "floor_s": floor,
         "fscale_over_floor": medians["fscale"] / floor,
         "torch_over_floor": medians["torch"] / floor if "torch" in medians else None,
@@ -381,6 +395,7 @@ def _format(rows: list[dict[str, Any]]) -> str:
         "fscale/floor",
         "torch/floor",
         "fscale/torch thr",
+        "thr 95% CI",
         "torch/fscale cpu",
         "fscale peak MiB",
         "torch peak MiB",
@@ -400,6 +415,7 @@ def _format(rows: list[dict[str, Any]]) -> str:
             r["fscale_over_floor"],
             r["torch_over_floor"] if r["torch_over_floor"] is not None else "n/a",
             r["throughput_ratio"] if r["throughput_ratio"] is not None else "n/a",
+            _interval_cell(r["throughput_interval"], r["throughput_verdict"]),
             r["cpu_ratio"] if r["cpu_ratio"] is not None else "n/a",
             "/".join(f"{v:.1f}" for v in r["fscale_peak_mib"]),
             "/".join(f"{v:.1f}" for v in r["torch_peak_mib"]),
@@ -411,6 +427,12 @@ def _format(rows: list[dict[str, Any]]) -> str:
         for r in rows
     ]
     return _util.format_table(header, body)
+
+
+def _interval_cell(interval: dict[str, float] | None, verdict: str | None) -> str:
+    if interval is None:
+        return "n/a"
+    return f"{interval['low']:.3f}-{interval['high']:.3f} {verdict}"
 
 
 def _goals(rows: list[dict[str, Any]]) -> str:

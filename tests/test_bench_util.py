@@ -123,6 +123,11 @@ def test_median_interval_verdicts_and_bad_input():
         "undecided",
         "missed",
     ]
+    assert [interval.verdict_at_least(goal) for goal in (0.97, 1.00, 1.03)] == [
+        "met",
+        "undecided",
+        "missed",
+    ]
     with pytest.raises(ValueError, match="`samples` is empty"):
         util.median_interval([])
     with pytest.raises(ValueError, match=r"`confidence` must be in \(0, 1\)"):
