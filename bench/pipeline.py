@@ -343,10 +343,10 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
     medians = {name: _util.summarize(values).median for name, values in per_round.items()}
     # Round by round, torch's step time over fscale's (its throughput over torch's): the pair
     # ran under the same load, and the interval says whether the rounds decide the 1.1x goal.
-    interval = None
+    interval = verdict = None
     if "torch" in per_round:
-        paired = _util.paired_ratios(per_round["torch"], per_round["fscale"])
-        interval = dataclasses.asdict(_util.median_interval(paired))
+        paired = _util.median_interval(_util.paired_ratios(per_round["torch"], per_round["fscale"]))
+        interval, verdict = dataclasses.asdict(paired), paired.verdict_at_least(THROUGHPUT_GOAL)
     analytic = (ranks - 1) / (micro_batches + ranks - 1) if schedule in ("gpipe", "1f1b") else None
     # The critical path of fscale's table with each action at its measured cost: the least
     # time any runtime takes for these actions in this order (`simulate`).
@@ -367,9 +367,7 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
         "throughput_ratio": medians["torch"] / medians["fscale"] if "torch" in medians else None,
         "cpu_ratio": cpu["torch"] / cpu["fscale"] if "torch" in cpu else None,
         "throughput_interval": interval,
-        "throughput_verdict": None
-        if interval is None
-        else _util.MedianInterval(**interval).verdict_at_least(THROUGHPUT_GOAL),
+        "throughput_verdict": verdict,
         "floor_s": floor,
         "fscale_over_floor": medians["fscale"] / floor,
         "torch_over_floor": medians["torch"] / floor if "torch" in medians else None,

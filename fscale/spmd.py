@@ -61,9 +61,8 @@ def rank_key(
     a collective that times out names it.
     """
     note_step(step)
-    if mesh is None or not axes:
-        return fsrandom.fold_in(key, step)
-    return fsrandom.fold_in_all(key, (step, mesh.rank(axis_arg(axes))))
+    ranks = () if mesh is None or not axes else (mesh.rank(axis_arg(axes)),)
+    return fsrandom.fold_in_all(key, (step, *ranks))
 
 
 def axis_arg(axes: tuple[str, ...]) -> str | tuple[str, ...]:

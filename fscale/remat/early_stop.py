@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from fscale.remat.fresh_graph import grads_through
+
 __all__ = ["EarlyStopGraph", "eligible"]
 
 
@@ -88,25 +90,12 @@ class EarlyStopGraph:
         """The gradients w.r.t. the inputs `needs` marks, given output gradients `pairs`
         ((output index, gradient)); `rerun(inputs)` runs the function again on `values`."""
         self._rerun, self._values = rerun, values
-        roots = [(self.outputs[j], g) for j, g in pairs if self.outputs[j].requires_grad]
-        wanted = [leaf for leaf, need in zip(self.leaves, needs) if need]
-        if not roots:
-            return [None] * len(needs)
         try:
             # Retained: the graph holds positions, not tensors, so keeping it costs nothing,
             # and a backward of the outer graph with retain_graph may come through again.
-            found = iter(
-                torch.autograd.grad(
-                    [o for o, _ in roots],
-                    wanted,
-                    [g for _, g in roots],
-                    retain_graph=True,
-                    allow_unused=True,
-                )
-            )
+            return grads_through(self.outputs, self.leaves, pairs, needs, retain_graph=True)
         finally:
             self._rerun, self._values = None, []
-        return [next(found) if need else None for need in needs]
 
     # hooks -----------------------------------------------------------------------------
 

@@ -129,9 +129,11 @@ class _Call:
         self.out_leaves: list[Any] = []
         self.out_positions: list[int] = []
         self.out_differentiable: list[bool] = []
-        # Set by `_checkpointed_call`: whether forward records the graph for a first-order
-        # backward that stops its recompute early (`fscale.remat.early_stop`).
-        self.early_stop = False
+        # Whether forward records the graph for a first-order backward that stops its
+        # recompute early (`fscale.remat.early_stop`); decided when the call is made.
+        self.early_stop = (
+            options.early_stop and options.policy is None and not options.offload and eligible()
+        )
         self.graph: EarlyStopGraph | None = None
 
     def run(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> Any:
@@ -445,7 +447,4 @@ def _checkpointed_call(
     # inputs alive on the device.
     static_leaves = [None if isinstance(v, torch.Tensor) else v for v in leaves]
     call = _Call(run, static_leaves, treedef, positions, module_state, buffer_indexes, options)
-    call.early_stop = (
-        options.early_stop and options.policy is None and not options.offload and eligible()
-    )
     return call.rebuild_output(_Remat.apply(call, *tensors))

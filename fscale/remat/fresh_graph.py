@@ -9,9 +9,36 @@ first-order backward runs through the forward's own graph (`fscale.remat.early_s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["first_order_grads", "higher_order_grads"]
+__all__ = ["first_order_grads", "grads_through", "higher_order_grads"]
+
+
+def grads_through(
+    outputs: Sequence[torch.Tensor],
+    leaves: Sequence[torch.Tensor],
+    pairs: Sequence[tuple[int, torch.Tensor]],
+    needs: Sequence[bool],
+    *,
+    retain_graph: bool = False,
+) -> list[torch.Tensor | None]:
+    """One backward through a recorded graph: the gradients w.r.t. the `leaves` that `needs`
+    marks (None for the rest), given ``(output index, gradient)`` `pairs`."""
+    roots = [(outputs[j], g) for j, g in pairs if outputs[j].requires_grad]
+    if not roots:
+        return [None] * len(needs)
+    found = iter(
+        torch.autograd.grad(
+            [o for o, _ in roots],
+            [leaf for leaf, need in zip(leaves, needs) if need],
+            [g for _, g in roots],
+            retain_graph=retain_graph,
+            allow_unused=True,
+        )
+    )
+    return [next(found) if need else None for need in needs]
 
 
 def first_order_grads(call, values, needs, pairs):  # type: ignore[no-untyped-def]
@@ -19,14 +46,7 @@ def first_order_grads(call, values, needs, pairs):  # type: ignore[no-untyped-de
     leaves = [v.detach().requires_grad_(need) for v, need in zip(values, needs)]
     with torch.enable_grad():
         outs = call.rerun(leaves)
-    roots = [(outs[j], g) for j, g in pairs if outs[j].requires_grad]
-    wrt = [leaf for leaf, need in zip(leaves, needs) if need]
-    if not roots:
-        return [None] * len(values)
-    grads = iter(
-        torch.autograd.grad([o for o, _ in roots], wrt, [g for _, g in roots], allow_unused=True)
-    )
-    return [next(grads) if need else None for need in needs]
+    return grads_through(outs, leaves, pairs, needs)
 
 
 def higher_order_grads(call, values, needs, pairs):  # type: ignore[no-untyped-def]
