@@ -15,6 +15,8 @@ the same model (seed 0) on the same batches with AdamW at the same learning rate
   ``fairscale.nn.ShardedDataParallel``, reset with ``model.zero_grad()`` as FairScale documents;
 * ``torch FSDP2``: ``torch.distributed.fsdp.fully_shard`` on every unit, then on the root, with
   ``torch.optim.AdamW(fused=True)`` over its DTensor shards;
+* ``torch FSDP2 last kept``: the same with ``reshard_after_forward=False`` on the last
+  unit (torchtitan's default policy, as fscale's ``"except_last"``);
 * ``fscale DDP`` / ``fscale DDP donate=False``: ``fscale.data_parallel``, donated and pure;
 * ``fscale ZeRO-1`` / ``fscale ZeRO-2``: ``fscale.shard_optimizer(shard_grads=False / True)``;
 * ``fscale ZeRO-3``: ``fscale.fully_shard`` over the same units as FSDP2;
@@ -67,6 +69,7 @@ PEERS = (
     "torch DDP + ZeRO-1",
     "FairScale OSS + ShardedDDP",
     "torch FSDP2",
+    "torch FSDP2 last kept",
 )
 FAIRSCALE = ("FairScale OSS + ShardedDDP",)
 """The variants that need ``import fairscale``."""
@@ -219,7 +222,7 @@ def build(name: str, workload: Workload) -> Variant:
     variant = Variant(name, workload, model)
     if name.startswith("fscale"):
         _fscale(variant, workload, model)
-    elif name == "torch FSDP2":
+    elif name.startswith("torch FSDP2"):
         _fsdp2(variant, workload, model)
     else:
         _torch_ddp_family(variant, workload, model)
@@ -305,8 +308,11 @@ def _fsdp2(variant: Variant, workload: Workload, model: nn.Module) -> None:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for path in workload.units(model):
-        fully_shard(model.get_submodule(path), mesh=mesh)
+    paths = workload.units(model)
+    keep_last = variant.name == "torch FSDP2 last kept"
+    for i, path in enumerate(paths):
+        reshard = not (keep_last and i == len(paths) - 1)
+        fully_shard(model.get_submodule(path), mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
 

@@ -5,7 +5,9 @@ linear layer). Variants, each trained with Adam for a few steps on 2 ranks start
 `fscale.launch` (one process group per variant, so each variant's peak RSS is its own):
 
 * ``fscale``: ``fully_shard(step, mesh)`` (reshard after forward: freed after each unit's
-  forward, gathered again for its backward, no recompute; prefetch 1);
+  forward, gathered again for its backward, no recompute, except the last unit, kept for the
+  backward that begins with it; prefetch 1);
+* ``fscale reshard all``: ``reshard_after_forward=True``, the last unit resharded too;
 * ``fscale prefetch=0``: the same without prefetch;
 * ``fscale remat``: ``reshard_after_forward="remat"`` (each unit recomputed in backward);
 * ``fscale no-reshard``: ``reshard_after_forward=False``;
@@ -47,6 +49,7 @@ RESULTS = Path(__file__).parent / "results" / "fsdp.json"
 WORLD = 2
 VARIANTS = (
     "fscale",
+    "fscale reshard all",
     "fscale prefetch=0",
     "fscale remat",
     "fscale no-reshard",
@@ -145,6 +148,7 @@ def _fscale(kind, variant, model, quick, warmup, steps):  # type: ignore[no-unty
 
     options = {
         "fscale": {},
+        "fscale reshard all": {"reshard_after_forward": True},
         "fscale prefetch=0": {"prefetch": 0},
         "fscale remat": {"reshard_after_forward": "remat"},
         "fscale no-reshard": {"reshard_after_forward": False},

@@ -17,7 +17,8 @@ memory (``VmHWM``) is that variant's alone. The strategies and their peers:
   ShardedDDP`` (when ``import fairscale`` works); DeepSpeed ZeRO-2 has no variant, the run
   reports whether ``import deepspeed`` works;
 * ZeRO-3: ``fscale ZeRO-3`` (``fscale.fully_shard``) beside ``torch FSDP2`` (``fully_shard``
-  per block, then the root);
+  per block, then the root) and ``torch FSDP2 last kept`` (the last block not resharded
+  after forward, as fscale's default);
 * remat: ``fscale DDP + checkpoint`` (``fscale.checkpoint`` around every block) beside ``torch
   DDP + checkpoint`` (``torch.utils.checkpoint``, non-reentrant).
 
@@ -54,7 +55,7 @@ CLASSES = (
     ("DDP", ("fscale DDP", "fscale DDP donate=False"), ("torch DDP",)),
     ("ZeRO-1", ("fscale ZeRO-1",), ("torch DDP + ZeRO-1",)),
     ("ZeRO-2", ("fscale ZeRO-2",), ("FairScale OSS + ShardedDDP",)),
-    ("ZeRO-3", ("fscale ZeRO-3",), ("torch FSDP2",)),
+    ("ZeRO-3", ("fscale ZeRO-3",), ("torch FSDP2", "torch FSDP2 last kept")),
     ("remat", ("fscale DDP + checkpoint",), ("torch DDP + checkpoint",)),
 )
 MIB = 2**20

@@ -15,8 +15,10 @@ update):
 * ``fscale ZeRO-2`` (``fscale.shard_optimizer``) beside ``FairScale OSS + ShardedDDP`` (when
   ``import fairscale`` works; DeepSpeed ZeRO-2 has no variant: the run reports whether
   ``import deepspeed`` works);
-* ``fscale ZeRO-3`` (``fscale.fully_shard``) beside ``torch FSDP2``, the same units (GPT blocks,
-  ResNet stages) and root;
+* ``fscale ZeRO-3`` (``fscale.fully_shard``, its default ``"except_last"``) beside ``torch
+  FSDP2`` (its default: every unit resharded after forward), the same units (GPT blocks,
+  ResNet stages) and root, and beside ``torch FSDP2 last kept`` (torchtitan's policy,
+  the same one as fscale's default);
 * GPT only: ``fscale DDP + checkpoint`` beside ``torch DDP + checkpoint``
   (``torch.utils.checkpoint``), every block recomputed. The ResNet's BatchNorm statistics
   would be updated twice by torch's recompute, so it has no checkpoint pair.
@@ -55,7 +57,7 @@ COMPARISONS = (
     # (strategy, fscale variant, the peer the goal is set against, goal, other peers shown)
     ("DDP", "fscale DDP", "torch DDP", 1.00, ()),
     ("ZeRO-2", "fscale ZeRO-2", "torch DDP", 1.00, ("FairScale OSS + ShardedDDP",)),
-    ("ZeRO-3", "fscale ZeRO-3", "torch FSDP2", 0.95, ()),
+    ("ZeRO-3", "fscale ZeRO-3", "torch FSDP2", 0.95, ("torch FSDP2 last kept",)),
     ("remat", "fscale DDP + checkpoint", "torch DDP + checkpoint", 1.00, ()),
 )
 VARIANTS = (
@@ -65,6 +67,7 @@ VARIANTS = (
     "FairScale OSS + ShardedDDP",
     "fscale ZeRO-3",
     "torch FSDP2",
+    "torch FSDP2 last kept",
     "fscale DDP + checkpoint",
     "torch DDP + checkpoint",
 )

@@ -57,7 +57,7 @@ def _fsdp_and_data_parallel(case, opt, steps, options):
     case=fst.model_cases(),
     opt=fst.optimizer_cases(),
     world=st.sampled_from([1, 2, 4]),
-    reshard_after_forward=st.sampled_from([True, False, "remat"]),
+    reshard_after_forward=st.sampled_from([True, False, "remat", "except_last"]),
     prefetch=st.sampled_from([0, 1, 2]),
 )
 def test_fully_shard_equals_data_parallel(case, opt, world, reshard_after_forward, prefetch):
@@ -139,7 +139,7 @@ def _ledger_one_step(kind, reshard_after_forward, units):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("reshard_after_forward", [True, "remat", False])
+@pytest.mark.parametrize("reshard_after_forward", [True, "except_last", "remat", False])
 def test_traffic_is_three_or_two_transfers_of_the_padded_units(world, reshard_after_forward):
     sizes, records = run_spmd(_ledger_one_step, world, "mlp", reshard_after_forward, None)[0]
     assert "<root>" not in sizes  # an MLP's layers are all units: "0", "2", "4"
@@ -149,6 +149,9 @@ def test_traffic_is_three_or_two_transfers_of_the_padded_units(world, reshard_af
         # Gathered again only where backward reads the parameters: not for the first layer,
         # whose input needs no gradient (its weight gradient reads the input only).
         expected = 3 * psi - sizes["0"]
+    elif reshard_after_forward == "except_last":
+        # The last layer is kept for backward as well: 2 transfers of it.
+        expected = 3 * psi - sizes["0"] - sizes["4"]
     else:
         expected = (3 if reshard_after_forward == "remat" else 2) * psi
     assert sum(e for _, _, e in unit_records) == expected * (world - 1) / world
@@ -160,12 +163,15 @@ def test_traffic_is_three_or_two_transfers_of_the_padded_units(world, reshard_af
     ]
 
 
-def test_traffic_with_a_root_unit():
+@pytest.mark.parametrize("reshard_after_forward", [True, "except_last"])
+def test_traffic_with_a_root_unit(reshard_after_forward):
     # A GPT's embeddings, final norm and (tied) output layer form the root unit, gathered once
-    # before the forward and kept until its gradient: 2 transfers; each block: 3.
-    sizes, records = run_spmd(_ledger_one_step, 2, "gpt", True, None)[0]
+    # before the forward and kept until its gradient: 2 transfers; each block: 3, but the last
+    # block under "except_last" (kept for backward): 2.
+    sizes, records = run_spmd(_ledger_one_step, 2, "gpt", reshard_after_forward, None)[0]
     root = sizes.pop("<root>")
-    expected = (3 * sum(sizes.values()) + 2 * root) / 2
+    kept = sizes[list(sizes)[-1]] if reshard_after_forward == "except_last" else 0
+    expected = (3 * sum(sizes.values()) - kept + 2 * root) / 2
     assert sum(e for op, _, e in records if op != "all_reduce") == expected
 
 
@@ -220,7 +226,15 @@ def _peak_gathered(reshard_after_forward, prefetch):
 
 @pytest.mark.parametrize(
     ("reshard_after_forward", "prefetch", "expected_peak"),
-    [(True, 0, 1), (True, 1, 2), (True, 2, 3), ("remat", 1, 2), (False, 1, "all")],
+    [
+        (True, 0, 1),
+        (True, 1, 2),
+        (True, 2, 3),
+        ("except_last", 0, 1),
+        ("except_last", 1, 2),
+        ("remat", 1, 2),
+        (False, 1, "all"),
+    ],
 )
 def test_peak_gathered_units(reshard_after_forward, prefetch, expected_peak):
     stats, num_units = run_spmd(_peak_gathered, 2, reshard_after_forward, prefetch)[0]
@@ -234,7 +248,12 @@ def test_peak_gathered_units(reshard_after_forward, prefetch, expected_peak):
         # wait() returned, so the next gather can start while it is still counted: + 1 at most.
         assert expected_peak <= stats.peak_units <= expected_peak + 1
     # The first layer is not gathered again: its backward does not read its weight.
-    gathers = {True: 2 * num_units - 1, "remat": 2 * num_units, False: num_units}
+    gathers = {
+        True: 2 * num_units - 1,
+        "except_last": 2 * num_units - 2,  # nor the last, kept for backward
+        "remat": 2 * num_units,
+        False: num_units,
+    }
     assert stats.gathers == gathers[reshard_after_forward]
     assert stats.live_units == 0  # everything released by the end of the step
 
@@ -265,7 +284,7 @@ def _forward_and_backward_counts(reshard_after_forward, checkpoint_blocks):
 
     def loss_fn(p, b, batch, key):
         out = case.loss_fn(apply)(p, b, batch, key)
-        kept = case.depth if reshard_after_forward is False else 0
+        kept = {False: case.depth, "except_last": 1}.get(reshard_after_forward, 0)
         after_forward.append((_settled(lambda: gathered.live_units, kept), gathered.live_bytes))
         return out
 
@@ -283,7 +302,7 @@ def _forward_and_backward_counts(reshard_after_forward, checkpoint_blocks):
 
 
 @pytest.mark.parametrize("checkpoint_blocks", [False, True])
-@pytest.mark.parametrize("reshard_after_forward", [True, "remat", False])
+@pytest.mark.parametrize("reshard_after_forward", [True, "except_last", "remat", False])
 def test_resharding_frees_gathered_parameters_after_forward_without_recompute(
     reshard_after_forward, checkpoint_blocks
 ):
@@ -294,9 +313,11 @@ def test_resharding_frees_gathered_parameters_after_forward_without_recompute(
         # block's own checkpoint (inside the unit's recompute once more under "remat").
         expected_recomputations = {
             (True, False): 0,
+            ("except_last", False): 0,
             (False, False): 0,
             ("remat", False): blocks,
             (True, True): blocks,
+            ("except_last", True): blocks,
             (False, True): blocks,
             ("remat", True): 2 * blocks,
         }[reshard_after_forward, checkpoint_blocks]
@@ -304,17 +325,22 @@ def test_resharding_frees_gathered_parameters_after_forward_without_recompute(
         assert calls == blocks + recomputations
         if reshard_after_forward is False:
             assert (live_units, live_bytes) == (blocks, block_bytes)  # kept for backward
+        elif reshard_after_forward == "except_last":
+            assert (live_units, live_bytes) == (1, block_bytes // blocks)  # the last block
         else:
             assert (live_units, live_bytes) == (0, 0)  # the blocks' parameters are freed
         assert live_at_end == 0
 
 
-def _backward_collectives(prefetch):
+def _backward_collectives(prefetch, reshard_after_forward):
     rank, world = dist.get_rank(), dist.get_world_size()
     case = fst.ModelCase("gpt", width=8, depth=3)
     apply, params, buffers = fs.functionalize(case.module())
     step = fully_shard(
-        fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)), fs.Mesh(dp=world), prefetch=prefetch
+        fs.train_step(case.loss_fn(apply), fs.optim.sgd(0.1)),
+        fs.Mesh(dp=world),
+        prefetch=prefetch,
+        reshard_after_forward=reshard_after_forward,
     )
     state = step.init(params, buffers)
     with fs.distributed.comm_ledger() as ledger:
@@ -327,17 +353,88 @@ def _backward_collectives(prefetch):
 
 
 @pytest.mark.parametrize(
-    ("prefetch", "expected"),
+    ("reshard_after_forward", "prefetch", "expected"),
     [
-        (0, "AG RS AG RS AG RS RS"),
+        (True, 0, "AG RS AG RS AG RS RS"),
         # Block 2's re-gather, then block 1's (prefetched) before block 2's reduce-scatter...
-        (1, "AG AG RS AG RS RS RS"),
-        (2, "AG AG AG RS RS RS RS"),
+        (True, 1, "AG AG RS AG RS RS RS"),
+        (True, 2, "AG AG AG RS RS RS RS"),
+        # Block 2 is kept from its forward; the gradient reaching its output starts block 1's
+        # re-gather (and block 0's with prefetch 2), so they overlap block 2's backward.
+        ("except_last", 0, "RS AG RS AG RS RS"),
+        ("except_last", 1, "AG RS AG RS RS RS"),
+        ("except_last", 2, "AG AG RS RS RS RS"),
     ],
 )
-def test_backward_prefetch_regathers_earlier_units_before_reduce_scattering(prefetch, expected):
+def test_backward_prefetch_regathers_earlier_units_before_reduce_scattering(
+    reshard_after_forward, prefetch, expected
+):
     # Backward runs blocks 2, 1, 0 and ends with the root unit's reduce-scatter.
-    assert run_spmd(_backward_collectives, 2, prefetch)[0] == expected
+    assert run_spmd(_backward_collectives, 2, prefetch, reshard_after_forward)[0] == expected
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+class _LastBlockTwoOutputs(nn.Module):
+    """Three units; the last (kept under "except_last") returns two tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(3)  # the same weights on every rank
+            self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), _TwoOutputs()])
+            self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        x = self.blocks[1](self.blocks[0](x).relu()).relu()
+        a, b = self.blocks[2](x)
+        return self.head(a * b.tanh())
+
+
+def _kept_last_unit_with_two_outputs(reshard_after_forward):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    apply, params, buffers = fs.functionalize(_LastBlockTwoOutputs())
+
+    def loss_fn(p, b, batch, key):
+        out, b = apply(p, b, batch[0])
+        return (out - batch[1]).square().mean(), b
+
+    mesh = fs.Mesh(dp=world)
+    sharded = fully_shard(
+        fs.train_step(loss_fn, fs.optim.adam(1e-2)),
+        mesh,
+        reshard_after_forward=reshard_after_forward,
+    )
+    replicated = fs.data_parallel(fs.train_step(loss_fn, fs.optim.adam(1e-2)), mesh)
+    s, r = sharded.init(params, buffers), replicated.init(params, buffers)
+    gathers = []
+    for i in range(2):
+        g = torch.Generator().manual_seed(i)
+        batch = (torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g))
+        local = fs.data.split_batch(batch, rank, world)
+        with fs.distributed.comm_ledger() as ledger:
+            s, _ = sharded(s, local)
+        gathers.append(sum(rec.op == "all_gather" for rec in ledger.records))
+        r, _ = replicated(r, local)
+    return consolidate(sharded, s).params, r.params, gathers
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, "except_last"])
+def test_a_kept_last_unit_with_several_outputs_opens_the_backward_once(reshard_after_forward):
+    # Forward: the root and three blocks. Backward re-gathers block 1, and block 2 as well
+    # when every unit is resharded; block 0's backward never reads its weight.
+    expected = 4 + (2 if reshard_after_forward is True else 1)
+    results = run_spmd(_kept_last_unit_with_two_outputs, 2, reshard_after_forward)
+    for ours, theirs, gathers in results:
+        assert_trees_equal(ours, theirs)
+        assert gathers == [expected, expected]
 
 
 def _gathers_seen_by_each_block(prefetch):
@@ -681,7 +778,7 @@ def test_bad_arguments():
         fully_shard(step, mesh, units="blocks")
     with pytest.raises(ValueError, match="`replicate_axis` must differ"):
         fully_shard(step, mesh, replicate_axis="dp")
-    with pytest.raises(ValueError, match="`reshard_after_forward` must be True, False or 'remat'"):
+    with pytest.raises(ValueError, match="`reshard_after_forward` must be True, False, 'exc"):
         fully_shard(step, mesh, reshard_after_forward=1)
     sharded = fully_shard(step, mesh)
     with pytest.raises(ValueError, match="no model yet"):
@@ -726,7 +823,7 @@ def _func_mode_equals_autograd_mode(reshard_after_forward):
     return results
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, "remat", False])
+@pytest.mark.parametrize("reshard_after_forward", [True, "except_last", "remat", False])
 def test_torch_func_grad_mode_agrees(reshard_after_forward):
     for by_autograd, by_func in run_spmd(_func_mode_equals_autograd_mode, 2, reshard_after_forward):
         assert_trees_equal(by_autograd, by_func)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fscale import remat, tracking
+from fscale import remat, tracking, tree
 from fscale.distributed import collectives
 from fscale.distributed.collectives import Pending
 from fscale.distributed.mesh import Mesh
@@ -147,6 +147,7 @@ class Gatherer:
         # The resharded forward calls, in call order: backward re-gathers walk it backwards.
         self.regathers: list[Regather] = []
         self._backward: PrefetchSchedule | None = None
+        self._backward_opened = False
 
     def now(self, unit: ShardedUnit, shard: torch.Tensor) -> torch.Tensor:
         """Gather `shard` (differentiable: its gradient is reduce-scattered) and wait for it."""
@@ -218,6 +219,13 @@ class Gatherer:
                 finish=lambda handle: handle,
             )
         return self._backward
+
+    def open_backward(self) -> None:
+        """Start the re-gathers of the last `prefetch` resharded calls, once per backward: the
+        backward has reached a unit kept from its forward, whose own gather nothing waits for."""
+        if not self._backward_opened:
+            self._backward_opened = True
+            self.prefetch_backward(len(self.regathers))
 
     def prefetch_backward(self, before: int) -> None:
         """Start the re-gathers of the `prefetch` resharded calls before position `before`
@@ -313,6 +321,9 @@ class ShardedUnit:
         self.names = layout.names
         self.shard = shard
         self.reshard = reshard
+        # The last unit of a resharding forward: kept gathered, and the gradient reaching its
+        # output starts the re-gathers of the units before it (nothing else would, so early).
+        self.opens_backward = False
         self.gatherer: Gatherer  # set once the step's gatherer exists
 
     def views(self, gathered: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -328,9 +339,23 @@ class ShardedUnit:
         grad = torch.is_grad_enabled()
         gathered = self.gatherer.in_forward(self, grad=grad)
         if self.reshard == "keep" or not gathered.requires_grad:
-            return call.run(self.views(gathered), call.state, call.args, call.kwargs)
+            out = call.run(self.views(gathered), call.state, call.args, call.kwargs)
+            if self.opens_backward and gathered.requires_grad:
+                self._open_backward_at(out)
+            return out
         regather = self.gatherer.resharded_call(self, gathered)
         return regather.run(call, self.views(gathered))
+
+    def _open_backward_at(self, out: Any) -> None:
+        """Start the backward's first re-gathers when a gradient reaches a tensor of `out`."""
+        gatherer = self.gatherer
+
+        def start(grad: torch.Tensor) -> None:
+            gatherer.open_backward()
+
+        for leaf in tree.leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(start)
 
     def _remat_call(self, call: UnitCall) -> Any:
         runs = 0

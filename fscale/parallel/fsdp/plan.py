@@ -77,18 +77,26 @@ class GatherAtUse:
     """The parameter map of a fully sharded step: shards in, `UnitParams` out (one per call)."""
 
     def __init__(
-        self, plan: FullyShardPlan, reshard: str, precision: Precision | None = None
+        self,
+        plan: FullyShardPlan,
+        reshard: str,
+        precision: Precision | None = None,
+        keep_last: bool = False,
     ) -> None:
         self.plan = plan
         self.reshard = reshard
+        self.keep_last = keep_last
         self.precision = precision
         self.gatherers: list[Gatherer] = []
 
     def __call__(self, live: Shards) -> UnitParams:
-        units = [
-            ShardedUnit(layout, live[layout.name], self.reshard)
-            for layout in self.plan.layout.units
-        ]
+        layouts = self.plan.layout.units
+        units = [ShardedUnit(layout, live[layout.name], self.reshard) for layout in layouts]
+        if self.keep_last and self.reshard != "keep":
+            # The last unit in order of use is kept: backward would gather it again at once.
+            last = next((u for u in reversed(units) if u.name != ROOT), None)
+            if last is not None:
+                last.reshard, last.opens_backward = "keep", True
         policy = self.precision
         if policy is None:
             gatherer = Gatherer(self.plan, units)
@@ -184,6 +192,8 @@ class FullyShardPlan(Plan):
         """How units are resharded after forward on this gradient path (see `ShardedUnit`)."""
         if self.reshard_after_forward is False:
             return "keep"
+        if self.reshard_after_forward == "except_last":
+            return "regather" if grad_mode == "autograd" else "remat"
         if self.reshard_after_forward == "remat" or grad_mode != "autograd":
             # torch.func transforms refuse saved-tensor hooks: recompute instead.
             return "remat"
@@ -206,7 +216,12 @@ class FullyShardPlan(Plan):
 
     def gradients(self, step, state, batch, ctx):
         self.checked_shards(state.params)
-        gather = GatherAtUse(self, self.reshard(step.grad_mode), step.plan.precision())
+        gather = GatherAtUse(
+            self,
+            self.reshard(step.grad_mode),
+            step.plan.precision(),
+            keep_last=self.reshard_after_forward == "except_last",
+        )
         return self.inner.gradients(
             step, state, batch, ctx.replace(param_maps=(*ctx.param_maps, gather))
         )

@@ -28,7 +28,11 @@ user's loss:
    before that gather's dual reduce-scatters it. This is torch FSDP2's resharding (free after
    forward, gather before backward, keep activations), with no recompute. A unit whose
    backward reads none of its parameters (the first layer when the model's input needs no
-   gradient) is not gathered again.
+   gradient) is not gathered again. The default, ``reshard_after_forward="except_last"``, does
+   this for every unit but the last one in order of use, which stays gathered from its forward
+   to its backward: backward begins with it, so freeing and gathering it again would only cost
+   a transfer. The gradient reaching its output starts the re-gathers of the units before it,
+   so they overlap its backward.
    ``reshard_after_forward="remat"`` runs each unit under `fscale.remat` instead (the
    mechanism of `fscale.checkpoint`): the unit keeps only its shard and its inputs, and
    backward gathers it again and recomputes it, which also discards its activations; this is
@@ -42,7 +46,8 @@ user's loss:
    forward). Peak
    gathered parameters when resharding: the unit being computed plus `prefetch` units in
    flight, in forward and in backward (the root unit aside: it is gathered before the forward
-   and kept until its gradient, like torch FSDP's root).
+   and kept until its gradient, like torch FSDP's root), and by default the last unit too
+   while the layers after it run.
 
 Prefetch: when unit i is called, the all-gathers of the next `prefetch` units (in parameter
 registration order, the order of use for sequential models) are issued with
@@ -54,9 +59,10 @@ a unit prefetched but never called is gathered for nothing and released at the e
 forward (or of the backward).
 
 Communication per rank per step, ring model, units' padded sizes Ψ_u, N ranks on `axis`:
-3·Ψ_u·(N−1)/N per non-root unit with reshard_after_forward (forward gather, backward re-gather,
-gradient reduce-scatter), 2·Ψ_u·(N−1)/N without it, for the root unit, and for a unit whose
-backward reads none of its parameters; plus one all-reduce
+3·Ψ_u·(N−1)/N per resharded unit (forward gather, backward re-gather, gradient reduce-scatter),
+2·Ψ_u·(N−1)/N for a unit kept to its backward (every unit with ``reshard_after_forward=False``,
+the last one by default), for the root unit, and for a unit whose backward reads none of its
+parameters; plus one all-reduce
 of the scalar metrics (and of the floating-point buffers, if any). Under `data_parallel` over
 another axis of R ranks
 (HSDP; ``replicate_axis=`` is sugar for it) each unit's gradient shard is also all-reduced (mean)
@@ -100,7 +106,10 @@ from fscale.parallel.fsdp.plan import FullyShardPlan
 from fscale.parallel.fsdp.units import UnitSpec
 from fscale.train import Step
 
-__all__ = ["fully_shard"]
+__all__ = ["RESHARD_MODES", "fully_shard"]
+
+RESHARD_MODES = ("except_last", "remat")
+"""The string values of `reshard_after_forward` (besides True and False)."""
 
 
 def fully_shard(
@@ -109,7 +118,7 @@ def fully_shard(
     axis: str = "dp",
     *,
     units: UnitSpec = None,
-    reshard_after_forward: bool | str = True,
+    reshard_after_forward: bool | str = "except_last",
     prefetch: int = 1,
     replicate_axis: str | None = None,
 ) -> Step:
@@ -138,7 +147,12 @@ def fully_shard(
         reshard_after_forward: True: release each unit's gathered parameters after its
             forward and gather them again when its backward needs them, keeping its
             activations (3 transfers of the unit per step, at most ``prefetch + 1`` units
-            resident; under ``grad_mode="func"`` this recomputes, as "remat"). "remat": keep
+            resident; under ``grad_mode="func"`` this recomputes, as "remat").
+            "except_last" (the default): the same for every unit but the last in order of
+            use, which backward needs first and which is kept from its forward (2 transfers
+            of it: one all-gather per step fewer; the price is that unit's gathered
+            parameters held through the layers after it, e.g. a GPT's output layer and loss).
+            "remat": keep
             only the unit's inputs and recompute the unit in backward after gathering it
             again (activation checkpointing per unit, same traffic). False: keep them until
             backward (2 transfers, every unit resident at the end of the forward).
@@ -186,10 +200,10 @@ def fully_shard(
             raise ValueError(
                 f"fully_shard: `replicate_axis` must differ from `axis`, both are {axis!r}"
             )
-    if not isinstance(reshard_after_forward, bool) and reshard_after_forward != "remat":
+    if not isinstance(reshard_after_forward, bool) and reshard_after_forward not in RESHARD_MODES:
         raise ValueError(
-            "fully_shard: `reshard_after_forward` must be True, False or 'remat', got "
-            f"{reshard_after_forward!r}"
+            "fully_shard: `reshard_after_forward` must be True, False, 'except_last' or "
+            f"'remat', got {reshard_after_forward!r}"
         )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fully_shard: `prefetch` must be an int >= 0, got {prefetch!r}")
