@@ -77,22 +77,17 @@ class GatherAtUse:
     """The parameter map of a fully sharded step: shards in, `UnitParams` out (one per call)."""
 
     def __init__(
-        self,
-        plan: FullyShardPlan,
-        reshard: str,
-        precision: Precision | None = None,
-        keep_last: bool = False,
+        self, plan: FullyShardPlan, reshard: str, precision: Precision | None = None
     ) -> None:
         self.plan = plan
         self.reshard = reshard
-        self.keep_last = keep_last
         self.precision = precision
         self.gatherers: list[Gatherer] = []
 
     def __call__(self, live: Shards) -> UnitParams:
         layouts = self.plan.layout.units
         units = [ShardedUnit(layout, live[layout.name], self.reshard) for layout in layouts]
-        if self.keep_last and self.reshard != "keep":
+        if self.plan.reshard_after_forward == "except_last":
             # The last unit in order of use is kept: backward would gather it again at once.
             last = next((u for u in reversed(units) if u.name != ROOT), None)
             if last is not None:
@@ -189,11 +184,10 @@ class FullyShardPlan(Plan):
         return FsdpOptimizer(self.mesh, self.axis, self.layout)
 
     def reshard(self, grad_mode: str) -> str:
-        """How units are resharded after forward on this gradient path (see `ShardedUnit`)."""
+        """How units are resharded after forward on this gradient path (see `ShardedUnit`);
+        under "except_last", `GatherAtUse` then keeps the last unit."""
         if self.reshard_after_forward is False:
             return "keep"
-        if self.reshard_after_forward == "except_last":
-            return "regather" if grad_mode == "autograd" else "remat"
         if self.reshard_after_forward == "remat" or grad_mode != "autograd":
             # torch.func transforms refuse saved-tensor hooks: recompute instead.
             return "remat"
@@ -216,12 +210,7 @@ class FullyShardPlan(Plan):
 
     def gradients(self, step, state, batch, ctx):
         self.checked_shards(state.params)
-        gather = GatherAtUse(
-            self,
-            self.reshard(step.grad_mode),
-            step.plan.precision(),
-            keep_last=self.reshard_after_forward == "except_last",
-        )
+        gather = GatherAtUse(self, self.reshard(step.grad_mode), step.plan.precision())
         return self.inner.gradients(
             step, state, batch, ctx.replace(param_maps=(*ctx.param_maps, gather))
         )
