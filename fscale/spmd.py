@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -249,25 +250,37 @@ class StartedMean:
         return self.flat
 
 
-class StartedLeafMeans:
-    """`mean_floating_leaves` begun at once: its collectives run while the caller computes."""
+# Given one dtype's packed leaves, the `wait` of a mean that another collective carries for
+# them (a gradient bucket, see `fscale.step_means`), or None to average them here.
+Carry = Callable[[torch.Tensor], Callable[[], torch.Tensor] | None]
 
-    def __init__(self, values: Any, mesh: Mesh, axis: str | tuple[str, ...]) -> None:
+
+class StartedLeafMeans:
+    """`mean_floating_leaves` begun at once: its collectives run while the caller computes.
+
+    `carry`, when given, is offered each dtype's packed buffer first; the dtypes it takes get no
+    collective here (see `Carry`).
+    """
+
+    def __init__(
+        self, values: Any, mesh: Mesh, axis: str | tuple[str, ...], carry: Carry | None = None
+    ) -> None:
         self.leaves, self.treedef = tree.flatten(values)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, leaf in enumerate(self.leaves):
             if leaf.is_floating_point():
                 by_dtype.setdefault(leaf.dtype, []).append(i)
-        self.groups = []
+        self.groups: list[tuple[list[int], Callable[[], torch.Tensor]]] = []
         for indices in by_dtype.values():
             flat = torch.cat([self.leaves[i].detach().reshape(-1) for i in indices])
-            self.groups.append((indices, StartedMean(flat, axis, mesh)))
+            carried = None if carry is None else carry(flat)
+            self.groups.append((indices, carried or StartedMean(flat, axis, mesh).wait))
 
     def wait(self) -> Any:
         """The tree of means (each floating leaf a view of its dtype's averaged buffer)."""
         out = list(self.leaves)
-        for indices, started in self.groups:
-            flat = started.wait()
+        for indices, wait in self.groups:
+            flat = wait()
             offset = 0
             for i in indices:
                 n = self.leaves[i].numel()
@@ -281,10 +294,17 @@ class StartedBufferMeans:
     travel during the backward pass); `wait` gives its result.
 
     `holds` tells whether a tree is made of the very buffers averaged here: the end of a step
-    uses these means only for the buffers it actually returns.
+    uses these means only for the buffers it actually returns. `carry`: as `StartedLeafMeans`'s.
     """
 
-    def __init__(self, old: Any, new: Any, mesh: Mesh, axis: str | tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        old: Any,
+        new: Any,
+        mesh: Mesh,
+        axis: str | tuple[str, ...],
+        carry: Carry | None = None,
+    ) -> None:
         self.new_leaves, self.treedef = tree.flatten(new)
         old_leaves, old_def = tree.flatten(old)
         if not tree.same_structure(old_def, self.treedef):
@@ -295,7 +315,7 @@ class StartedBufferMeans:
         self.started: StartedLeafMeans | None = None
         if self.updated and mesh.size(axis) > 1:
             updated = [self.new_leaves[i] for i in self.updated]
-            self.started = StartedLeafMeans(updated, mesh, axis)
+            self.started = StartedLeafMeans(updated, mesh, axis, carry)
         self._result: Any = None
 
     def holds(self, new: Any) -> bool:

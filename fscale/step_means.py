@@ -6,12 +6,16 @@ known as soon as the forward pass returns, so `fscale.grad.value_and_grad` begin
 and `Step.apply_gradients` waits for them instead of issuing collectives of its own after the
 update: they travel while the backward pass computes.
 
-- The scalars ride in the last gradient bucket's collective where the reducer can take them
-  (one axis of two ranks: ``session.fold``, see `fscale.parallel.reduce`); otherwise they get a
-  collective of their own, begun after the forward.
-- The buffers get a collective per dtype, begun after the forward.
+- Where the reducer can take them (one axis of two ranks: ``session.fold``, see
+  `fscale.parallel.reduce`), the scalars ride in the last gradient bucket's collective, and the
+  buffers of their dtype (float32) after them, in the same one fold: a model with BatchNorm
+  then issues no collective of its own for its means.
+- Otherwise the scalars get a collective of their own, and the buffers one per dtype, all
+  begun after the forward (the scalars' first).
 
-The collectives are the ones the end of the step would issue (`fscale.spmd.reduce_metrics`,
+Over two ranks every mean has two terms, which add to the same bits in any order and in any
+position of a buffer, so the riding means equal those of separate collectives. Those are the
+ones the end of the step would issue (`fscale.spmd.reduce_metrics`,
 `fscale.spmd.average_updated_buffers`), only earlier, so every mean is bit for bit the same.
 Each mean is used only for the very values it was begun on: a metric a plan replaced after
 the gradient phase (the mean over micro-batches of `fscale.accumulate`), or buffers other than
@@ -67,16 +71,45 @@ class StepMeans:
     ) -> None:
         """Begin the means of the loss and scalar metrics (when `scalars`) and of the buffers."""
         axis = spmd.axis_arg(self.axes)
+        stacked = None
         if scalars:
             names = spmd.scalar_metric_names(metrics)
             stacked = spmd.stack_scalars([loss, *(metrics[k] for k in names)])
-            fold = getattr(self.session, "fold", None)
-            if fold is not None and fold(stacked, self.axes):
-                self._stacked = self._folded
-            else:
-                self._stacked = spmd.StartedMean(stacked, axis, self.mesh).wait
             self.local = {"loss": loss, **{k: metrics[k] for k in names}}
-        self._buffers = spmd.StartedBufferMeans(old_buffers, new_buffers, self.mesh, axis)
+        fold = getattr(self.session, "fold", None)
+        folded = False  # the reducer takes one fold per step
+
+        def try_fold(values: torch.Tensor) -> bool:
+            nonlocal folded
+            if folded or fold is None or not fold(values, self.axes):
+                return False
+            folded = True
+            return True
+
+        def begin_scalars() -> None:
+            if stacked is not None and self._stacked is None:
+                if try_fold(stacked):
+                    self._stacked = self._folded
+                else:
+                    self._stacked = spmd.StartedMean(stacked, axis, self.mesh).wait
+
+        def carry(flat: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+            # Offered each dtype's packed buffers, before their collective would begin: those of
+            # the scalars' dtype ride after the scalars in one fold; otherwise the scalars begin
+            # first, as they would without buffers.
+            if stacked is None or flat.dtype == stacked.dtype:
+                count = 0 if stacked is None else stacked.numel()
+                if self._stacked is None and try_fold(
+                    flat if stacked is None else torch.cat([stacked, flat])
+                ):
+                    if stacked is not None:
+                        self._stacked = lambda: self._folded()[:count]
+                    return lambda: self._folded()[count:]
+            begin_scalars()
+            return None
+
+        self._buffers = spmd.StartedBufferMeans(old_buffers, new_buffers, self.mesh, axis, carry)
+        begin_scalars()  # no buffers were offered
 
     def _folded(self) -> torch.Tensor:
         values = getattr(self.session, "folded", None)

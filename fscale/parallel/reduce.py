@@ -24,17 +24,20 @@ the graph (so outer torch.func transforms see it); with a scatter axis or gradie
 earlier micro-batches, the reduction runs after backward instead.
 
 Folding. After the forward pass `fscale.grad.value_and_grad` offers the session the loss and
-the loss function's scalar metrics, to be averaged over the step's metric axes
+the loss function's scalar metrics, followed by the float32 buffers the loss updated (one 1-D
+tensor, see `fscale.step_means`), to be averaged over the step's metric axes
 (``session.fold(values, axes)``); a session that can appends them to its last bucket
 (`GradBuckets.fold`), its collective averages them, and `Step.apply_gradients` uses those means
-for the metrics that still hold the values folded: one collective less per step. It can on the
-autograd path without accumulation or a reduction hook, over one axis of two ranks that is all
-the step's metric axes: the all-reduce's, or the scatter axis where the reduce-scatter runs as
-an all-reduce of the bucket (gloo, `fscale.parallel.bucket_collectives.folds_trailing`), when the
-last bucket has the scalars' dtype and device. With two ranks every element's sum has two terms,
+for the metrics and buffers that still hold the values folded: no collective of their own. It
+can on the autograd path without a reduction hook (under accumulation only the last
+micro-batch's buffers are offered: the loss is known at the end), over one axis of two ranks
+that is all the step's metric axes: the all-reduce's, or the scatter axis where the
+reduce-scatter runs as an all-reduce of the bucket (gloo,
+`fscale.parallel.bucket_collectives.folds_trailing`), when the last bucket has the values' dtype
+and device. With two ranks every element's sum has two terms,
 equal in any order, so gradients and means are bit for bit what separate collectives give; with
 more, the ring's segments follow the buffer's length and a longer bucket would add the gradients
-in another order. The scalars' few bytes are part of the last bucket (``grad_bytes`` counts them).
+in another order. The folded bytes are part of the last bucket (``grad_bytes`` counts them).
 
 A reduction hook ``hook(flat_grad, bucket, state) -> (Pending, new_state)`` replaces the
 bucket's all-reduce (gradient compression in the overlapped path, as DDP's comm hooks). `state`

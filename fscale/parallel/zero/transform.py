@@ -31,10 +31,10 @@ made for another world size is refused on every rank at once.
 Communication per rank per step, with Ψ the padded size of all buckets (the sum of
 ``bucket.numel``: parameters plus alignment and shard padding, at most 64 bytes per leaf and per
 shard): a reduce-scatter and an all-gather of Ψ elements, 2·Ψ·(N−1)/N elements under the ring
-model, the same as data parallelism's one all-reduce; plus the mean of the scalar metrics (on
-gloo over two ranks inside the last bucket's collective, see `fscale.parallel.reduce`; else an
-all-reduce of its own) and, if the loss returns floating-point buffers (BatchNorm statistics),
-one all-reduce of those, averaged as under `data_parallel`. Never an all-reduce followed by a
+model, the same as data parallelism's one all-reduce; plus the mean of the scalar metrics and,
+if the loss returns floating-point buffers (BatchNorm statistics), of those, averaged as under
+`data_parallel` (on gloo over two ranks inside the last bucket's collective, float32 buffers
+included, see `fscale.step_means`; else an all-reduce each). Never an all-reduce followed by a
 broadcast.
 
 Gradients:
