@@ -274,7 +274,9 @@ class StartedLeafMeans:
         for indices in by_dtype.values():
             flat = torch.cat([self.leaves[i].detach().reshape(-1) for i in indices])
             carried = None if carry is None else carry(flat)
-            self.groups.append((indices, carried or StartedMean(flat, axis, mesh).wait))
+            if carried is None:
+                carried = StartedMean(flat, axis, mesh).wait
+            self.groups.append((indices, carried))
 
     def wait(self) -> Any:
         """The tree of means (each floating leaf a view of its dtype's averaged buffer)."""

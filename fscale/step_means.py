@@ -57,6 +57,7 @@ class StepMeans:
         self.session = session
         self.local: dict[str, torch.Tensor] = {}
         self._stacked: Callable[[], torch.Tensor] | None = None
+        self._has_folded = False  # the reducer takes one fold per step
         self._means: dict[str, torch.Tensor] | None = None
         self._buffers: spmd.StartedBufferMeans | None = None
 
@@ -76,40 +77,42 @@ class StepMeans:
             names = spmd.scalar_metric_names(metrics)
             stacked = spmd.stack_scalars([loss, *(metrics[k] for k in names)])
             self.local = {"loss": loss, **{k: metrics[k] for k in names}}
-        fold = getattr(self.session, "fold", None)
-        folded = False  # the reducer takes one fold per step
-
-        def try_fold(values: torch.Tensor) -> bool:
-            nonlocal folded
-            if folded or fold is None or not fold(values, self.axes):
-                return False
-            folded = True
-            return True
-
-        def begin_scalars() -> None:
-            if stacked is not None and self._stacked is None:
-                if try_fold(stacked):
-                    self._stacked = self._folded
-                else:
-                    self._stacked = spmd.StartedMean(stacked, axis, self.mesh).wait
 
         def carry(flat: torch.Tensor) -> Callable[[], torch.Tensor] | None:
-            # Offered each dtype's packed buffers, before their collective would begin: those of
-            # the scalars' dtype ride after the scalars in one fold; otherwise the scalars begin
-            # first, as they would without buffers.
-            if stacked is None or flat.dtype == stacked.dtype:
-                count = 0 if stacked is None else stacked.numel()
-                if self._stacked is None and try_fold(
-                    flat if stacked is None else torch.cat([stacked, flat])
-                ):
-                    if stacked is not None:
-                        self._stacked = lambda: self._folded()[:count]
-                    return lambda: self._folded()[count:]
-            begin_scalars()
+            # Offered each dtype's packed buffers before their collective would begin: those of
+            # the scalars' dtype ride after the scalars in the step's one fold; otherwise the
+            # scalars begin first, as they would without buffers.
+            if stacked is None:
+                return self._ride(flat, 0)
+            count = stacked.numel()
+            if flat.dtype == stacked.dtype and self._stacked is None:
+                carried = self._ride(torch.cat([stacked, flat]), count)
+                if carried is not None:
+                    self._stacked = lambda: self._folded()[:count]
+                    return carried
+            self._begin_scalars(stacked, axis)
             return None
 
         self._buffers = spmd.StartedBufferMeans(old_buffers, new_buffers, self.mesh, axis, carry)
-        begin_scalars()  # no buffers were offered
+        self._begin_scalars(stacked, axis)  # when no buffers were offered
+
+    def _ride(self, values: torch.Tensor, start: int) -> Callable[[], torch.Tensor] | None:
+        """Fold `values` into the reducer's last bucket (once per step, where it can); the
+        `wait` of their means from `start` on, or None."""
+        fold = getattr(self.session, "fold", None)
+        if self._has_folded or fold is None or not fold(values, self.axes):
+            return None
+        self._has_folded = True
+        return lambda: self._folded()[start:]
+
+    def _begin_scalars(self, stacked: torch.Tensor | None, axis: str | tuple[str, ...]) -> None:
+        """Begin the scalars' mean, unless begun: in the last bucket alone, or a collective."""
+        if stacked is None or self._stacked is not None:
+            return
+        riding = self._ride(stacked, 0)
+        if riding is None:
+            riding = spmd.StartedMean(stacked, axis, self.mesh).wait
+        self._stacked = riding
 
     def _folded(self) -> torch.Tensor:
         values = getattr(self.session, "folded", None)
