@@ -15,9 +15,20 @@ What it exercises (each prints one line; the script exits non-zero if a check fa
    fp32 (4 + 8 bytes per parameter with AdamW); the peak device memory of the bf16 step is
    below the fp32 step's; and the same policy under `fully_shard` with NCCL on one GPU gives
    the local step's parameters (skipped with `--device cpu`).
-5. `data_parallel` under `fscale.launch` with NCCL on one GPU (skipped with `--device cpu`).
-6. The test-suite cases that skip without CUDA (`pytest -k cuda tests/test_offload.py
+5. `torch.compile` (inductor) of the local step, donate False and True: with SGD the
+   parameters after 3 steps equal the eager step's within 1e-5 (the update is linear in the
+   gradient, so only the kernels' rounding differs); with AdamW the losses agree within 1e-4
+   relative (its division by sqrt(v) + eps lifts a rounding difference in a near-zero gradient
+   to the size of the learning rate). ``--skip-compile`` leaves it out.
+6. `data_parallel` under `fscale.launch` with NCCL on one GPU, eager and compiled (skipped with
+   `--device cpu`).
+7. The test-suite cases that skip without CUDA (`pytest -k cuda tests/test_offload.py
    tests/test_random.py`).
+
+Equality checks run under ``torch.use_deterministic_algorithms(True)``: with CUDA's default
+kernels, one forward+backward of the remat model run twice already differs in its last bits
+(the check prints whether it does). A check that raises fails with its traceback and the others
+still run.
 
 On the GPU machine (torch 2.11, no optree there): carry an optree wheel and install it with
 `pip install --no-deps`, then `pip install --no-deps -e .` and run this script.
@@ -29,8 +40,13 @@ figures are then not measured).
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
+import traceback
+
+# cuBLAS needs a fixed workspace to be deterministic; set before CUDA starts.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 
@@ -63,7 +79,7 @@ def check_remat(device: torch.device) -> None:
         vocab_size=512, seq_len=512, d_model=256, n_heads=4, n_layers=4, dropout=0.1
     )
     tokens = torch.randint(0, 512, (8, 513), generator=torch.Generator().manual_seed(0)).to(device)
-    grads = {}
+    grads, runs = {}, {}
     for variant in ("none", "checkpoint", "checkpoint+offload"):
         model = models.GPT(cfg, seed=0).to(device)
         if variant != "none":
@@ -79,13 +95,25 @@ def check_remat(device: torch.device) -> None:
             return fs.value_and_grad(loss_fn, params, buffers, tokens, fs.random.key(1))
 
         (_, g), peak = _peak(device, forward_backward)
-        grads[variant] = (g, peak)
+        grads[variant], runs[variant] = (g, peak), forward_backward
         print(f"      {variant:<20} peak memory of forward+backward: {peak:8.1f} MiB")
     reference = grads["none"][0]
     for variant in ("checkpoint", "checkpoint+offload"):
         same = all(torch.equal(grads[variant][0][k], reference[k]) for k in reference)
-        check(f"remat gradients equal ({variant})", same)
+        worst = max((grads[variant][0][k] - reference[k]).abs().max().item() for k in reference)
+        check(f"remat gradients equal ({variant})", same, "" if same else f"max |diff| {worst:.3g}")
     if device.type == "cuda":
+        # Why the checks run deterministic: the same forward+backward twice with the defaults.
+        torch.use_deterministic_algorithms(False)
+        try:
+            first, second = runs["none"]()[1], runs["none"]()[1]
+        finally:
+            torch.use_deterministic_algorithms(True)
+        repeatable = all(torch.equal(first[k], second[k]) for k in first)
+        print(
+            "      torch's default kernels, one forward+backward run twice: "
+            + ("the same bits" if repeatable else "different bits")
+        )
         check(
             "checkpoint lowers peak memory, offload lowers it again",
             grads["none"][1] > grads["checkpoint"][1] > grads["checkpoint+offload"][1],
@@ -211,10 +239,93 @@ def _dp_rank() -> float:
     return float(metrics["loss"])
 
 
+def _small_lm_step(device: torch.device, donate: bool, optimizer):
+    cfg = models.GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=2)
+    apply, params, buffers = fs.functionalize(models.GPT(cfg, seed=0).to(device))
+
+    def loss_fn(p, b, batch, key):
+        logits, _ = apply(p, b, batch[:, :-1], key=key)
+        return models.lm_loss(logits, batch[:, 1:])
+
+    step = fs.train_step(loss_fn, optimizer, donate=donate)
+    tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
+    return step, step.init(params, buffers), tokens.to(device)
+
+
+def _compiled_difference(device, donate, optimizer, wrap=None) -> tuple[float, float]:
+    """Eager against torch.compile (inductor) over 3 steps: the largest |difference| of the
+    parameters at the end, and the largest relative difference of the losses."""
+    torch._dynamo.reset()
+    finals, losses = [], []
+    for compile_it in (False, True):
+        step, state, tokens = _small_lm_step(device, donate, optimizer)
+        if wrap is not None:
+            step = wrap(step)
+            state = step.init(state.params, state.buffers)
+        run = torch.compile(step) if compile_it else step
+        run_losses = []
+        for _ in range(3):
+            state, metrics = run(state, tokens)
+            run_losses.append(float(metrics["loss"]))
+        finals.append(fs.consolidate(step, state).params if wrap is not None else state.params)
+        losses.append(run_losses)
+    param_difference = max((finals[0][k] - finals[1][k]).abs().max().item() for k in finals[0])
+    loss_difference = max(abs(a - b) / abs(a) for a, b in zip(*losses))
+    return param_difference, loss_difference
+
+
+def check_compile(device: torch.device) -> None:
+    # Inductor's kernels round differently from eager's (other fusions). With SGD the update is
+    # linear in the gradient, so the parameters differ by that rounding alone; AdamW divides by
+    # sqrt(v) + eps and lifts a rounding difference in a near-zero gradient to the size of lr,
+    # so it is read by the losses.
+    for donate in (False, True):
+        params, losses = _compiled_difference(device, donate, fs.optim.sgd(0.1))
+        check(
+            f"torch.compile(train_step(sgd, donate={donate})) equals the eager step",
+            params <= 1e-5 and losses <= 1e-5,
+            f"params max |diff| {params:.3g}, losses max rel diff {losses:.3g}",
+        )
+    params, losses = _compiled_difference(device, True, fs.optim.adamw(1e-3))
+    check(
+        "torch.compile(train_step(adamw, donate=True)) follows the eager step",
+        losses <= 1e-4,
+        f"losses max rel diff {losses:.3g}, params max |diff| {params:.3g}",
+    )
+
+
+def _compiled_data_parallel_rank() -> tuple[float, float]:
+    device = torch.device("cuda", torch.cuda.current_device())
+    return _compiled_difference(
+        device, True, fs.optim.sgd(0.1), lambda step: fs.data_parallel(step, fs.Mesh(dp=1))
+    )
+
+
+def _check_nccl_data_parallel(device: torch.device) -> None:
+    losses = fs.launch(_dp_rank, 1, backend="nccl")
+    check("data_parallel under NCCL", all(x == x for x in losses), f"loss {losses[0]:.3f}")
+    params, losses = fs.launch(_compiled_data_parallel_rank, 1, backend="nccl")[0]
+    check(
+        "torch.compile(data_parallel(sgd) step) under NCCL equals the eager step",
+        params <= 1e-5 and losses <= 1e-5,
+        f"params max |diff| {params:.3g}, losses max rel diff {losses:.3g}",
+    )
+
+
+def _guarded(run_check, device: torch.device) -> None:
+    """Run one check; an exception fails it (with its traceback) and the others still run."""
+    try:
+        run_check(device)
+    except Exception as error:
+        traceback.print_exc()
+        check(run_check.__name__, False, f"raised {type(error).__name__}: {error}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke test")
     parser.add_argument("--skip-tests", action="store_true", help="do not run pytest -k cuda")
+    parser.add_argument("--skip-compile", action="store_true", help="no torch.compile checks")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -225,13 +336,16 @@ def main() -> int:
         f"torch {torch.__version__}, device {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
     )
-    check_remat(device)
-    check_offload_optimizer(device)
-    check_bf16_step(device)
-    check_mixed_precision(device)
+    # The equality checks compare bits: CUDA's default kernels for some backwards (attention
+    # over several key blocks, for one) accumulate with atomics, so two runs of one computation
+    # differ in their last bits unless torch picks its deterministic kernels.
+    torch.use_deterministic_algorithms(True)
+    for run_check in (check_remat, check_offload_optimizer, check_bf16_step, check_mixed_precision):
+        _guarded(run_check, device)
+    if not args.skip_compile:
+        _guarded(check_compile, device)
     if device.type == "cuda":
-        losses = fs.launch(_dp_rank, 1, backend="nccl")
-        check("data_parallel under NCCL", all(x == x for x in losses), f"loss {losses[0]:.3f}")
+        _guarded(_check_nccl_data_parallel, device)
         if not args.skip_tests:
             done = subprocess.run(
                 [

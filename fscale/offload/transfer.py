@@ -94,7 +94,10 @@ def pinned_packed_copy(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         else:
             data = torch.empty(total, dtype=group[0].dtype, device=HOST, pin_memory=True)
             torch.cat([t.reshape(-1).to(HOST) for t in group], out=data)
-            views = FlatBuffer(group, data=data).views()
+            # The layout comes from the host buffer alone: leaves of one dtype may come from
+            # several devices (host and accelerator), which a FlatBuffer of them would refuse.
+            chunks = data.split_with_sizes([t.numel() for t in group])
+            views = [chunk.view(t.shape) for chunk, t in zip(chunks, group)]
         for i, view in zip(indices, views):
             out[i] = view
     return out  # type: ignore[return-value]

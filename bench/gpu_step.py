@@ -1,0 +1,242 @@
+"""Benchmark on a GPU: one fscale training step against the eager PyTorch step, in one process.
+
+Usage: ``python bench/gpu_step.py [--quick] [--rounds N] [--warmup N] [--device cuda|cpu]``
+(``--device cpu``: a smoke run of the script itself; device memory is then not measured)
+
+Two `fscale.models.GPT` shapes, dropout 0, every variant built from seed 0 and fed the same
+batches (on the device): ``small`` (`_util.gpt_config`, about 5.3M parameters, batch 8: the
+per-step fixed cost dominates, as in `bench/step.py` on the CPU) and ``large`` (vocabulary 8192,
+d_model 1024, 16 heads, 8 layers, 1024 positions, batch 8: about 110M parameters, the kernels
+dominate). Variants:
+
+* ``eager``: the ``nn.Module`` with ``torch.optim.AdamW(fused=True)``: ``zero_grad(set_to_none=
+  True)``, ``loss.backward()``, ``opt.step()`` (the reference of every ratio);
+* ``fscale``: ``fscale.train_step(loss_fn, fscale.optim.adamw(lr), donate=True)`` over
+  ``fscale.functionalize`` of the same model (bit for bit the eager step: checked);
+* ``fscale exact=False``: the same with ``adamw(lr, exact=False)`` (one fused call per flat
+  buffer; within rounding of torch, not bit for bit);
+* ``eager bf16 autocast``: the eager step under ``torch.autocast("cuda", torch.bfloat16)``;
+* ``fscale bf16``: ``fscale.mixed_precision`` of the ``fscale`` step (bf16 compute on fp32
+  masters, explicit casts, no autocast).
+
+Variants run interleaved round by round (`_util.interleave`, the clock synchronising the device
+before each reading); warm-up rounds are dropped. Each row gives the median step time, the ratio
+of medians to ``eager`` with the 95% interval of the round-by-round ratio, the transient device
+memory of one step (``torch.cuda.max_memory_allocated`` above what was allocated before it) and,
+for the fp32 variants, whether their losses and parameters after 3 steps equal eager's bit for
+bit (a separate pass under ``torch.use_deterministic_algorithms(True)``, `bitwise_pass`).
+Writes ``bench/results/gpu_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import _util
+
+# cuBLAS needs a fixed workspace to be deterministic (the bitwise pass); set before CUDA starts.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch
+
+import fscale as fs
+from fscale.data import LMBatch
+from fscale.models import GPT, GPTConfig, lm_loss
+
+LEARNING_RATE = 1e-3
+BATCH_SIZE = 8
+BATCHES = 8
+
+
+def large_config() -> GPTConfig:
+    return GPTConfig(vocab_size=8192, seq_len=1024, d_model=1024, n_heads=16, n_layers=8)
+
+
+class Eager:
+    """nn.Module + torch.optim.AdamW(fused=True), optionally under bf16 autocast."""
+
+    def __init__(self, cfg: GPTConfig, batches: list[LMBatch], device: torch.device, *, bf16: bool):
+        self.model = GPT(cfg, seed=0).to(device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE, fused=True)
+        self.batches, self.bf16, self.device = batches, bf16, device
+        self.losses: list[torch.Tensor] = []
+
+    def __call__(self) -> None:
+        batch = self.batches[len(self.losses) % len(self.batches)]
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
+            loss = lm_loss(self.model(batch.inputs), batch.targets)
+        loss.backward()
+        self.optimizer.step()
+        self.losses.append(loss.detach())
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach() for name, p in self.model.named_parameters()}
+
+
+class Fscale:
+    """fscale.train_step(donate=True) over the functionalized model."""
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        batches: list[LMBatch],
+        device: torch.device,
+        *,
+        exact: bool = True,
+        bf16: bool = False,
+    ):
+        apply, params, buffers = fs.functionalize(GPT(cfg, seed=0).to(device))
+
+        def loss_fn(params, buffers, batch, key):
+            logits, new_buffers = apply(params, buffers, batch.inputs, key=key)
+            return lm_loss(logits, batch.targets), new_buffers
+
+        step = fs.train_step(loss_fn, fs.optim.adamw(LEARNING_RATE, exact=exact), donate=True)
+        self.step = fs.mixed_precision(step) if bf16 else step
+        self.state = self.step.init(params, buffers)
+        self.batches = batches
+        self.losses: list[torch.Tensor] = []
+
+    def __call__(self) -> None:
+        batch = self.batches[len(self.losses) % len(self.batches)]
+        self.state, metrics = self.step(self.state, batch)
+        self.losses.append(metrics["loss"])
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(self.state.params)
+
+
+def transient_bytes(variant: Callable[[], None], device: torch.device) -> int | None:
+    """Bytes by which one step's peak device allocation exceeds what was allocated before it
+    (None on the CPU, where the smoke run does not measure it)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    variant()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def bitwise_pass(
+    cfg: GPTConfig, batches: list[LMBatch], device: torch.device, steps: int = 3
+) -> dict[str, bool]:
+    """Whether fresh fscale fp32 steps give eager's losses and parameters bit for bit.
+
+    Run apart from the timing, under ``torch.use_deterministic_algorithms(True)``: CUDA's
+    default attention backward accumulates with atomics, so even two eager runs differ in the
+    last bits without it, while the timed rounds use the defaults both sides would use.
+    """
+    torch.use_deterministic_algorithms(True)
+    try:
+        reference = Eager(cfg, batches, device, bf16=False)
+        candidates = {
+            "fscale": Fscale(cfg, batches, device),
+            "fscale exact=False": Fscale(cfg, batches, device, exact=False),
+        }
+        for variant in [reference, *candidates.values()]:
+            for _ in range(steps):
+                variant()
+        expected = reference.params()
+        return {
+            key: all(torch.equal(a, b) for a, b in zip(v.losses, reference.losses))
+            and all(torch.equal(p, expected[k]) for k, p in v.params().items())
+            for key, v in candidates.items()
+        }
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def run_model(
+    name: str, cfg: GPTConfig, device: torch.device, rounds: int, warmup: int
+) -> list[dict[str, Any]]:
+    batches = [
+        LMBatch(b.inputs.to(device), b.targets.to(device))
+        for b in (_util.lm_batch(cfg, BATCH_SIZE, i) for i in range(BATCHES))
+    ]
+    variants: dict[str, Any] = {
+        "eager": Eager(cfg, batches, device, bf16=False),
+        "fscale": Fscale(cfg, batches, device),
+        "fscale exact=False": Fscale(cfg, batches, device, exact=False),
+        "eager bf16 autocast": Eager(cfg, batches, device, bf16=True),
+        "fscale bf16": Fscale(cfg, batches, device, bf16=True),
+    }
+
+    def clock() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    times = _util.interleave(variants, rounds, warmup, clock=clock)
+    equal = bitwise_pass(cfg, batches, device)
+    memory = {key: transient_bytes(v, device) for key, v in variants.items()}
+    rows = []
+    for key in variants:
+        ratio = _util.median_interval(_util.paired_ratios(times[key], times["eager"]))
+        rows.append(
+            {
+                "model": name,
+                "variant": key,
+                "median_ms": 1e3 * _util.quantile(times[key], 0.5),
+                "ratio_to_eager": _util.quantile(times[key], 0.5)
+                / _util.quantile(times["eager"], 0.5),
+                "ratio_interval": [ratio.low, ratio.high],
+                "transient_mib": None if memory[key] is None else memory[key] / 2**20,
+                "bitwise_equal_to_eager": equal.get(key),
+                "times_s": times[key],
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the small model only, few rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/gpu_step.py: no CUDA device here; --device cpu for a smoke run")
+    rounds = args.rounds or (5 if args.quick else 30)
+    models = {"small": _util.gpt_config()}
+    if not args.quick:
+        models["large"] = large_config()
+    rows = []
+    for name, cfg in models.items():
+        rows.extend(run_model(name, cfg, device, rounds, args.warmup))
+        print(f"{name}: done", flush=True)
+    table = _util.format_table(
+        ["model", "variant", "median ms", "x eager", "95% interval", "transient MiB", "bitwise"],
+        [
+            [
+                r["model"],
+                r["variant"],
+                r["median_ms"],
+                r["ratio_to_eager"],
+                "{:.3f}-{:.3f}".format(*r["ratio_interval"]),
+                r["transient_mib"],
+                r["bitwise_equal_to_eager"],
+            ]
+            for r in rows
+        ],
+    )
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, {name}, {rounds} rounds")
+    print(table)
+    payload = {"device": name, "rounds": rounds, "rows": rows}
+    result_name = "gpu_step" if device.type == "cuda" else "gpu_step_cpu_smoke"
+    path = _util.write_results(result_name, payload)
+    print(f"wrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
