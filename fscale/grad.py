@@ -94,7 +94,10 @@ def normalize_loss_output(out: Any, buffers: PyTree) -> LossOutput:
         )
     if not loss.is_floating_point():
         raise TypeError(f"loss_fn returned a loss of dtype {loss.dtype}; expected a float tensor")
-    return LossOutput(loss.reshape(()), new_buffers, metrics)
+    # Every field is given, the defaulted ones too: Dynamo in torch 2.11, rebuilding a
+    # NamedTuple made inside a compiled region, left out the defaulted fields (the tuple came
+    # out shorter than its `_fields`, and the next frame's check raised IndexError).
+    return LossOutput(loss.reshape(()), new_buffers, metrics, None, None)
 
 
 def value_and_grad(
@@ -295,4 +298,6 @@ def _value_and_grad_func(
     grads, (loss, buffers, metrics) = torch.func.grad(objective, argnums=argnums, has_aux=True)(
         *leaves
     )
-    return LossOutput(loss.detach(), buffers, metrics), tree.unflatten(treedef, list(grads))
+    return LossOutput(loss.detach(), buffers, metrics, None, None), tree.unflatten(
+        treedef, list(grads)
+    )

@@ -189,7 +189,9 @@ class Context:
     def replace(self, **changes: Any) -> Context:
         # Each layer replaces a field or two on every call of a step; `dataclasses.replace`
         # re-runs __init__ over every field, which costs more than the rest of the layer.
-        unknown = changes.keys() - _CONTEXT_FIELDS
+        # A comprehension, not `changes.keys() - _CONTEXT_FIELDS`: Dynamo in torch 2.11 traces
+        # a dict view minus a frozenset to NotImplemented and fails the compiled step.
+        unknown = [name for name in changes if name not in _CONTEXT_FIELDS]
         if unknown:
             raise TypeError(f"Context.replace: no field(s) {sorted(unknown)}")
         new = object.__new__(Context)
@@ -339,7 +341,8 @@ class LocalPlan(Plan):
             ctx=ctx,
         )
         metrics = {**out.metrics, "grad_bytes": tree_bytes(grads)}
-        return grads, GradAux(out.loss, out.buffers, metrics, used=out.used, means=out.means)
+        # Every field given, defaults too: see `fscale.grad.normalize_loss_output`.
+        return grads, GradAux(out.loss, out.buffers, metrics, {}, out.used, out.means)
 
     def apply_gradients(self, step, state, grads, aux, ctx):
         if ctx.skip_update:
