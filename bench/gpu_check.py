@@ -25,7 +25,8 @@ What it exercises (each prints one line; the script exits non-zero if a check fa
 7. The test-suite cases that skip without CUDA (`pytest -k cuda tests/test_offload.py
    tests/test_random.py`).
 
-Equality checks run under ``torch.use_deterministic_algorithms(True)``: with CUDA's default
+Equality checks run under ``torch.use_deterministic_algorithms(True)``, in this process and in
+each rank `fscale.launch` starts (a new process does not inherit it): with CUDA's default
 kernels, one forward+backward of the remat model run twice already differs in its last bits
 (the check prints whether it does). A check that raises fails with its traceback and the others
 still run.
@@ -209,10 +210,16 @@ def check_mixed_precision(device: torch.device) -> None:
         )
         sharded = fs.launch(_mixed_precision_fsdp_rank, 1, backend="nccl")[0]
         same = all(torch.equal(sharded[k], state.params[k].cpu()) for k in sharded)
-        check("mixed_precision under fully_shard (NCCL) equals the local step", same)
+        worst = max((sharded[k] - state.params[k].cpu()).abs().max().item() for k in sharded)
+        check(
+            "mixed_precision under fully_shard (NCCL) equals the local step",
+            same,
+            "" if same else f"max |diff| {worst:.3g}",
+        )
 
 
 def _mixed_precision_fsdp_rank() -> dict[str, torch.Tensor]:
+    torch.use_deterministic_algorithms(True)  # as the local step it is compared with
     device = torch.device("cuda", torch.cuda.current_device())
     loss_fn, params, buffers, tokens = _mixed_precision_model(device)
     step = fs.mixed_precision(
@@ -295,6 +302,7 @@ def check_compile(device: torch.device) -> None:
 
 
 def _compiled_data_parallel_rank() -> tuple[float, float]:
+    torch.use_deterministic_algorithms(True)
     device = torch.device("cuda", torch.cuda.current_device())
     return _compiled_difference(
         device, True, fs.optim.sgd(0.1), lambda step: fs.data_parallel(step, fs.Mesh(dp=1))

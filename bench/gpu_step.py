@@ -133,6 +133,7 @@ def bitwise_pass(
     default attention backward accumulates with atomics, so even two eager runs differ in the
     last bits without it, while the timed rounds use the defaults both sides would use.
     """
+    previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         reference = Eager(cfg, batches, device, bf16=False)
@@ -150,7 +151,7 @@ def bitwise_pass(
             for key, v in candidates.items()
         }
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(previous)
 
 
 def run_model(
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    parser.add_argument("--results-dir", default=_util.RESULTS_DIR, help="where the JSON goes")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(table)
     payload = {"device": name, "rounds": rounds, "rows": rows}
     result_name = "gpu_step" if device.type == "cuda" else "gpu_step_cpu_smoke"
-    path = _util.write_results(result_name, payload)
+    path = _util.write_results(result_name, payload, directory=args.results_dir)
     print(f"wrote {path}")
     return payload
 
