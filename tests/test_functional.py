@@ -291,6 +291,24 @@ def test_apply_names_a_param_of_the_wrong_shape_or_kind() -> None:
         apply(integer, buffers, x)
 
 
+def test_apply_still_checks_every_leaf_after_accepting_cast_params() -> None:
+    # A mixed-precision step passes the same bf16 casts each call; once accepted, those dtypes
+    # take the fast path, and a wrong shape or an integer leaf is still refused.
+    module = _mlp()
+    apply, params, buffers = functional.functionalize(module)
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    low = {name: p.to(torch.bfloat16) for name, p in params.items()}
+    for _ in range(2):
+        out, _ = apply(low, buffers, x)
+        assert out.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"`params\['0.bias'\]` has shape \(9,\)"):
+        apply({**low, "0.bias": torch.zeros(9, dtype=torch.bfloat16)}, buffers, x)
+    with pytest.raises(ValueError, match=r"`params\['0.bias'\]` is torch.int64"):
+        apply({**low, "0.bias": torch.zeros(8, dtype=torch.long)}, buffers, x)
+    out, _ = apply(low, buffers, x)
+    torch.testing.assert_close(out, module.to(torch.bfloat16)(x))
+
+
 def test_apply_takes_a_model_cast_alike_and_names_a_leaf_cast_alone() -> None:
     module = _mlp()
     apply, params, buffers = functional.functionalize(module)

@@ -24,6 +24,19 @@ from fscale import random as fsrandom
 __all__ = ["Saved", "reseeding", "restore_generators", "seed_generators", "seeded_by"]
 
 
+def _accelerator_types(call_tensors: Callable[[], list[Any]]) -> list[str]:
+    """The device types other than the CPU (and meta) that the call's tensors live on, sorted.
+
+    A torch built without an accelerator can hold no tensor on one: the scan of every tensor
+    of the call (a sizeable part of a small step's fixed cost) is then skipped.
+    """
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.current_accelerator() is None:
+        return []
+    types = {t.device.type for t in call_tensors() if isinstance(t, torch.Tensor)}
+    return sorted(types - {"cpu", "meta"})
+
+
 @contextlib.contextmanager
 def seeded_by(key: torch.Tensor | None, call_tensors: Callable[[], list[Any]]) -> Iterator[None]:
     """The block's RNGs seeded with `key`; ambient RNGs restored on exit. ``None``: no change.
@@ -44,9 +57,7 @@ def seeded_by(key: torch.Tensor | None, call_tensors: Callable[[], list[Any]]) -
             restore_generators(saved)
         return
     seed = fsrandom.seed(key)
-    device_types = sorted(
-        {t.device.type for t in call_tensors() if isinstance(t, torch.Tensor)} - {"cpu", "meta"}
-    )
+    device_types = _accelerator_types(call_tensors)
     if not device_types:
         # What fork_rng(devices=[]) does for the CPU generator, without its context-manager
         # machinery: a sizeable part of a small call's fixed cost.
@@ -92,9 +103,7 @@ def seed_generators(key: torch.Tensor, call_tensors: Callable[[], list[Any]]) ->
     can hold this; gathering the call's devices here too keeps the break in one place.
     """
     seed = fsrandom.seed(key)
-    device_types = sorted(
-        {t.device.type for t in call_tensors() if isinstance(t, torch.Tensor)} - {"cpu", "meta"}
-    )
+    device_types = _accelerator_types(call_tensors)
     saved: Saved = [(torch.default_generator, None, torch.default_generator.get_state())]
     for device_type in device_types:
         device_module = torch.get_device_module(device_type)
@@ -126,9 +135,7 @@ def reseeding(call_tensors: Callable[[], list[Any]]) -> Iterator[Callable[[int],
     the save and restore of the generators once per micro-batch instead of once per layer.
     `call_tensors` is as for `seeded_by`.
     """
-    device_types = sorted(
-        {t.device.type for t in call_tensors() if isinstance(t, torch.Tensor)} - {"cpu", "meta"}
-    )
+    device_types = _accelerator_types(call_tensors)
     generator = torch.default_generator
     if not device_types and not torch.compiler.is_compiling():
         ambient = generator.get_state()
