@@ -94,9 +94,9 @@ def normalize_loss_output(out: Any, buffers: PyTree) -> LossOutput:
         )
     if not loss.is_floating_point():
         raise TypeError(f"loss_fn returned a loss of dtype {loss.dtype}; expected a float tensor")
-    # Every field is given, the defaulted ones too: Dynamo in torch 2.11, rebuilding a
-    # NamedTuple made inside a compiled region, left out the defaulted fields (the tuple came
-    # out shorter than its `_fields`, and the next frame's check raised IndexError).
+    # Every field is given, the defaulted ones too. Under torch 2.11 the compiled step failed
+    # in Dynamo's frame check on a NamedTuple shorter than its `_fields`; the defaulted fields
+    # of LossOutput and GradAux, filled in by Dynamo's rebuild, are the suspected cause.
     return LossOutput(loss.reshape(()), new_buffers, metrics, None, None)
 
 
