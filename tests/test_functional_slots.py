@@ -103,3 +103,32 @@ def test_seeded_by_restores_the_ambient_rng_when_the_block_raises() -> None:
     with pytest.raises(ValueError, match="inside"):
         fails_inside()
     assert torch.equal(torch.random.get_rng_state(), ambient)
+
+
+def test_training_modes_sets_flags_inside_and_restores_them_even_when_the_block_raises() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5), nn.BatchNorm1d(2))
+    model[1].eval()  # flags that differ from module to module
+    before = [m.training for m in model.modules()]
+    wanted = [(m, i % 2 == 0) for i, m in enumerate(model.modules())]
+    with slots_lib.training_modes(wanted):
+        assert [m.training for m in model.modules()] == [flag for _, flag in wanted]
+        assert all(type(m.training) is bool for m in model.modules())
+    assert [m.training for m in model.modules()] == before
+    with pytest.raises(RuntimeError, match="inside"), slots_lib.training_modes(wanted):
+        raise RuntimeError("inside")
+    assert [m.training for m in model.modules()] == before
+    # The flags are the modules' own: train() and eval() still see and change them.
+    with slots_lib.training_modes([(m, False) for m in model.modules()]):
+        assert not any(m.training for m in model.modules())
+        model.train()
+        assert all(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == before
+
+
+def test_state_slots_with_the_owners_given_equals_its_own_walk() -> None:
+    model = _Tied()
+    tensors, slots, num_parameters = slots_lib.state_slots(model)
+    given = slots_lib.state_slots(model, list(model.modules()))
+    assert [id(t) for t in tensors] == [id(t) for t in given[0]]
+    assert (slots, num_parameters) == (given[1], given[2])
+    assert num_parameters == 3  # the tied weight once, the norm's weight and bias

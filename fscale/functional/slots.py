@@ -30,8 +30,13 @@ Slot = tuple[nn.Module, str, str]
 """(owner module, "_parameters" or "_buffers", attribute name)."""
 
 
-def state_slots(module: nn.Module) -> tuple[list[torch.Tensor], list[list[Slot]], int]:
+def state_slots(
+    module: nn.Module, owners: Sequence[nn.Module] | None = None
+) -> tuple[list[torch.Tensor], list[list[Slot]], int]:
     """`module`'s distinct parameters, then buffers, with every slot that holds each.
+
+    `owners` is ``list(module.modules())`` when the caller has it already (walking the module
+    tree is a sizeable part of a small call's cost).
 
     Returns:
         ``(tensors, slots, num_parameters)``: a tied tensor appears once, and ``slots[i]``
@@ -41,7 +46,8 @@ def state_slots(module: nn.Module) -> tuple[list[torch.Tensor], list[list[Slot]]
     slots: list[list[Slot]] = []
     index_of: dict[int, int] = {}
     num_parameters = 0
-    owners = list(module.modules())
+    if owners is None:
+        owners = list(module.modules())
     for kind in ("_parameters", "_buffers"):
         for owner in owners:
             for attr, value in getattr(owner, kind).items():
@@ -117,15 +123,20 @@ def holding(slots: Sequence[Sequence[Slot]], values: Sequence[torch.Tensor]) -> 
 
 @contextlib.contextmanager
 def training_modes(modes: Sequence[tuple[nn.Module, bool]]) -> Iterator[None]:
-    """Each module's ``training`` flag as given inside the block; restored after."""
+    """Each module's ``training`` flag as given inside the block; every one restored after.
+
+    The flags are written straight into each module's ``__dict__``, where ``nn.Module`` keeps
+    them: its ``__setattr__`` first checks the value against parameters, buffers and submodules,
+    which for a plain bool was most of the cost of a call that runs once per block and step.
+    """
     previous = [(module, module.training) for module, _ in modes]
     try:
         for module, training in modes:
-            module.training = training
+            vars(module)["training"] = training
         yield
     finally:
         for module, training in previous:
-            module.training = training
+            vars(module)["training"] = training
 
 
 @contextlib.contextmanager

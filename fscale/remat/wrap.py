@@ -43,11 +43,12 @@ class _CheckpointedModule(nn.Module):
             return base_forward(*args, **kwargs)
         # Collected at call time: under functional_call these are the swapped-in tensors, which
         # must enter the Function as inputs for their gradients to flow.
-        state, slots, num_parameters = slots_lib.state_slots(self)
+        owners = list(self.modules())
+        state, slots, num_parameters = slots_lib.state_slots(self, owners)
         # The recompute runs in backward, after the caller (e.g. functionalize's apply with an
         # explicit train flag) may have put the modules back in another mode: replay the mode
         # of this forward, or dropout and BatchNorm would compute another function.
-        modes = [(m, m.training) for m in self.modules()]
+        modes = [(m, m.training) for m in owners]
 
         def run(state_values: list[torch.Tensor], *call_args: Any, **call_kwargs: Any) -> Any:
             with slots_lib.holding(slots, state_values), slots_lib.training_modes(modes):
