@@ -27,11 +27,12 @@ __all__ = ["Saved", "reseeding", "restore_generators", "seed_generators", "seede
 def _accelerator_types(call_tensors: Callable[[], list[Any]]) -> list[str]:
     """The device types other than the CPU (and meta) that the call's tensors live on, sorted.
 
-    A torch built without an accelerator can hold no tensor on one: the scan of every tensor
-    of the call (a sizeable part of a small step's fixed cost) is then skipped.
+    Where no accelerator is available no tensor can live on one: the scan of every tensor of
+    the call (a sizeable part of a small step's fixed cost) is then skipped. (`is_available`,
+    not `current_accelerator`: in torch 2.6 the latter raises when there is none.)
     """
     accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and accelerator.current_accelerator() is None:
+    if accelerator is not None and not accelerator.is_available():
         return []
     types = {t.device.type for t in call_tensors() if isinstance(t, torch.Tensor)}
     return sorted(types - {"cpu", "meta"})
