@@ -132,3 +132,18 @@ def test_state_slots_with_the_owners_given_equals_its_own_walk() -> None:
     assert [id(t) for t in tensors] == [id(t) for t in given[0]]
     assert (slots, num_parameters) == (given[1], given[2])
     assert num_parameters == 3  # the tied weight once, the norm's weight and bias
+
+
+def test_the_key_scans_the_call_tensors_for_accelerators_only_where_one_is_available(
+    monkeypatch,
+) -> None:
+    scanned: list[bool] = []
+
+    def call_tensors() -> list[object]:
+        scanned.append(True)
+        return [torch.zeros(1), torch.empty(2, device="meta"), "not a tensor"]
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert rng._accelerator_types(call_tensors) == [] and not scanned
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert rng._accelerator_types(call_tensors) == [] and scanned  # cpu and meta need no seed
