@@ -20,7 +20,8 @@ What it exercises (each prints one line; the script exits non-zero if a check fa
    gradient, so only the kernels' rounding differs); with AdamW the losses agree within 1e-4
    relative (its division by sqrt(v) + eps lifts a rounding difference in a near-zero gradient
    to the size of the learning rate). ``--skip-compile`` leaves it out.
-6. `data_parallel` under `fscale.launch` with NCCL on one GPU, eager and compiled (skipped with
+6. `data_parallel` under `fscale.launch` with NCCL on one GPU, and `data_parallel`,
+   `shard_optimizer` and `fully_shard` compiled against eager there (skipped with
    `--device cpu`).
 7. The test-suite cases that skip without CUDA (`pytest -k cuda tests/test_offload.py
    tests/test_random.py`).
@@ -301,23 +302,44 @@ def check_compile(device: torch.device) -> None:
     )
 
 
-def _compiled_data_parallel_rank() -> tuple[float, float]:
+_COMPILED_PLANS = {
+    "data_parallel": fs.data_parallel,
+    "shard_optimizer": fs.shard_optimizer,
+    "fully_shard": fs.fully_shard,
+}
+
+
+def _compiled_plans_rank() -> dict[str, tuple[float, float] | str]:
+    """Per plan over one NCCL rank: eager against compiled, or the error compiling raised."""
     torch.use_deterministic_algorithms(True)
     device = torch.device("cuda", torch.cuda.current_device())
-    return _compiled_difference(
-        device, True, fs.optim.sgd(0.1), lambda step: fs.data_parallel(step, fs.Mesh(dp=1))
-    )
+    return {name: _compiled_or_error(device, plan) for name, plan in _COMPILED_PLANS.items()}
+
+
+def _compiled_or_error(device: torch.device, plan) -> tuple[float, float] | str:
+    try:
+        return _compiled_difference(
+            device, True, fs.optim.sgd(0.1), lambda step: plan(step, fs.Mesh(dp=1))
+        )
+    except Exception as error:
+        traceback.print_exc()
+        return f"{type(error).__name__}: {error}"
 
 
 def _check_nccl_data_parallel(device: torch.device) -> None:
     losses = fs.launch(_dp_rank, 1, backend="nccl")
     check("data_parallel under NCCL", all(x == x for x in losses), f"loss {losses[0]:.3f}")
-    params, losses = fs.launch(_compiled_data_parallel_rank, 1, backend="nccl")[0]
-    check(
-        "torch.compile(data_parallel(sgd) step) under NCCL equals the eager step",
-        params <= 1e-5 and losses <= 1e-5,
-        f"params max |diff| {params:.3g}, losses max rel diff {losses:.3g}",
-    )
+    for name, result in fs.launch(_compiled_plans_rank, 1, backend="nccl")[0].items():
+        label = f"torch.compile({name}(sgd) step) under NCCL equals the eager step"
+        if isinstance(result, str):
+            check(label, False, f"raised {result}")
+            continue
+        params, losses = result
+        check(
+            label,
+            params <= 1e-5 and losses <= 1e-5,
+            f"params max |diff| {params:.3g}, losses max rel diff {losses:.3g}",
+        )
 
 
 def _guarded(run_check, device: torch.device) -> None:

@@ -178,8 +178,50 @@ class _Placeholder(torch.Tensor):
     param_name: str
     unit: str
 
+    # Properties that describe the tensor without reading its values. torch.compile reads
+    # most of them when it meets a placeholder in a parameter slot (it builds a fake tensor of
+    # the same kind), so each is allowed; values and computation still raise.
     _METADATA = frozenset(
-        {"shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout", "grad_fn"}
+        {
+            "shape",
+            "dtype",
+            "device",
+            "requires_grad",
+            "is_leaf",
+            "ndim",
+            "layout",
+            "grad_fn",
+            "is_nested",
+            "is_sparse",
+            "is_quantized",
+            "is_meta",
+            "is_cpu",
+            "is_cuda",
+            "is_mkldnn",
+            "is_sparse_csr",
+            "is_xpu",
+            "is_mps",
+            "itemsize",
+            "names",
+            "_base",
+            "grad",
+            "_version",
+        }
+    )
+    _METADATA_METHODS = (
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.stride,
+        torch.Tensor.storage_offset,
+        torch.Tensor.is_contiguous,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
+        torch.Tensor.element_size,
+        torch.Tensor._is_view,
+        torch.Tensor.is_conj,
+        torch.Tensor.is_neg,
+        torch.Tensor.untyped_storage,  # a meta tensor's: no values in it
     )
 
     @staticmethod
@@ -200,13 +242,16 @@ class _Placeholder(torch.Tensor):
             getattr(func, "__name__", "") == "__get__"
             and getattr(owner, "__name__", "") in cls._METADATA
         )
-        if reads_metadata or func in (torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel):
+        if reads_metadata or func in cls._METADATA_METHODS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         placeholder = next(a for a in tree.leaves((args, kwargs)) if isinstance(a, _Placeholder))
+        used_by = getattr(func, "__name__", func)
+        if used_by == "__get__":
+            used_by = f"reading .{getattr(owner, '__name__', owner)}"
         raise RuntimeError(
             f"apply: parameter {placeholder.param_name!r} of unit {placeholder.unit!r} was used "
-            f"outside that unit's submodule (by {getattr(func, '__name__', func)}); a unit's "
+            f"outside that unit's submodule (by {used_by}); a unit's "
             f"parameters exist only while the submodule {placeholder.unit!r} runs. Use it inside "
             "that submodule, or put it in another unit (fscale.parallel.fully_shard(units=...))."
         )
