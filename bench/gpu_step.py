@@ -7,7 +7,7 @@ Two `fscale.models.GPT` shapes, dropout 0, every variant built from seed 0 and f
 batches (on the device): ``small`` (`_util.gpt_config`, about 5.3M parameters, batch 8: the
 per-step fixed cost dominates, as in `bench/step.py` on the CPU) and ``large`` (vocabulary 8192,
 d_model 1024, 16 heads, 8 layers, 1024 positions, batch 8: about 110M parameters, the kernels
-dominate). Variants:
+dominate). Variants (`bench/step.py`'s, on the device):
 
 * ``eager``: the ``nn.Module`` with ``torch.optim.AdamW(fused=True)``: ``zero_grad(set_to_none=
   True)``, ``loss.backward()``, ``opt.step()`` (the reference of every ratio);
@@ -42,73 +42,16 @@ import _util
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
+from step import Batches, EagerVariant, FscaleVariant
 
-import fscale as fs
-from fscale.data import LMBatch
-from fscale.models import GPT, GPTConfig, lm_loss
+from fscale.models import GPTConfig
 
-LEARNING_RATE = 1e-3
 BATCH_SIZE = 8
 BATCHES = 8
 
 
 def large_config() -> GPTConfig:
     return GPTConfig(vocab_size=8192, seq_len=1024, d_model=1024, n_heads=16, n_layers=8)
-
-
-class Eager:
-    """nn.Module + torch.optim.AdamW(fused=True), optionally under bf16 autocast."""
-
-    def __init__(self, cfg: GPTConfig, batches: list[LMBatch], device: torch.device, *, bf16: bool):
-        self.model = GPT(cfg, seed=0).to(device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE, fused=True)
-        self.batches, self.bf16, self.device = batches, bf16, device
-        self.losses: list[torch.Tensor] = []
-
-    def __call__(self) -> None:
-        batch = self.batches[len(self.losses) % len(self.batches)]
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
-            loss = lm_loss(self.model(batch.inputs), batch.targets)
-        loss.backward()
-        self.optimizer.step()
-        self.losses.append(loss.detach())
-
-    def params(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach() for name, p in self.model.named_parameters()}
-
-
-class Fscale:
-    """fscale.train_step(donate=True) over the functionalized model."""
-
-    def __init__(
-        self,
-        cfg: GPTConfig,
-        batches: list[LMBatch],
-        device: torch.device,
-        *,
-        exact: bool = True,
-        bf16: bool = False,
-    ):
-        apply, params, buffers = fs.functionalize(GPT(cfg, seed=0).to(device))
-
-        def loss_fn(params, buffers, batch, key):
-            logits, new_buffers = apply(params, buffers, batch.inputs, key=key)
-            return lm_loss(logits, batch.targets), new_buffers
-
-        step = fs.train_step(loss_fn, fs.optim.adamw(LEARNING_RATE, exact=exact), donate=True)
-        self.step = fs.mixed_precision(step) if bf16 else step
-        self.state = self.step.init(params, buffers)
-        self.batches = batches
-        self.losses: list[torch.Tensor] = []
-
-    def __call__(self) -> None:
-        batch = self.batches[len(self.losses) % len(self.batches)]
-        self.state, metrics = self.step(self.state, batch)
-        self.losses.append(metrics["loss"])
-
-    def params(self) -> dict[str, torch.Tensor]:
-        return dict(self.state.params)
 
 
 def transient_bytes(variant: Callable[[], None], device: torch.device) -> int | None:
@@ -125,7 +68,7 @@ def transient_bytes(variant: Callable[[], None], device: torch.device) -> int | 
 
 
 def bitwise_pass(
-    cfg: GPTConfig, batches: list[LMBatch], device: torch.device, steps: int = 3
+    cfg: GPTConfig, batches: Batches, device: torch.device, steps: int = 3
 ) -> dict[str, bool]:
     """Whether fresh fscale fp32 steps give eager's losses and parameters bit for bit.
 
@@ -136,10 +79,12 @@ def bitwise_pass(
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        reference = Eager(cfg, batches, device, bf16=False)
+        reference = EagerVariant(cfg, batches, device)
         candidates = {
-            "fscale": Fscale(cfg, batches, device),
-            "fscale exact=False": Fscale(cfg, batches, device, exact=False),
+            "fscale": FscaleVariant(cfg, batches, donate=True, device=device),
+            "fscale exact=False": FscaleVariant(
+                cfg, batches, donate=True, device=device, exact=False
+            ),
         }
         for variant in [reference, *candidates.values()]:
             for _ in range(steps):
@@ -157,16 +102,13 @@ def bitwise_pass(
 def run_model(
     name: str, cfg: GPTConfig, device: torch.device, rounds: int, warmup: int
 ) -> list[dict[str, Any]]:
-    batches = [
-        LMBatch(b.inputs.to(device), b.targets.to(device))
-        for b in (_util.lm_batch(cfg, BATCH_SIZE, i) for i in range(BATCHES))
-    ]
+    batches = Batches(cfg, BATCH_SIZE, BATCHES, device)
     variants: dict[str, Any] = {
-        "eager": Eager(cfg, batches, device, bf16=False),
-        "fscale": Fscale(cfg, batches, device),
-        "fscale exact=False": Fscale(cfg, batches, device, exact=False),
-        "eager bf16 autocast": Eager(cfg, batches, device, bf16=True),
-        "fscale bf16": Fscale(cfg, batches, device, bf16=True),
+        "eager": EagerVariant(cfg, batches, device),
+        "fscale": FscaleVariant(cfg, batches, donate=True, device=device),
+        "fscale exact=False": FscaleVariant(cfg, batches, donate=True, device=device, exact=False),
+        "eager bf16 autocast": EagerVariant(cfg, batches, device, bf16=True),
+        "fscale bf16": FscaleVariant(cfg, batches, donate=True, device=device, bf16=True),
     }
 
     def clock() -> float:

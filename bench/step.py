@@ -36,6 +36,7 @@ import _util
 import torch
 
 import fscale as fs
+from fscale.data import LMBatch
 from fscale.models import GPT, lm_loss
 
 GOAL = 1.05
@@ -46,10 +47,16 @@ BATCH_SIZE = 8
 
 
 class Batches:
-    """The shared stream of batches, made once so that creating them is never timed."""
+    """The shared stream of batches, made once (on `device`) so that creating them is never
+    timed."""
 
-    def __init__(self, cfg: Any, batch_size: int, count: int) -> None:
-        self._batches = [_util.lm_batch(cfg, batch_size, i) for i in range(count)]
+    def __init__(
+        self, cfg: Any, batch_size: int, count: int, device: torch.device | str = "cpu"
+    ) -> None:
+        self._batches = [
+            LMBatch(b.inputs.to(device), b.targets.to(device))
+            for b in (_util.lm_batch(cfg, batch_size, i) for i in range(count))
+        ]
 
     def __getitem__(self, index: int) -> Any:
         # Extra steps (memory and profile passes) cycle through the stream again.
@@ -57,18 +64,23 @@ class Batches:
 
 
 class EagerVariant:
-    """The reference: an nn.Module trained with torch.optim.AdamW(fused=True)."""
+    """The reference: an nn.Module trained with torch.optim.AdamW(fused=True) on `device`,
+    under ``torch.autocast(bfloat16)`` when `bf16`."""
 
-    def __init__(self, cfg: Any, batches: Batches) -> None:
-        self.model = GPT(cfg, seed=0)
+    def __init__(
+        self, cfg: Any, batches: Batches, device: torch.device | str = "cpu", bf16: bool = False
+    ) -> None:
+        self.model = GPT(cfg, seed=0).to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE, fused=True)
         self.batches = batches
+        self.device_type, self.bf16 = torch.device(device).type, bf16
         self.losses: list[torch.Tensor] = []
 
     def __call__(self) -> None:
         batch = self.batches[len(self.losses)]
         self.optimizer.zero_grad(set_to_none=True)
-        loss = lm_loss(self.model(batch.inputs), batch.targets)
+        with torch.autocast(self.device_type, torch.bfloat16, enabled=self.bf16):
+            loss = lm_loss(self.model(batch.inputs), batch.targets)
         loss.backward()
         self.optimizer.step()
         self.losses.append(loss.detach())
@@ -78,16 +90,29 @@ class EagerVariant:
 
 
 class FscaleVariant:
-    """fscale.train_step over the functionalized GPT with fscale.optim.adamw."""
+    """fscale.train_step over the functionalized GPT with fscale.optim.adamw on `device`;
+    `exact` is adamw's, and `bf16` wraps the step in ``fscale.mixed_precision``."""
 
-    def __init__(self, cfg: Any, batches: Batches, *, donate: bool) -> None:
-        apply, params, buffers = fs.functionalize(GPT(cfg, seed=0))
+    def __init__(
+        self,
+        cfg: Any,
+        batches: Batches,
+        *,
+        donate: bool,
+        device: torch.device | str = "cpu",
+        exact: bool = True,
+        bf16: bool = False,
+    ) -> None:
+        apply, params, buffers = fs.functionalize(GPT(cfg, seed=0).to(device))
 
         def loss_fn(params, buffers, batch, key):
             logits, new_buffers = apply(params, buffers, batch.inputs, key=key)
             return lm_loss(logits, batch.targets), new_buffers
 
-        self.step = fs.train_step(loss_fn, fs.optim.adamw(LEARNING_RATE), donate=donate)
+        optimizer = fs.optim.adamw(LEARNING_RATE, exact=exact)
+        self.step = fs.train_step(loss_fn, optimizer, donate=donate)
+        if bf16:
+            self.step = fs.mixed_precision(self.step)
         self.state = self.step.init(params, buffers)
         self.batches = batches
         self.losses: list[torch.Tensor] = []
