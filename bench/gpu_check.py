@@ -32,8 +32,12 @@ kernels, one forward+backward of the remat model run twice already differs in it
 (the check prints whether it does). A check that raises fails with its traceback and the others
 still run.
 
-On the GPU machine (torch 2.11, no optree there): carry an optree wheel and install it with
-`pip install --no-deps`, then `pip install --no-deps -e .` and run this script.
+On a GPU machine without network or optree (an image with torch 2.11 had everything else):
+carry an optree wheel (CPython 3.12, manylinux x86-64), install it with ``pip install
+--no-index --no-deps --target /tmp/site WHEEL``, and run with
+``PYTHONPATH=/tmp/site:$PWD python bench/gpu_check.py`` from the checkout (an editable install
+needs setuptools >= 77 for the build, which an offline image may not have). The whole check
+took under two minutes on an H200; ``python bench/gpu_step.py`` about one more.
 
 `--device cpu` runs the same code on the CPU (a smoke test of the script itself; the memory
 figures are then not measured).
