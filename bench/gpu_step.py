@@ -22,7 +22,9 @@ dominate). Variants (`bench/step.py`'s, on the device):
 Variants run interleaved round by round (`_util.interleave`, the clock synchronising the device
 before each reading); warm-up rounds are dropped. Each row gives the median step time, the ratio
 of medians to ``eager`` with the 95% interval of the round-by-round ratio, the transient device
-memory of one step (``torch.cuda.max_memory_allocated`` above what was allocated before it) and,
+memory of one step (``torch.cuda.max_memory_allocated`` above what was allocated before it:
+eager keeps its gradients in ``.grad`` from one step to the next, so its figure leaves out the
+4 bytes per parameter that fscale's, which frees them at the end of its step, includes) and,
 for the fp32 variants, whether their losses and parameters after 3 steps equal eager's bit for
 bit (a separate pass under ``torch.use_deterministic_algorithms(True)``, `bitwise_pass`).
 Writes ``bench/results/gpu_step.json``.
