@@ -235,19 +235,12 @@ def _mixed_precision_fsdp_rank() -> dict[str, torch.Tensor]:
 
 
 def _dp_rank() -> float:
-    cfg = models.GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=2, n_layers=2)
     device = torch.device("cuda", torch.cuda.current_device())
-    apply, params, buffers = fs.functionalize(models.GPT(cfg, seed=0).to(device))
-
-    def loss_fn(p, b, batch, key):
-        logits, _ = apply(p, b, batch[:, :-1], key=key)
-        return models.lm_loss(logits, batch[:, 1:])
-
-    step = fs.data_parallel(fs.train_step(loss_fn, fs.optim.adamw(1e-3)), fs.Mesh(dp=1))
-    state = step.init(params, buffers)
-    batch = torch.randint(0, 256, (4, 33), device=device)
+    step, state, tokens = _small_lm_step(device, False, fs.optim.adamw(1e-3))
+    step = fs.data_parallel(step, fs.Mesh(dp=1))
+    state = step.init(state.params, state.buffers)
     for _ in range(3):
-        state, metrics = step(state, batch)
+        state, metrics = step(state, tokens)
     return float(metrics["loss"])
 
 
@@ -330,7 +323,7 @@ def _compiled_or_error(device: torch.device, plan) -> tuple[float, float] | str:
         return f"{type(error).__name__}: {error}"
 
 
-def _check_nccl_data_parallel(device: torch.device) -> None:
+def _check_nccl(device: torch.device) -> None:
     losses = fs.launch(_dp_rank, 1, backend="nccl")
     check("data_parallel under NCCL", all(x == x for x in losses), f"loss {losses[0]:.3f}")
     for name, result in fs.launch(_compiled_plans_rank, 1, backend="nccl")[0].items():
@@ -379,7 +372,7 @@ def main() -> int:
     if not args.skip_compile:
         _guarded(check_compile, device)
     if device.type == "cuda":
-        _guarded(_check_nccl_data_parallel, device)
+        _guarded(_check_nccl, device)
         if not args.skip_tests:
             done = subprocess.run(
                 [
