@@ -266,7 +266,8 @@ def _unit_forward(submodule: nn.Module, unit: ParamUnit) -> Callable[..., Any]:
         state: list[torch.Tensor] = []
         state_slots: list[list[slots_lib.Slot]] = []
         mutable: set[int] = set()
-        tensors, tensor_slots, _ = slots_lib.state_slots(submodule)
+        owners = list(submodule.modules())
+        tensors, tensor_slots, _ = slots_lib.state_slots(submodule, owners)
         for tensor, slots in zip(tensors, tensor_slots):
             if isinstance(tensor, _Placeholder) and tensor.unit == unit.name:
                 unit_slots.setdefault(tensor.param_name, []).extend(slots)
@@ -276,7 +277,7 @@ def _unit_forward(submodule: nn.Module, unit: ParamUnit) -> Callable[..., Any]:
             state.append(tensor)
             state_slots.append(slots)
         # The flags are read now: a recompute in backward runs after `apply` restored them.
-        flags = [(module, module.training) for module in submodule.modules()]
+        flags = [(module, module.training) for module in owners]
         names = list(unit_slots)
 
         def run(
