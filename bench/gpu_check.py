@@ -80,6 +80,18 @@ def _peak(device: torch.device, fn) -> tuple[object, float]:
     return result, (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
+def _next_token_loss(model: torch.nn.Module, *, float_logits: bool = False):
+    """``(loss_fn, params, buffers)`` of `model` on token batches (each row predicts its next
+    token); `float_logits` upcasts the logits for the loss."""
+    apply, params, buffers = fs.functionalize(model)
+
+    def loss_fn(p, b, batch, key):
+        logits, _ = apply(p, b, batch[:, :-1], key=key)
+        return models.lm_loss(logits.float() if float_logits else logits, batch[:, 1:])
+
+    return loss_fn, params, buffers
+
+
 def check_remat(device: torch.device) -> None:
     cfg = models.GPTConfig(
         vocab_size=512, seq_len=512, d_model=256, n_heads=4, n_layers=4, dropout=0.1
@@ -91,11 +103,7 @@ def check_remat(device: torch.device) -> None:
         if variant != "none":
             for i, block in enumerate(model.blocks):
                 model.blocks[i] = fs.checkpoint(block, offload=variant.endswith("offload"))
-        apply, params, buffers = fs.functionalize(model)
-
-        def loss_fn(p, b, batch, key, apply=apply):
-            logits, _ = apply(p, b, batch[:, :-1], key=key)
-            return models.lm_loss(logits, batch[:, 1:])
+        loss_fn, params, buffers = _next_token_loss(model)
 
         def forward_backward(loss_fn=loss_fn, params=params, buffers=buffers):
             return fs.value_and_grad(loss_fn, params, buffers, tokens, fs.random.key(1))
@@ -147,12 +155,7 @@ def check_offload_optimizer(device: torch.device) -> None:
 def check_bf16_step(device: torch.device) -> None:
     cfg = models.GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=2)
     model = models.GPT(cfg, seed=0).to(device=device, dtype=torch.bfloat16)
-    apply, params, buffers = fs.functionalize(model)
-
-    def loss_fn(p, b, batch, key):
-        logits, _ = apply(p, b, batch[:, :-1], key=key)
-        return models.lm_loss(logits.float(), batch[:, 1:])
-
+    loss_fn, params, buffers = _next_token_loss(model, float_logits=True)
     step = fs.train_step(loss_fn, fs.optim.adamw(3e-3))
     state = step.init(params, buffers)
     tokens = fs.data.ByteTokenizer().encode(fs.data.bundled_corpus())
@@ -167,12 +170,7 @@ def check_bf16_step(device: torch.device) -> None:
 
 def _mixed_precision_model(device: torch.device):
     cfg = models.GPTConfig(vocab_size=512, seq_len=256, d_model=256, n_heads=4, n_layers=4)
-    apply, params, buffers = fs.functionalize(models.GPT(cfg, seed=0).to(device))
-
-    def loss_fn(p, b, batch, key):
-        logits, _ = apply(p, b, batch[:, :-1], key=key)
-        return models.lm_loss(logits, batch[:, 1:])
-
+    loss_fn, params, buffers = _next_token_loss(models.GPT(cfg, seed=0).to(device))
     tokens = torch.randint(0, 512, (8, 257), generator=torch.Generator().manual_seed(0))
     return loss_fn, params, buffers, tokens.to(device)
 
@@ -246,12 +244,7 @@ def _dp_rank() -> float:
 
 def _small_lm_step(device: torch.device, donate: bool, optimizer):
     cfg = models.GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=2)
-    apply, params, buffers = fs.functionalize(models.GPT(cfg, seed=0).to(device))
-
-    def loss_fn(p, b, batch, key):
-        logits, _ = apply(p, b, batch[:, :-1], key=key)
-        return models.lm_loss(logits, batch[:, 1:])
-
+    loss_fn, params, buffers = _next_token_loss(models.GPT(cfg, seed=0).to(device))
     step = fs.train_step(loss_fn, optimizer, donate=donate)
     tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
     return step, step.init(params, buffers), tokens.to(device)
