@@ -10,7 +10,7 @@ from torch import nn
 import fscale as fs
 from fscale.parallel.pipeline import StageContractError, pipeline
 from fscale.parallel.pipeline.split_backward import input_backward, weight_backward
-from fscale.testing import assert_trees_close, run_spmd
+from fscale.testing import assert_trees_close, assert_trees_equal, run_spmd
 
 # ---- the split backward ----------------------------------------------------------------------
 
@@ -241,6 +241,13 @@ def test_contracts_check_every_leaf():
         assert "shape (2, 1) and dtype torch.float32; shape (2, 3) and dtype" in message
 
 
+def _one_rank_pipeline(model, **options):
+    """`model` as a pipeline of one stage on one rank, built with `options`."""
+    loss = lambda o, t: o.mean()  # noqa: E731
+    balance = [len(model)]
+    return pipeline(model, loss, fs.optim.sgd(0.1), fs.Mesh(pp=1), balance=balance, **options)
+
+
 # ---- padding ---------------------------------------------------------------------------------
 
 
@@ -295,12 +302,86 @@ def test_padding_is_asked_for_not_assumed():
     with pytest.raises(ValueError, match=r"or fscale.pipeline\(..., pad=True\)"):
         step(state, (torch.randn(6, 4), torch.randn(6, 4)))
     with pytest.raises(TypeError, match="`pad` must be a bool"):
-        pipeline(
-            model,
-            lambda o, t: o.mean(),
-            fs.optim.sgd(0.1),
-            fs.Mesh(pp=1),
-            micro_batches=4,
-            balance=[1],
-            pad="yes",
-        )
+        _one_rank_pipeline(model, micro_batches=4, pad="yes")
+
+
+# ---- when receives are posted ----------------------------------------------------------------
+
+
+def _receive_policy(schedule, receive_ahead):
+    from fscale.parallel.pipeline import transport
+
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    _, params, buffers = fs.functionalize(model)
+    g = torch.Generator().manual_seed(8)
+    batch = (torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g))
+    step = pipeline(
+        model,
+        lambda out, t: ((out - t) ** 2).mean(),
+        fs.optim.adam(1e-2),
+        fs.Mesh(pp=2),
+        micro_batches=4,
+        schedule=schedule,
+        balance=[2, 3] if schedule != "interleaved" else [1, 1, 1, 2],
+        receive_ahead=receive_ahead,
+    )
+    state = step.init(params, buffers)
+    state, _ = step(state, batch)  # the first step checks the stage contracts
+    outstanding: list[int] = []
+    expect = transport.Mailbox.expect
+
+    def counted(self, *args):
+        expect(self, *args)
+        outstanding.append(len(self._expected))
+
+    transport.Mailbox.expect = counted  # type: ignore[method-assign]
+    try:
+        state, metrics = step(state, batch)
+    finally:
+        transport.Mailbox.expect = expect  # type: ignore[method-assign]
+    return fs.consolidate(step, state).params, float(metrics["loss"]), outstanding, repr(step)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_receives_posted_all_at_once_ahead_or_at_use_give_the_same_bits(schedule):
+    # One rank's receives in a step, one per micro-batch (4) and message kind: under 1F1B rank 0
+    # receives the gradients of one boundary, rank 1 its activations; interleaved (stages 0, 2
+    # on rank 0, 1, 3 on rank 1), 3 boundaries cross between the ranks, each carrying an
+    # activation one way and a gradient back: 12 messages into each rank.
+    per_rank = {"1f1b": [4, 4], "interleaved": [12, 12]}[schedule]
+    runs = {ahead: run_spmd(_receive_policy, 2, schedule, ahead) for ahead in (None, 1, 0)}
+    for rank in range(2):
+        params, loss, outstanding, _ = runs[None][rank]
+        # All posted before the first action, none in flight until the first is used.
+        assert outstanding[: per_rank[rank]] == list(range(1, per_rank[rank] + 1))
+        assert len(outstanding) == per_rank[rank]
+        assert max(runs[1][rank][2]) == 1 and len(runs[1][rank][2]) == per_rank[rank]
+        assert runs[0][rank][2] == []  # each receive made at its use
+        assert "receive_ahead=1" in runs[1][rank][3] and "receive_ahead" not in runs[None][rank][3]
+        for ahead in (1, 0):
+            assert_trees_equal(runs[ahead][rank][0], params)
+            assert runs[ahead][rank][1] == loss
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "all"])
+def test_receive_ahead_must_be_none_or_a_count(bad):
+    with pytest.raises(ValueError, match="`receive_ahead` must be None"):
+        _one_rank_pipeline(nn.Sequential(nn.Linear(4, 4)), micro_batches=2, receive_ahead=bad)
+
+
+@pytest.mark.parametrize(
+    ("backend", "devices", "message"),
+    [
+        ("gloo", {"cuda"}, "hold cuda tensors, but pipeline messages travel on gloo"),
+        ("cpu:gloo,cuda:nccl", {"cpu", "cuda"}, "hold cuda tensors"),
+        ("nccl", {"cpu"}, "runs on 'nccl'; pipeline messages need gloo"),
+    ],
+)
+def test_a_transport_that_cannot_carry_the_messages_is_refused(backend, devices, message):
+    from fscale.parallel.pipeline.transport import check_transport
+
+    with pytest.raises(NotImplementedError, match=message):
+        check_transport(backend, devices, "pp")
+    check_transport("gloo", {"cpu"}, "pp")  # what every other test here runs on
+    check_transport("cpu:gloo,cuda:nccl", {"cpu"}, "pp")

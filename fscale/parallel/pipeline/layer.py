@@ -33,6 +33,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 
 from fscale import spmd, tree
 from fscale.data import split_batch
@@ -44,6 +45,7 @@ from fscale.parallel.pipeline.precision import stage_policy
 from fscale.parallel.pipeline.runner import RankResult, run_schedule
 from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.stages import Stages
+from fscale.parallel.pipeline.transport import check_transport
 from fscale.plan import PlainOptimizer, Plan, TrainState
 
 __all__ = ["PipelinePlan"]
@@ -63,6 +65,7 @@ class PipelinePlan(Plan):
     loss_fn: Any
     checkpoint: str
     pad: bool = False
+    receive_ahead: int | None = None  # None: every receive of the step posted at its start
     # Output shapes found by the first step's contract check, per batch signature.
     _shapes: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     # For an inner plan that needs one flat dict of parameters (fully_shard), the names and
@@ -78,7 +81,10 @@ class PipelinePlan(Plan):
         return (
             f"pipeline(axis={self.axis!r} of size {s.num_ranks}, schedule={s.name!r}, "
             f"stages={s.num_stages}, micro_batches={s.micro_batches}, "
-            f"checkpoint={self.checkpoint!r}" + (", pad=True)" if self.pad else ")")
+            f"checkpoint={self.checkpoint!r}"
+            + (", pad=True" if self.pad else "")
+            + ("" if self.receive_ahead is None else f", receive_ahead={self.receive_ahead}")
+            + ")"
         )
 
     def own_mesh(self) -> Mesh:
@@ -148,6 +154,7 @@ class PipelinePlan(Plan):
                 real_sizes,
                 param_cast=casts.param_cast(),
                 loss_weight=casts.loss_weight,
+                receive_ahead=self.receive_ahead,
             )
             new_buffers = casts.restore_buffers(buffers, seen_buffers, result.buffers)
             loss, count = _reduce_loss(result, comm, self.mesh, self.axis)
@@ -329,6 +336,10 @@ class PipelinePlan(Plan):
         )
         shapes = self._shapes.get(signature)
         if shapes is None:
+            if comm is not None:
+                leaves = tree.leaves((params, inputs))
+                devices = {t.device.type for t in leaves if isinstance(t, torch.Tensor)}
+                check_transport(str(dist.get_backend(comm.group)), devices, self.axis)
             shapes = probe_stages(
                 self.schedule,
                 self.index,

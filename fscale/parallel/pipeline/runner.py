@@ -124,6 +124,7 @@ def run_schedule(
     *,
     param_cast: Callable[[PyTree], PyTree] | None = None,
     loss_weight: float = 1.0,
+    receive_ahead: int | None = None,
 ) -> RankResult:
     """Run rank `index`'s actions of `schedule` (see the module docstring).
 
@@ -135,6 +136,8 @@ def run_schedule(
     applied once per step, differentiably, so every micro-batch's weight gradient is cast back
     to the parameters' own dtype before it joins the sum. `loss_weight` multiplies each
     micro-batch's loss for its backward (a loss scale); the returned loss sum is unweighted.
+    `receive_ahead` is how many receives are posted ahead of their use (None: all of the
+    step's, before its first action; see `fscale.parallel.pipeline.transport`).
     """
     local = schedule.local_stages(index)
     position = {stage: i for i, stage in enumerate(local)}
@@ -282,11 +285,12 @@ def run_schedule(
 
     actions = schedule.rank_actions(index)
     receives = _receives(schedule, index, actions)
-    # Receives posted ahead, a window of them: enough that a message finds its receive posted,
-    # few enough that 1F1B's bound on what a rank holds is not spent on buffers.
-    window = max(2, schedule.activation_bound[index])
+    # All of the step's receives are posted before its first action, or (`receive_ahead`) a
+    # window of them ahead of their use (0: each when its action needs it).
+    window = len(receives) if receive_ahead is None else receive_ahead
     posted = consumed = 0
     for action in actions:
+        posted = max(posted, consumed)  # a receive made at its use is not posted again
         while posted < min(len(receives), consumed + window):
             m, stage, gradient = receives[posted]
             peer_stage = stage + 1 if gradient else stage

@@ -58,6 +58,7 @@ def pipeline(
     pad: bool = False,
     on_nonfinite: str = "propagate",
     donate: bool = False,
+    receive_ahead: int | None = None,
 ) -> Step:
     """A Step that trains `stages` as a pipeline over `axis` (see the module docstring).
 
@@ -95,6 +96,13 @@ def pipeline(
             the stages agree, so a NaN in one stage's gradients skips (or raises on) every rank.
         donate: as for `fscale.train_step`: the step updates the incoming state's parameters
             and optimizer state in place (as a torch.optim loop does) instead of copying them.
+        receive_ahead: how many of a rank's receives are posted before the action that needs
+            them. None (the default): every receive of the step, before its first action, so
+            each message finds its receive posted and no post runs while messages are in
+            flight; a rank then holds one receive buffer per message of the step (M
+            activations and M gradients per boundary, as torch's ``PipelineStage`` keeps one
+            receive buffer per micro-batch). An int k >= 1 posts k ahead, bounding the
+            buffers to k; 0 posts each receive when its action needs it.
 
     Returns:
         A Step; ``state = step.init(params, buffers)`` takes the full model's pytrees (a list
@@ -117,6 +125,13 @@ def pipeline(
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(
             f"{caller}: `checkpoint` must be one of {CHECKPOINT_MODES}, got {checkpoint!r}"
+        )
+    if receive_ahead is not None and (
+        isinstance(receive_ahead, bool) or not isinstance(receive_ahead, int) or receive_ahead < 0
+    ):
+        raise ValueError(
+            f"{caller}: `receive_ahead` must be None (post every receive of the step at its "
+            f"start) or an int >= 0 (how many to post ahead of their use), got {receive_ahead!r}"
         )
     stage_set = _stages(stages, balance, caller)
     table = _schedule(schedule, mesh.size(axis), micro_batches, virtual, caller)
@@ -146,7 +161,9 @@ def pipeline(
             )
     if not isinstance(pad, bool):
         raise TypeError(f"{caller}: `pad` must be a bool, got {type(pad).__name__}")
-    plan = PipelinePlan(base.plan, mesh, axis, stage_set, table, loss_fn, checkpoint, pad)
+    plan = PipelinePlan(
+        base.plan, mesh, axis, stage_set, table, loss_fn, checkpoint, pad, receive_ahead
+    )
     return base.replace(plan=plan)
 
 

@@ -19,6 +19,13 @@ Receives are posted ahead (`Link.expect_activation` / `expect_gradients`): gloo 
 only once both sides have posted it — a send that finds no posted receive waits for the
 receiver's notice and the sender's progress thread to write it — so a receive posted before
 its send arrives takes the message at once, and the wait for it is the sender's compute only.
+By default the runner posts every receive of the step before its first action: a post takes
+the connection's lock, which the progress thread holds while it moves a message, so posts made
+while messages are in flight block for a while, on a loaded host often for milliseconds (on
+2 and 4 gloo ranks, `bench/pipeline.py`'s small model with 8 micro-batches: GPipe, 1F1B and
+interleaved steps took 3–17% less time with every receive posted at the start than with two
+posted ahead before each action). `fscale.pipeline(..., receive_ahead=k)` posts k ahead
+instead, for stages whose boundary tensors are too large to hold one per micro-batch.
 
 The comm ledger records each send (the bytes this rank puts on the wire), under the
 pipeline's axis. A mailbox made with `on_wait` is told the seconds each receive through it
@@ -38,10 +45,37 @@ import torch.distributed as dist
 from fscale.distributed.comm import Comm
 from fscale.distributed.ledger import record
 
-__all__ = ["Link", "Mailbox", "differentiable", "message_tag", "wait"]
+__all__ = ["Link", "Mailbox", "check_transport", "differentiable", "message_tag", "wait"]
 
 Tensor = torch.Tensor
 LeafSpec = tuple[torch.Size, torch.dtype]
+
+
+def check_transport(backend: str, devices: set[str], axis: str) -> None:
+    """Refuse stages this transport cannot carry messages for, before anything is sent.
+
+    `backend` is the pipeline axis's process-group backend as `torch.distributed.get_backend`
+    names it (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``), `devices` the device types of
+    this rank's stage parameters. The transport tags its messages and posts receives ahead of
+    sends (above), which gloo matches by tag on host tensors; NCCL ignores tags, matches a pair
+    of ranks' messages in the order they were issued on one stream, and lets a send block until
+    its receive runs, so the same posts would hang or cross there.
+    """
+    off_host = sorted(d for d in devices if d != "cpu")
+    if off_host:
+        raise NotImplementedError(
+            f"pipeline: the stages on axis {axis!r} hold {off_host[0]} tensors, but pipeline "
+            "messages travel on gloo between host tensors only: NCCL matches point-to-point "
+            "messages by their order, not their tags, and this runtime posts them ahead out of "
+            "order. Keep the pipeline's stages on the CPU"
+        )
+    if "gloo" not in backend:
+        raise NotImplementedError(
+            f"pipeline: the process group of axis {axis!r} runs on {backend!r}; pipeline "
+            "messages need gloo (host tensors, matched by tag). Initialise the ranks with gloo, "
+            "e.g. fscale.launch(..., backend='gloo') or torch.distributed.init_process_group("
+            "'cpu:gloo,cuda:nccl')"
+        )
 
 
 def differentiable(dtype: torch.dtype) -> bool:
