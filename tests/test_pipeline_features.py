@@ -308,26 +308,34 @@ def test_padding_is_asked_for_not_assumed():
 # ---- when receives are posted ----------------------------------------------------------------
 
 
-def _receive_policy(schedule, receive_ahead):
-    from fscale.parallel.pipeline import transport
-
+def _mlp_pipeline(schedule, balance, **options):
+    """A 3-layer MLP pipeline on 2 ranks, 4 micro-batches, after its first step (which checks
+    the stage contracts), and its batch."""
     torch.manual_seed(7)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
     _, params, buffers = fs.functionalize(model)
     g = torch.Generator().manual_seed(8)
     batch = (torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g))
+    mse = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
     step = pipeline(
         model,
-        lambda out, t: ((out - t) ** 2).mean(),
+        mse,
         fs.optim.adam(1e-2),
         fs.Mesh(pp=2),
         micro_batches=4,
         schedule=schedule,
-        balance=[2, 3] if schedule != "interleaved" else [1, 1, 1, 2],
-        receive_ahead=receive_ahead,
+        balance=balance,
+        **options,
     )
-    state = step.init(params, buffers)
-    state, _ = step(state, batch)  # the first step checks the stage contracts
+    state, _ = step(step.init(params, buffers), batch)
+    return step, state, batch
+
+
+def _receive_policy(schedule, receive_ahead):
+    from fscale.parallel.pipeline import transport
+
+    balance = [2, 3] if schedule != "interleaved" else [1, 1, 1, 2]
+    step, state, batch = _mlp_pipeline(schedule, balance, receive_ahead=receive_ahead)
     outstanding: list[int] = []
     expect = transport.Mailbox.expect
 
@@ -385,3 +393,37 @@ def test_a_transport_that_cannot_carry_the_messages_is_refused(backend, devices,
         check_transport(backend, devices, "pp")
     check_transport("gloo", {"cpu"}, "pp")  # what every other test here runs on
     check_transport("cpu:gloo,cuda:nccl", {"cpu"}, "pp")
+
+
+def _gradient_send_order():
+    from fscale.parallel.pipeline import deferred_linear, transport
+
+    step, state, batch = _mlp_pipeline("1f1b", [2, 3], checkpoint="never")
+    events: list[str] = []
+    post, weight_grads = transport.Mailbox.post, deferred_linear.LinearStore.weight_grads
+
+    def posted(self, tensor, comm, to, tag):
+        events.append("send")
+        post(self, tensor, comm, to, tag)
+
+    def deferred(self, num_weights):
+        events.append(f"W{len(self.entries)}")
+        return weight_grads(self, num_weights)
+
+    transport.Mailbox.post = posted  # type: ignore[method-assign]
+    deferred_linear.LinearStore.weight_grads = deferred  # type: ignore[method-assign]
+    try:
+        step(state, batch)
+    finally:
+        transport.Mailbox.post = post  # type: ignore[method-assign]
+        deferred_linear.LinearStore.weight_grads = weight_grads  # type: ignore[method-assign]
+    return events
+
+
+def test_a_stage_sends_its_input_gradient_before_its_weight_gradients():
+    stage0, stage1 = run_spmd(_gradient_send_order, 2)
+    # Stage 0 sends an activation per micro-batch and, first of its rank, defers nothing.
+    assert stage0 == ["send"] * 4
+    # Stage 1 (two linear layers) sends each micro-batch's input gradient, then computes the
+    # two layers' weight gradients.
+    assert stage1 == ["send", "W2"] * 4

@@ -4,9 +4,10 @@ A zero-bubble schedule wants B, the backward that feeds the previous stage, to d
 it can, and W, the weights' part, to run later where the pipeline would idle. Most of a
 stage's weight-gradient work is in its linear layers (``grad_weight = gradᵀ · x``). While the
 runner holds a micro-batch's `deferring` block, a module stage runs its plain ``nn.Linear``
-layers (`linear_layers`, under `recording`) as `_DeferredLinear` whenever their weight and
-bias are among the stage's own parameter leaves: the backward computes the input's gradient
-only and leaves the pair (input, output gradient) in the micro-batch's `LinearStore`. B is
+layers (`linear_layers`, under `recording`) on detached weights whenever their weight and
+bias are among the stage's own parameter leaves and their input needs a gradient: the backward
+computes the input's gradient only, and a hook on the output leaves the pair (input, output
+gradient) in the micro-batch's `LinearStore`. B is
 then one ordinary backward over the whole graph — the input's gradient and every other
 parameter's (layer norms, embeddings: cheap) — which frees the graph; W
 (`LinearStore.weight_grads`) is a matrix product per recorded layer.
@@ -67,40 +68,33 @@ class LinearStore:
         return found
 
 
-class _DeferredLinear(torch.autograd.Function):
-    """``linear(x, weight, bias)`` whose backward returns the input's gradient only and
-    records (x, output gradient) for the weight's."""
-
-    @staticmethod
-    def forward(x: Tensor, weight: Tensor, bias: Tensor | None, entry: list[Any]) -> Tensor:
-        return torch.nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        x, weight, _, entry = inputs
-        ctx.save_for_backward(weight)
-        ctx.entry = entry
-        entry[2] = x.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-        (weight,) = ctx.saved_tensors
-        ctx.entry[3] = grad
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None
-
-
 def _deferred_forward(module: nn.Linear, store: LinearStore, x: Tensor) -> Tensor:
-    """`module`'s forward, recorded in `store` when its weight and bias are stage leaves."""
+    """`module`'s forward, recorded in `store` when its weight and bias are stage leaves.
+
+    The layer runs on detached weights, so its backward computes the input's gradient alone
+    (autograd's own kernel, which skips the weight's product); a hook on the output keeps the
+    output's gradient beside the input for W. Plain operations and one hook, no Function: a
+    Python Function per layer cost ~50 µs of each micro-batch's forward on small layers."""
     weight, bias = module.weight, module.bias
     index = store.index
     weight_at = index.get(id(weight))
     bias_at = None if bias is None else index.get(id(bias))
-    if weight_at is None or (bias is not None and bias_at is None) or not torch.is_grad_enabled():
+    if (
+        weight_at is None
+        or (bias is not None and bias_at is None)
+        or not torch.is_grad_enabled()
+        or not x.requires_grad  # no backward reaches the layer's output
+    ):
         return torch.nn.functional.linear(x, weight, bias)
-    entry: list[Any] = [weight_at, bias_at, None, None]
+    entry: list[Any] = [weight_at, bias_at, x.detach(), None]
     store.entries.append(entry)
-    return _DeferredLinear.apply(x, weight, bias, entry)
+    y = torch.nn.functional.linear(x, weight.detach(), None if bias is None else bias.detach())
+    y.register_hook(functools.partial(_keep_output_grad, entry))
+    return y
+
+
+def _keep_output_grad(entry: list[Any], grad: Tensor) -> None:
+    entry[3] = grad
 
 
 @contextlib.contextmanager
