@@ -90,6 +90,37 @@ def test_zero_bubble_holds_what_1f1b_holds():
     assert all(z <= o * 1.05 for z, o in zip(zero, one)), (zero, one)
 
 
+def _deferred_input_peak() -> int:
+    # Stage 1 is one linear layer fed by rank 0: its B sends the input's gradient first, so the
+    # layer runs on detached weights and keeps its input outside autograd for W.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+    _, params, buffers = fs.functionalize(model)
+    step = pipeline(
+        model,
+        lambda out, targets: ((out - targets) ** 2).mean(),
+        fs.optim.sgd(0.1),
+        fs.Mesh(pp=2),
+        micro_batches=MICRO_BATCHES,
+        balance=[2, 1],
+        checkpoint="never",
+    )
+    batch = (torch.randn(16, 6), torch.randn(16, 2))
+    state, _ = step(step.init(params, buffers), batch)
+    with record_timeline() as timeline:
+        step(state, batch)
+    peak = timeline.steps[0].activation_peak
+    assert peak is not None
+    return peak
+
+
+def test_the_inputs_deferred_linear_layers_keep_are_counted():
+    _, last = run_spmd(_deferred_input_peak, 2)
+    # One micro-batch in flight on the last stage: its input, 4 samples of 16 floats (256
+    # bytes), is counted beside what autograd saves for the loss (4 x 2 floats).
+    assert last >= 4 * 16 * 4
+
+
 def _times_only():
     step, state, batch = _step("1f1b")
     step(state, batch)

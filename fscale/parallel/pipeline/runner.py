@@ -223,6 +223,8 @@ def run_schedule(
         with torch.enable_grad(), deferring(leaves[i]) if defer else _no_store() as store:
             unit.store = store
             y, stage_buffers[i] = call(stage_params[i], stage_buffers[i], x, keys[m])
+            if recorder is not None and store is not None:
+                recorder.hold(entry[2] for entry in store.entries)
             if stage == last:
                 unit.roots = _loss_roots(y, m)
             else:

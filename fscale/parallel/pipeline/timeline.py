@@ -10,9 +10,10 @@ one `StepTimeline` to ``timeline.steps``:
   for the actions' time less those waits; its measured bubble is ``1 - busy / wall``, the
   figure the schedule table's `Schedule.bubble_fraction` predicts from unit costs;
 - the peak bytes of the activations the step holds for its backward: every tensor autograd
-  saves is counted (`fscale.memory.LiveBytes`, one count per storage, until freed) unless it
-  shares storage with a parameter or buffer of the step, so the figure is what the schedule's
-  in-flight micro-batches cost, sampled at each save. Counting costs time at every save (a
+  saves, and every input a deferred linear layer keeps for W, is counted
+  (`fscale.memory.LiveBytes`, one count per storage, until freed) unless it shares storage
+  with a parameter or buffer of the step, so the figure is what the schedule's in-flight
+  micro-batches cost, sampled at each save. Counting costs time at every save (a
   forward's actions take longer under it), so ``record_timeline(activations=False)`` leaves
   it out when the times are what is measured; the peak is then None.
 
@@ -161,6 +162,14 @@ class StepRecorder:
         if not self.counts_activations:
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def hold(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors the step keeps for its backward outside autograd's saved tensors
+        (the inputs of linear layers whose weight gradient waits for W), as `saving` counts
+        autograd's, until they are freed."""
+        if self.counts_activations:
+            for tensor in tensors:
+                self._pack(tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.untyped_storage().data_ptr() not in self._state_storages:
