@@ -393,37 +393,3 @@ def test_a_transport_that_cannot_carry_the_messages_is_refused(backend, devices,
         check_transport(backend, devices, "pp")
     check_transport("gloo", {"cpu"}, "pp")  # what every other test here runs on
     check_transport("cpu:gloo,cuda:nccl", {"cpu"}, "pp")
-
-
-def _gradient_send_order():
-    from fscale.parallel.pipeline import deferred_linear, transport
-
-    step, state, batch = _mlp_pipeline("1f1b", [2, 3], checkpoint="never")
-    events: list[str] = []
-    post, weight_grads = transport.Mailbox.post, deferred_linear.LinearStore.weight_grads
-
-    def posted(self, tensor, comm, to, tag):
-        events.append("send")
-        post(self, tensor, comm, to, tag)
-
-    def deferred(self, num_weights):
-        events.append(f"W{len(self.entries)}")
-        return weight_grads(self, num_weights)
-
-    transport.Mailbox.post = posted  # type: ignore[method-assign]
-    deferred_linear.LinearStore.weight_grads = deferred  # type: ignore[method-assign]
-    try:
-        step(state, batch)
-    finally:
-        transport.Mailbox.post = post  # type: ignore[method-assign]
-        deferred_linear.LinearStore.weight_grads = weight_grads  # type: ignore[method-assign]
-    return events
-
-
-def test_a_stage_sends_its_input_gradient_before_its_weight_gradients():
-    stage0, stage1 = run_spmd(_gradient_send_order, 2)
-    # Stage 0 sends an activation per micro-batch and, first of its rank, defers nothing.
-    assert stage0 == ["send"] * 4
-    # Stage 1 (two linear layers) sends each micro-batch's input gradient, then computes the
-    # two layers' weight gradients.
-    assert stage1 == ["send", "W2"] * 4

@@ -14,11 +14,7 @@ For each (micro-batch m, stage s) the rank holds:
 - ``B``: the gradients of the output's floating-point leaves arrive from the next stage; one
   backward from them (or the loss) gives the gradients of the input's leaves, sent to the
   previous stage, and — unless the schedule splits — adds the weights' gradients to the
-  stage's sum, in place (``torch.autograd.backward`` into the leaves' ``.grad``). A module
-  stage whose input comes from another rank sends the input's gradient first: its linear
-  layers' weight gradients wait (`deferred_linear`) and are computed right after the send,
-  in the same B, so the previous stage's rank starts its own B that much sooner (the table
-  is unchanged, the gradients are the same bits).
+  stage's sum, in place (``torch.autograd.backward`` into the leaves' ``.grad``).
 - ``W`` (split schedules): B computed the input gradient only and kept the graph; W computes
   the weights' gradients from the same graph without running any of B's work again
   (`fscale.parallel.pipeline.split_backward`). A checkpointed micro-batch would be recomputed
@@ -148,20 +144,6 @@ def run_schedule(
     last = schedule.num_stages - 1
     micro_batches = schedule.micro_batches
     split = schedule.split
-    # A stage that sends its input's gradient to another rank sends it before computing its
-    # linear layers' weight gradients (`deferred_linear`), which it computes right after, in
-    # the same B: the previous stage's B starts that much sooner, and the table is unchanged.
-    early = {
-        stage: not split
-        and param_cast is None
-        and stage > 0
-        and schedule.stage_ranks[stage - 1] != index
-        and stages.deferrable[stage]
-        for stage in local
-    }
-    # Weight gradients are summed by autograd into the leaves' .grad, or by `add` (split
-    # schedules and early stages, whose W adds what B left).
-    summed = [split or early[stage] for stage in local]
     # Own aliases of the parameters: the per-micro-batch backwards must not fire the hooks
     # that the plans around the pipeline put on the live leaves.
     leaves = [[t.detach().requires_grad_(True) for t in tree.leaves(p)] for p in params]
@@ -219,7 +201,7 @@ def run_schedule(
             unit.checkpointed = True
         # Split schedules leave the linear layers' weight gradients to W (`deferred_linear`);
         # weights seen through a cast are not the leaves it looks for.
-        defer = summed[i] and not unit.checkpointed and param_cast is None
+        defer = split and not unit.checkpointed and param_cast is None
         with torch.enable_grad(), deferring(leaves[i]) if defer else _no_store() as store:
             unit.store = store
             y, stage_buffers[i] = call(stage_params[i], stage_buffers[i], x, keys[m])
@@ -267,7 +249,7 @@ def run_schedule(
         wanted = [x for x in unit.input_leaves or () if x.requires_grad]
         weights = leaves[i]
         found: Sequence[Tensor | None] = [None] * len(wanted)
-        if roots and not summed[i]:
+        if roots and not split:
             torch.autograd.backward(roots, grad_roots, inputs=wanted + weights)
             found = [x.grad for x in wanted]
         elif roots and (unit.checkpointed or (unit.store is not None and unit.store.entries)):
@@ -283,7 +265,7 @@ def run_schedule(
                 local_grads[(m, stage - 1)] = grads
             else:
                 link(m, stage - 1, stage - 1).send_gradients(grads)
-        if not summed[i]:
+        if not split:
             del units[(m, stage)]
 
     def weight_grads(m: int, stage: int) -> None:
@@ -301,8 +283,6 @@ def run_schedule(
             forward(m, stage)
         elif kind == "B":
             backward(m, stage)
-            if early[stage]:
-                weight_grads(m, stage)
         else:
             weight_grads(m, stage)
 
@@ -336,7 +316,7 @@ def run_schedule(
         recorder.finish(drain_wait)
     stage_grads = []
     for i, (d, ls) in enumerate(zip(treedefs, leaves)):
-        found = split_grads[i] if summed[i] else [t.grad for t in ls]
+        found = split_grads[i] if split else [t.grad for t in ls]
         stage_grads.append(tree.unflatten(d, [_as_grad(g, t) for g, t in zip(found, ls)]))
     count_sum = torch.stack(counts).sum() if counts else None
     return RankResult(tuple(stage_grads), tuple(stage_buffers), loss_sum, count_sum)
