@@ -115,6 +115,9 @@ def pipeline(
             simulation check (`ScheduleError`, naming the first conflict). At the first step: a
             batch that does not split into `micro_batches`, or stages whose outputs and inputs
             disagree (`StageContractError`, on every rank, naming both stages).
+        NotImplementedError: at the first step, stages whose tensors are not on the CPU or a
+            pipeline axis whose process group has no gloo backend: messages travel on gloo,
+            matched by tag (`fscale.parallel.pipeline.transport.check_transport`).
     """
     caller = "pipeline"
     spmd.check_axis(mesh, axis, caller)
