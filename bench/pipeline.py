@@ -12,7 +12,9 @@ the same number of layers per stage, which leaves the head's stage the slowest),
 round by round alternating (`_util.interleave`, a barrier before every step):
 
 * ``torch``: ``PipelineStage`` per local stage and ``ScheduleGPipe`` / ``Schedule1F1B`` /
-  ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``, ``torch.optim.AdamW``;
+  ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``,
+  ``torch.optim.AdamW(fused=True)`` (the kernel fscale's AdamW calls; the default on CPU is a
+  slower per-tensor loop);
 * ``fscale``: ``fscale.pipeline(..., schedule=..., donate=True)`` over the same modules (the
   update in place, as torch's optimizer does it).
 
@@ -144,7 +146,7 @@ def _torch_variant(cfg, balance, num_stages, schedule, micro_batches):
         runner = schedule_class(stages, n_microbatches=micro_batches, loss_fn=_loss)
     else:
         runner = schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=_loss)
-    optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE)
+    optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, fused=True)
     first, last = 0 in local, num_stages - 1 in local
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> None:
