@@ -7,10 +7,11 @@ ones padded, the padding masked out of the loss) that flow through the stages as
 schedule's table says; what a stage passes on is a tensor or a pytree of tensors. Forward
 collective: a send of each stage's output to the next stage's rank; backward collective: its
 dual, the gradient sent back (`fscale.parallel.pipeline.transport`). Memory per rank: its
-stages' parameters, gradients and optimizer state, and the activations of at most the
-schedule's `activation_bound` micro-batches (fewer with checkpointing). Traffic per step: each
-stage boundary carries one activation and one gradient per micro-batch, plus one scalar
-all-reduce of the loss.
+stages' parameters, gradients and optimizer state, the activations of at most the schedule's
+`activation_bound` micro-batches (fewer with checkpointing), and the receive buffers of the
+step's messages into the rank (all of them by default, `receive_ahead` of them if given).
+Traffic per step: each stage boundary carries one activation and one gradient per
+micro-batch, plus one scalar all-reduce of the loss.
 
 Reductions do not depend on the split: each micro-batch's mean loss is weighted by its share of
 the batch (1/M) — or, when ``loss_fn`` returns ``(mean, count)``, by its count, the gradient
