@@ -73,3 +73,28 @@ class _Scaled(nn.Linear):
 def test_a_linear_subclass_is_left_alone():
     model = nn.Sequential(_Scaled(3, 3), nn.Linear(3, 3))
     assert linear_layers(model) == [model[1]]
+
+
+class _InPlaceAfterUse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2  # saves nothing
+        y = self.inner(h)
+        h.add_(1)  # the layer's input, changed after the layer used it
+        return y + h
+
+
+def test_an_input_changed_in_place_after_use_is_refused_not_used():
+    stage = _InPlaceAfterUse()
+    weights = list(stage.parameters())
+    x = torch.randn(4, 6, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(stage(x).sum(), weights)  # autograd's own check, undeferred
+    with deferring(weights) as store, recording(linear_layers(stage)):
+        y = stage(x)
+    torch.autograd.grad([y.sum()], [x], allow_unused=True)  # B: the input's gradient only
+    with pytest.raises(RuntimeError, match="modified in place after the layer used it"):
+        store.weight_grads(len(weights))

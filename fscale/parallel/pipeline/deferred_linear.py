@@ -48,15 +48,23 @@ class LinearStore:
 
     def __init__(self, index: dict[int, int]) -> None:
         self.index = index
-        # (weight position, bias position or None, input, output gradient once B ran)
+        # (weight position, bias position or None, input, output gradient once B ran, the
+        # input's version counter when the layer ran)
         self.entries: list[list[Any]] = []
 
     def weight_grads(self, num_weights: int) -> list[Tensor | None]:
         """W: the recorded layers' weight and bias gradients (summed per parameter)."""
         found: list[Tensor | None] = [None] * num_weights
-        for weight_at, bias_at, x, grad in self.entries:
+        for weight_at, bias_at, x, grad, version in self.entries:
             if grad is None:  # the layer's output did not reach the roots
                 continue
+            if x._version != version:  # autograd's own check, for the input it no longer saves
+                raise RuntimeError(
+                    "pipeline: the input of a linear layer was modified in place after the "
+                    f"layer used it (shape {tuple(x.shape)}); the deferred weight gradient would "
+                    "use the modified values. Make that operation out of place, or use a "
+                    "schedule that does not split B and W"
+                )
             g = grad.reshape(-1, grad.shape[-1])
             parts = [(weight_at, x.reshape(-1, x.shape[-1]).t().mm(g).t())]
             if bias_at is not None:
@@ -86,7 +94,7 @@ def _deferred_forward(module: nn.Linear, store: LinearStore, x: Tensor) -> Tenso
         or not x.requires_grad  # no backward reaches the layer's output
     ):
         return torch.nn.functional.linear(x, weight, bias)
-    entry: list[Any] = [weight_at, bias_at, x.detach(), None]
+    entry: list[Any] = [weight_at, bias_at, x.detach(), None, x._version]
     store.entries.append(entry)
     y = torch.nn.functional.linear(x, weight.detach(), None if bias is None else bias.detach())
     y.register_hook(functools.partial(_keep_output_grad, entry))
