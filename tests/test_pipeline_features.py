@@ -251,25 +251,40 @@ def _one_rank_pipeline(model, **options):
 # ---- padding ---------------------------------------------------------------------------------
 
 
-def _padded(size, micro_batches, schedule):
-    torch.manual_seed(5)
-    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+def _mse(out, targets):
+    return ((out - targets) ** 2).mean()
+
+
+def _mlp_on_two_ranks(model, size, schedule, balance, micro_batches, batch_seed, **options):
+    """`model` (an nn.Sequential of linear layers) as a pipeline on 2 ranks, MSE and Adam, with
+    a batch of `size` samples; also its functional form."""
     apply, params, buffers = fs.functionalize(model)
-    g = torch.Generator().manual_seed(6)
-    batch = (torch.randn(size, 4, generator=g), torch.randn(size, 3, generator=g))
-    mse = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
+    g = torch.Generator().manual_seed(batch_seed)
+    batch = (
+        torch.randn(size, model[0].in_features, generator=g),
+        torch.randn(size, model[-1].out_features, generator=g),
+    )
     step = pipeline(
         model,
-        mse,
+        _mse,
         fs.optim.adam(1e-2),
         fs.Mesh(pp=2),
         micro_batches=micro_batches,
         schedule=schedule,
-        balance=[2, 1],
-        pad=True,
+        balance=balance,
+        **options,
+    )
+    return step, (apply, params, buffers), batch
+
+
+def _padded(size, micro_batches, schedule):
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    step, (apply, params, buffers), batch = _mlp_on_two_ranks(
+        model, size, schedule, [2, 1], micro_batches, 6, pad=True
     )
     state = step.init(params, buffers)
-    plain = fs.train_step(lambda p, b, d, k: mse(apply(p, b, d[0])[0], d[1]), fs.optim.adam(1e-2))
+    plain = fs.train_step(lambda p, b, d, k: _mse(apply(p, b, d[0])[0], d[1]), fs.optim.adam(1e-2))
     expected = plain.init(params, buffers)
     losses, expected_losses = [], []
     for _ in range(2):
@@ -313,19 +328,8 @@ def _mlp_pipeline(schedule, balance, **options):
     the stage contracts), and its batch."""
     torch.manual_seed(7)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
-    _, params, buffers = fs.functionalize(model)
-    g = torch.Generator().manual_seed(8)
-    batch = (torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g))
-    mse = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
-    step = pipeline(
-        model,
-        mse,
-        fs.optim.adam(1e-2),
-        fs.Mesh(pp=2),
-        micro_batches=4,
-        schedule=schedule,
-        balance=balance,
-        **options,
+    step, (_, params, buffers), batch = _mlp_on_two_ranks(
+        model, 8, schedule, balance, 4, 8, **options
     )
     state, _ = step(step.init(params, buffers), batch)
     return step, state, batch

@@ -14,9 +14,11 @@ from fscale.testing import assert_trees_equal, run_spmd
 MICRO_BATCHES = 4
 
 
-def _step(schedule: str):
+def _step(schedule: str, model: nn.Module | None = None, balance: tuple[int, ...] = (2, 2)):
+    """`model` (default: two tanh linear layers, 6 wide) on 2 ranks, its state and a batch."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh())
+    if model is None:
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh())
     _, params, buffers = fs.functionalize(model)
     step = pipeline(
         model,
@@ -25,11 +27,12 @@ def _step(schedule: str):
         fs.Mesh(pp=2),
         micro_batches=MICRO_BATCHES,
         schedule=schedule,
-        balance=[2, 2],
+        balance=list(balance),
         checkpoint="never",
     )
+    width = [m for m in model if isinstance(m, nn.Linear)][-1].out_features
     g = torch.Generator().manual_seed(1)
-    batch = (torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g))
+    batch = (torch.randn(16, 6, generator=g), torch.randn(16, width, generator=g))
     return step, step.init(params, buffers), batch
 
 
@@ -95,19 +98,8 @@ def _deferred_input_peak() -> int:
     # so the layer runs on detached weights and keeps its input outside autograd for W.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
-    _, params, buffers = fs.functionalize(model)
-    step = pipeline(
-        model,
-        lambda out, targets: ((out - targets) ** 2).mean(),
-        fs.optim.sgd(0.1),
-        fs.Mesh(pp=2),
-        micro_batches=MICRO_BATCHES,
-        schedule="zero_bubble",
-        balance=[2, 1],
-        checkpoint="never",
-    )
-    batch = (torch.randn(16, 6), torch.randn(16, 2))
-    state, _ = step(step.init(params, buffers), batch)
+    step, state, batch = _step("zero_bubble", model, balance=(2, 1))
+    state, _ = step(state, batch)
     with record_timeline() as timeline:
         step(state, batch)
     peak = timeline.steps[0].activation_peak
