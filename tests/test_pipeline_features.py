@@ -248,7 +248,7 @@ def _one_rank_pipeline(model, **options):
     return pipeline(model, loss, fs.optim.sgd(0.1), fs.Mesh(pp=1), balance=balance, **options)
 
 
-# ---- padding ---------------------------------------------------------------------------------
+# ---- a small MLP on two ranks ----------------------------------------------------------------
 
 
 def _mse(out, targets):
@@ -275,6 +275,9 @@ def _mlp_on_two_ranks(model, size, schedule, balance, micro_batches, batch_seed,
         **options,
     )
     return step, (apply, params, buffers), batch
+
+
+# ---- padding ---------------------------------------------------------------------------------
 
 
 def _padded(size, micro_batches, schedule):
