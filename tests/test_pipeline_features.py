@@ -379,6 +379,24 @@ def test_receives_posted_all_at_once_ahead_or_at_use_give_the_same_bits(schedule
             assert runs[ahead][rank][1] == loss
 
 
+def _step_traffic():
+    step, state, batch = _mlp_pipeline("1f1b", [2, 3])
+    with fs.distributed.comm_ledger() as ledger:
+        _, metrics = step(state, batch)
+    sent = sorted((r.op, r.axis, str(r.dtype), r.numel) for r in ledger.records)
+    return sent, float(metrics["loss"])
+
+
+def test_the_loss_goes_from_the_last_stage_in_one_message_not_a_collective():
+    # 1F1B on 2 ranks, 4 micro-batches of 2 samples, width 6 at the cut: rank 0 sends four
+    # activations; rank 1 four gradients and the loss (sum, count, whether counted) once, as
+    # soon as its last forward is done, so no rank waits for the other's last backward.
+    (rank0, loss0), (rank1, loss1) = run_spmd(_step_traffic, 2)
+    assert rank0 == [("send", "pp", "torch.float32", 12)] * 4
+    assert rank1 == [("send", "pp", "torch.float32", 12)] * 4 + [("send", "pp", "torch.float64", 3)]
+    assert loss0 == loss1
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "all"])
 def test_receive_ahead_must_be_none_or_a_count(bad):
     with pytest.raises(ValueError, match="`receive_ahead` must be None"):

@@ -37,12 +37,11 @@ import torch.distributed as dist
 
 from fscale import spmd, tree
 from fscale.data import split_batch
-from fscale.distributed import collectives
 from fscale.distributed.comm import Comm, resolve_comm
 from fscale.distributed.mesh import Mesh
 from fscale.parallel.pipeline.contract import probe_stages
 from fscale.parallel.pipeline.precision import stage_policy
-from fscale.parallel.pipeline.runner import RankResult, run_schedule
+from fscale.parallel.pipeline.runner import run_schedule
 from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.stages import Stages
 from fscale.parallel.pipeline.transport import check_transport
@@ -157,7 +156,7 @@ class PipelinePlan(Plan):
                 receive_ahead=self.receive_ahead,
             )
             new_buffers = casts.restore_buffers(buffers, seen_buffers, result.buffers)
-            loss, count = _reduce_loss(result, comm, self.mesh, self.axis)
+            loss, count = result.loss, result.count
             grads = tree.leaves(result.grads)
             if count is not None:  # weighted by counts: divide by the global count
                 grads = [g / count.to(g.dtype) for g in grads]
@@ -382,26 +381,6 @@ def _carrying(grads: list[torch.Tensor], leaves: list[torch.Tensor]) -> torch.Te
     if not leaves:
         return torch.zeros(())
     return _Carrying.apply(grads, *leaves)
-
-
-def _reduce_loss(
-    result: RankResult, comm: Comm | None, mesh: Mesh, axis: str
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The batch's mean loss on every rank and, when the loss gave counts, the global count.
-
-    The last stage's (loss sum, count sum, whether counted) go to every rank in one sum."""
-    # float64 keeps a float64 model's loss whole; for float32 and narrower losses the result,
-    # cast back, is what float32 arithmetic gives (one sum, one correctly rounded division).
-    values = torch.zeros(3, dtype=torch.float64)
-    if result.loss is not None:
-        values[0] = result.loss.detach().double()
-    if result.count is not None:
-        values[1], values[2] = result.count, 1.0
-    if comm is not None:
-        values = collectives.all_reduce(values, axis, "sum", mesh=mesh)
-    if values[2] > 0:
-        return values[0] / values[1], values[1]
-    return values[0], None
 
 
 def _param_shaped(value: PyTree, params_def: Any) -> tuple[list[tuple[bool, Any]], Any]:

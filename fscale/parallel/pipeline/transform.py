@@ -11,7 +11,8 @@ stages' parameters, gradients and optimizer state, the activations of at most th
 `activation_bound` micro-batches (fewer with checkpointing), and the receive buffers of the
 step's messages into the rank (all of them by default, `receive_ahead` of them if given).
 Traffic per step: each stage boundary carries one activation and one gradient per
-micro-batch, plus one scalar all-reduce of the loss.
+micro-batch, plus the loss (three float64 values) sent from the last stage's rank to each other
+rank of the axis.
 
 Reductions do not depend on the split: each micro-batch's mean loss is weighted by its share of
 the batch (1/M) — or, when ``loss_fn`` returns ``(mean, count)``, by its count, the gradient

@@ -45,7 +45,15 @@ import torch.distributed as dist
 from fscale.distributed.comm import Comm
 from fscale.distributed.ledger import record
 
-__all__ = ["Link", "Mailbox", "check_transport", "differentiable", "message_tag", "wait"]
+__all__ = [
+    "LOSS_TAG",
+    "Link",
+    "Mailbox",
+    "check_transport",
+    "differentiable",
+    "message_tag",
+    "wait",
+]
 
 Tensor = torch.Tensor
 LeafSpec = tuple[torch.Size, torch.dtype]
@@ -89,6 +97,11 @@ def message_tag(
     """The tag of leaf `leaf` of stage `stage`'s output for `micro_batch` (or its gradient)."""
     message = 2 * (stage * micro_batches + micro_batch) + int(gradient)
     return message * num_leaves + leaf + 1
+
+
+# The tag of the step's loss, sent by the last stage's rank to the others (`message_tag`
+# numbers the stages' messages from 1).
+LOSS_TAG = 0
 
 
 def wait(work: Any) -> None:
@@ -143,6 +156,20 @@ class Mailbox:
         buffer = torch.empty(spec[0], dtype=spec[1])
         work = dist.irecv(buffer, group=comm.group, group_src=source, tag=tag)
         self._expected[(source, tag)] = (work, buffer)
+
+    def receive_later(
+        self, comm: Comm, spec: LeafSpec, source: int, tag: int
+    ) -> Callable[[], Tensor]:
+        """Post the receive of a message no action waits for (the step's loss) now; the
+        function returned blocks until it has arrived and returns it."""
+        buffer = torch.empty(spec[0], dtype=spec[1])
+        work = dist.irecv(buffer, group=comm.group, group_src=source, tag=tag)
+
+        def arrived() -> Tensor:
+            wait(work)
+            return buffer
+
+        return arrived
 
     def receive(self, comm: Comm, spec: LeafSpec, source: int, tag: int) -> Tensor:
         """Block until the tensor tagged `tag` from index `source` along the axis arrives."""
