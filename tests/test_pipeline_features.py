@@ -3,6 +3,8 @@ pytrees, and explicit padding of a batch that does not split into the micro-batc
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -395,6 +397,55 @@ def test_the_loss_goes_from_the_last_stage_in_one_message_not_a_collective():
     assert rank0 == [("send", "pp", "torch.float32", 12)] * 4
     assert rank1 == [("send", "pp", "torch.float32", 12)] * 4 + [("send", "pp", "torch.float64", 3)]
     assert loss0 == loss1
+
+
+class _FailsWhenArmed(nn.Linear):
+    armed = False
+
+    def forward(self, x):
+        if self.armed:
+            raise RuntimeError("the stage failed on its own data")
+        return super().forward(x)
+
+
+def _stage_fails_in_the_second_step():
+    from fscale.distributed import watchdog
+
+    previous = watchdog.collective_timeout()
+    watchdog.set_collective_timeout(1.5)
+    try:
+        torch.manual_seed(0)
+        failing = _FailsWhenArmed(4, 4)
+        model = nn.Sequential(nn.Linear(4, 4), failing)
+        step, (_, params, buffers), batch = _mlp_on_two_ranks(model, 8, "1f1b", [1, 1], 4, 0)
+        state, _ = step(step.init(params, buffers), batch)
+        failing.armed = True  # on rank 1, which runs it: its first forward of step 2 raises
+        try:
+            step(state, batch)
+        except RuntimeError as error:  # rank 1 stays, as a process that caught it would
+            if "on its own data" not in str(error):
+                raise
+            time.sleep(6)  # longer than rank 0's wait: the pool would end rank 0 at our return
+    finally:
+        watchdog.set_collective_timeout(previous)
+
+
+def test_a_stage_that_fails_mid_run_is_named_by_its_peer_in_bounded_time():
+    # Rank 0 sends two activations and then waits for the first gradient, which rank 1 never
+    # sends: the wait ends after the collective timeout with the message and both ranks named,
+    # not at the process group's timeout in gloo's "Timed out waiting ... for recv".
+    from fscale.distributed import RankError
+
+    start = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        run_spmd(_stage_fails_in_the_second_step, 2)
+    text = str(caught.value)
+    assert "rank 0 of 2 failed" in text
+    assert (
+        "pipeline: rank 0 (pp=0) waited for the gradient of stage 0's output for micro-batch 0 "
+        "from rank 1 (pp=1) in vain: nothing came within 1.5 s" in text
+    )
+    assert time.monotonic() - start < 20
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "all"])

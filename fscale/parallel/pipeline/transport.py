@@ -35,6 +35,7 @@ spent blocked (`fscale.parallel.pipeline.timeline` counts them as idle).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,11 +45,13 @@ import torch.distributed as dist
 
 from fscale.distributed.comm import Comm
 from fscale.distributed.ledger import record
+from fscale.distributed.watchdog import CollectiveTimeoutError, collective_timeout
 
 __all__ = [
     "LOSS_TAG",
     "Link",
     "Mailbox",
+    "arrival",
     "check_transport",
     "differentiable",
     "message_tag",
@@ -166,22 +169,56 @@ class Mailbox:
         work = dist.irecv(buffer, group=comm.group, group_src=source, tag=tag)
 
         def arrived() -> Tensor:
-            wait(work)
+            arrival(work, comm, source, "the step's loss")
             return buffer
 
         return arrived
 
-    def receive(self, comm: Comm, spec: LeafSpec, source: int, tag: int) -> Tensor:
-        """Block until the tensor tagged `tag` from index `source` along the axis arrives."""
+    def receive(
+        self, comm: Comm, spec: LeafSpec, source: int, tag: int, what: str = "a message"
+    ) -> Tensor:
+        """Block until the tensor tagged `tag` from index `source` along the axis arrives
+        (`what` it is names it in the error if it never does; see `arrival`)."""
         start = time.perf_counter()
         posted = self._expected.pop((source, tag), None)
         if posted is None:
             buffer = torch.empty(spec[0], dtype=spec[1])
             posted = (dist.irecv(buffer, group=comm.group, group_src=source, tag=tag), buffer)
-        wait(posted[0])
+        arrival(posted[0], comm, source, what)
         if self.on_wait is not None:
             self.on_wait(time.perf_counter() - start)
         return posted[1]
+
+
+def arrival(work: Any, comm: Comm, source: int, what: str) -> None:
+    """Wait for a receive from index `source` of `comm`'s axis, at most `collective_timeout()`.
+
+    A peer that failed in the step (an error in its stage), left, or waits elsewhere never
+    sends; without a bound the wait would end only at the process group's timeout, in the
+    backend's "Timed out waiting ... for recv". Raises `CollectiveTimeoutError` naming the
+    message, both ranks and the cause (the backend's error when the peer's connection closed).
+    After it the step's other posted receives are still pending: as after any collective that
+    timed out, the process group cannot be used again.
+    """
+    if work is None:
+        return
+    patience = collective_timeout()
+    try:
+        work.wait(datetime.timedelta(seconds=patience))
+        return
+    except RuntimeError as error:
+        failure = error
+    me = comm.mesh.global_rank(comm.axis, comm.index)
+    peer = comm.mesh.global_rank(comm.axis, source)
+    timed_out = "timed out" in str(failure).lower()
+    reason = f"nothing came within {patience:g} s" if timed_out else "the connection failed"
+    raise CollectiveTimeoutError(
+        f"pipeline: rank {me} ({comm.axis}={comm.index}) waited for {what} from rank {peer} "
+        f"({comm.axis}={source}) in vain: {reason}. The peer failed in this step (its own error "
+        "says why), left, or waits elsewhere; a stage that needs longer than that for one "
+        f"action needs a larger FSCALE_COLLECTIVE_TIMEOUT (now {patience:g} s). The backend "
+        f"reported: {failure}"
+    ) from failure
 
 
 @dataclasses.dataclass
@@ -207,8 +244,9 @@ class Link:
             self.mailbox.post(leaf, self.comm, self.peer, self.tag(False, index))
 
     def receive_activation(self) -> list[Tensor]:
+        what = f"the output of stage {self.stage} for micro-batch {self.micro_batch}"
         return [
-            self.mailbox.receive(self.comm, spec, self.peer, self.tag(False, index))
+            self.mailbox.receive(self.comm, spec, self.peer, self.tag(False, index), what)
             for index, spec in enumerate(self.specs)
         ]
 
@@ -232,10 +270,11 @@ class Link:
         """The gradients of the differentiable leaves sent (None for the others); the peer
         has then received the activation, so its sends are settled."""
         grads: list[Tensor | None] = []
+        what = f"the gradient of stage {self.stage}'s output for micro-batch {self.micro_batch}"
         for index, spec in enumerate(self.specs):
             if differentiable(spec[1]):
                 tag = self.tag(True, index)
-                grads.append(self.mailbox.receive(self.comm, spec, self.peer, tag))
+                grads.append(self.mailbox.receive(self.comm, spec, self.peer, tag, what))
             else:
                 grads.append(None)
         for index in range(len(self.specs)):
