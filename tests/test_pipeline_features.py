@@ -425,6 +425,10 @@ def _stage_fails_in_the_second_step():
         except RuntimeError as error:  # rank 1 stays, as a process that caught it would
             if "on its own data" not in str(error):
                 raise
+            # Its receives of step 2 are still posted: a next step is refused at once.
+            failing.armed = False
+            with pytest.raises(RuntimeError, match="an earlier step failed on this rank while"):
+                step(state, batch)
             time.sleep(6)  # longer than rank 0's wait: the pool would end rank 0 at our return
     finally:
         watchdog.set_collective_timeout(previous)
@@ -433,7 +437,8 @@ def _stage_fails_in_the_second_step():
 def test_a_stage_that_fails_mid_run_is_named_by_its_peer_in_bounded_time():
     # Rank 0 sends two activations and then waits for the first gradient, which rank 1 never
     # sends: the wait ends after the collective timeout with the message and both ranks named,
-    # not at the process group's timeout in gloo's "Timed out waiting ... for recv".
+    # not at the process group's timeout in gloo's "Timed out waiting ... for recv". Rank 1,
+    # whose stage failed, refuses its next step (its posted receives would take its messages).
     from fscale.distributed import RankError
 
     start = time.monotonic()

@@ -45,7 +45,14 @@ from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.split_backward import WeightWork, input_backward, weight_backward
 from fscale.parallel.pipeline.stages import Stages
 from fscale.parallel.pipeline.timeline import StepRecorder, recording
-from fscale.parallel.pipeline.transport import LOSS_TAG, Link, Mailbox, differentiable
+from fscale.parallel.pipeline.transport import (
+    LOSS_TAG,
+    Link,
+    Mailbox,
+    differentiable,
+    failure_noted,
+    refuse_after_failure,
+)
 from fscale.remat import checkpoint as remat_checkpoint
 
 __all__ = ["CHECKPOINT_MODES", "RankResult", "StageOutput", "run_schedule"]
@@ -159,14 +166,12 @@ def run_schedule(
     units: dict[tuple[int, int], _Unit] = {}
     local_grads: dict[tuple[int, int], list[Tensor | None]] = {}
     recorder = StepRecorder(tree.leaves((params, buffers))) if recording() else None
+    refuse_after_failure(comm)
     mailbox = Mailbox(None if recorder is None else recorder.waited)
     keys = [fsrandom.fold_in(key, m) for m in range(micro_batches)]
     total = sum(real_sizes) if real_sizes is not None else 0
     loss_sum: Tensor | None = None
     counts: list[Tensor] = []
-    # The loss goes from the last stage's rank to the others as soon as its last forward is
-    # done; they post its receive now and read it at the step's end (`_LossMessage`).
-    loss_message = _LossMessage(schedule, index, comm, mailbox)
 
     def link(m: int, stage: int, peer_stage: int) -> Link:
         assert comm is not None
@@ -298,27 +303,31 @@ def run_schedule(
     # window of them ahead of their use (0: each when its action needs it).
     window = len(receives) if receive_ahead is None else receive_ahead
     posted = consumed = 0
-    for action in actions:
-        posted = max(posted, consumed)  # a receive made at its use is not posted again
-        while posted < min(len(receives), consumed + window):
-            m, stage, gradient = receives[posted]
-            peer_stage = stage + 1 if gradient else stage
-            ahead = link(m, stage, peer_stage)
-            if gradient:
-                ahead.expect_gradients()
-            else:
-                ahead.expect_activation()
-            posted += 1
-        if receives[consumed : consumed + 1] == [_receive_of(schedule, index, action)]:
-            consumed += 1
-        if recorder is None:
-            run(action.kind, action.micro_batch, action.stage)
-        else:
-            timed = recorder.action(action.kind, action.micro_batch, action.stage)
-            with timed, recorder.saving():
+    with failure_noted(comm):
+        # The loss goes from the last stage's rank to the others as soon as its last forward
+        # is done; they post its receive now and read it at the step's end (`_LossMessage`).
+        loss_message = _LossMessage(schedule, index, comm, mailbox)
+        for action in actions:
+            posted = max(posted, consumed)  # a receive made at its use is not posted again
+            while posted < min(len(receives), consumed + window):
+                m, stage, gradient = receives[posted]
+                peer_stage = stage + 1 if gradient else stage
+                ahead = link(m, stage, peer_stage)
+                if gradient:
+                    ahead.expect_gradients()
+                else:
+                    ahead.expect_activation()
+                posted += 1
+            if receives[consumed : consumed + 1] == [_receive_of(schedule, index, action)]:
+                consumed += 1
+            if recorder is None:
                 run(action.kind, action.micro_batch, action.stage)
-    loss, count = _loss_of(loss_message.values())
-    drain_wait = mailbox.drain()
+            else:
+                timed = recorder.action(action.kind, action.micro_batch, action.stage)
+                with timed, recorder.saving():
+                    run(action.kind, action.micro_batch, action.stage)
+        loss, count = _loss_of(loss_message.values())
+        drain_wait = mailbox.drain()
     if recorder is not None:
         recorder.finish(drain_wait)
     stage_grads = []

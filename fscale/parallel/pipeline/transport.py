@@ -34,10 +34,11 @@ spent blocked (`fscale.parallel.pipeline.timeline` counts them as idle).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -54,7 +55,9 @@ __all__ = [
     "arrival",
     "check_transport",
     "differentiable",
+    "failure_noted",
     "message_tag",
+    "refuse_after_failure",
     "wait",
 ]
 
@@ -86,6 +89,38 @@ def check_transport(backend: str, devices: set[str], axis: str) -> None:
             "messages need gloo (host tensors, matched by tag). Initialise the ranks with gloo, "
             "e.g. fscale.launch(..., backend='gloo') or torch.distributed.init_process_group("
             "'cpu:gloo,cuda:nccl')"
+        )
+
+
+# Process groups on which a pipeline step failed while its messages were in flight, and why.
+_FAILED: dict[Any, str] = {}
+
+
+@contextlib.contextmanager
+def failure_noted(comm: Comm | None) -> Iterator[None]:
+    """The part of a step in which its messages are in flight: an error inside it (a stage's,
+    a receive that never came) leaves receives posted that would take the next step's
+    messages, so the group is noted and `refuse_after_failure` stops later steps on it."""
+    try:
+        yield
+    except BaseException as error:
+        if comm is not None:
+            _FAILED[comm.group] = f"{type(error).__name__}: {str(error)[:200]}"
+        raise
+
+
+def refuse_after_failure(comm: Comm | None) -> None:
+    """Raise if a pipeline step failed on this rank's group while messages were in flight."""
+    if comm is None:
+        return
+    failed = _FAILED.get(comm.group)
+    if failed is not None:
+        raise RuntimeError(
+            f"pipeline: an earlier step failed on this rank while its messages over axis "
+            f"{comm.axis!r} were in flight ({failed}); receives it posted are still pending and "
+            "would take this step's messages. Start the ranks' process group anew (a new "
+            "fscale.launch, or destroy_process_group and init_process_group) before the next "
+            "pipeline step"
         )
 
 
