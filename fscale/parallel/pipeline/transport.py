@@ -156,7 +156,7 @@ class Mailbox:
     waited."""
 
     def __init__(self, on_wait: Callable[[float], None] | None = None) -> None:
-        self._pending: dict[tuple[int, int], tuple[Any, Tensor]] = {}
+        self._pending: dict[tuple[int, int], tuple[Any, Tensor, Comm]] = {}
         self._expected: dict[tuple[int, int], tuple[Any, Tensor]] = {}
         self.on_wait = on_wait
 
@@ -166,7 +166,7 @@ class Mailbox:
             payload = payload.contiguous()
         record("send", comm.axis, payload.dtype, payload.numel(), comm.size)
         work = dist.isend(payload, group=comm.group, group_dst=to, tag=tag)
-        self._pending[(to, tag)] = (work, payload)  # the payload must live until delivered
+        self._pending[(to, tag)] = (work, payload, comm)  # the payload lives until delivered
 
     def settle(self, to: int, tag: int) -> None:
         """Forget the send (`to`, `tag`), which the caller knows was received: the peer
@@ -185,8 +185,8 @@ class Mailbox:
             )
         start = time.perf_counter()
         pending, self._pending = self._pending, {}
-        for work, _ in pending.values():
-            wait(work)
+        for (to, _), (work, _, comm) in pending.items():
+            arrival(work, comm, to, "a message this rank sent", sent=True)
         return time.perf_counter() - start
 
     def expect(self, comm: Comm, spec: LeafSpec, source: int, tag: int) -> None:
@@ -225,8 +225,9 @@ class Mailbox:
         return posted[1]
 
 
-def arrival(work: Any, comm: Comm, source: int, what: str) -> None:
-    """Wait for a receive from index `source` of `comm`'s axis, at most `collective_timeout()`.
+def arrival(work: Any, comm: Comm, source: int, what: str, sent: bool = False) -> None:
+    """Wait for a receive from index `source` of `comm`'s axis (or, `sent`, for the send to it
+    to be taken), at most `collective_timeout()`.
 
     A peer that failed in the step (an error in its stage), left, or waits elsewhere never
     sends; without a bound the wait would end only at the process group's timeout, in the
@@ -246,10 +247,14 @@ def arrival(work: Any, comm: Comm, source: int, what: str) -> None:
     me = comm.mesh.global_rank(comm.axis, comm.index)
     peer = comm.mesh.global_rank(comm.axis, source)
     timed_out = "timed out" in str(failure).lower()
-    reason = f"nothing came within {patience:g} s" if timed_out else "the connection failed"
+    reason = "the connection failed"
+    if timed_out:
+        reason = f"{'not taken' if sent else 'nothing came'} within {patience:g} s"
+    peer_named = f"rank {peer} ({comm.axis}={source})"
+    subject = f"{peer_named} to take {what}" if sent else f"{what} from {peer_named}"
     raise CollectiveTimeoutError(
-        f"pipeline: rank {me} ({comm.axis}={comm.index}) waited for {what} from rank {peer} "
-        f"({comm.axis}={source}) in vain: {reason}. The peer failed in this step (its own error "
+        f"pipeline: rank {me} ({comm.axis}={comm.index}) waited for {subject} in vain: "
+        f"{reason}. The peer failed in this step (its own error "
         "says why), left, or waits elsewhere; a stage that needs longer than that for one "
         f"action needs a larger FSCALE_COLLECTIVE_TIMEOUT (now {patience:g} s). The backend "
         f"reported: {failure}"
