@@ -412,7 +412,7 @@ def _stage_fails_in_the_second_step():
     from fscale.distributed import watchdog
 
     previous = watchdog.collective_timeout()
-    watchdog.set_collective_timeout(1.5)
+    watchdog.set_collective_timeout(0.2)  # 1F1B, 2 ranks, 4 micro-batches: 15 ticks, 3 s
     try:
         torch.manual_seed(0)
         failing = _FailsWhenArmed(4, 4)
@@ -436,7 +436,8 @@ def _stage_fails_in_the_second_step():
 
 def test_a_stage_that_fails_mid_run_is_named_by_its_peer_in_bounded_time():
     # Rank 0 sends two activations and then waits for the first gradient, which rank 1 never
-    # sends: the wait ends after the collective timeout with the message and both ranks named,
+    # sends: the wait ends after the table's ticks times the collective timeout, with the
+    # message and both ranks named,
     # not at the process group's timeout in gloo's "Timed out waiting ... for recv". Rank 1,
     # whose stage failed, refuses its next step (its posted receives would take its messages).
     from fscale.distributed import RankError
@@ -448,7 +449,7 @@ def test_a_stage_that_fails_mid_run_is_named_by_its_peer_in_bounded_time():
     assert "rank 0 of 2 failed" in text
     assert (
         "pipeline: rank 0 (pp=0) waited for the gradient of stage 0's output for micro-batch 0 "
-        "from rank 1 (pp=1) in vain: nothing came within 1.5 s" in text
+        "from rank 1 (pp=1) in vain: the wait timed out (this rank waits at most 3 s" in text
     )
     assert time.monotonic() - start < 20
 

@@ -39,6 +39,7 @@ import torch
 from fscale import random as fsrandom
 from fscale import tree
 from fscale.distributed.comm import Comm
+from fscale.distributed.watchdog import collective_timeout
 from fscale.grad import normalize_loss_output
 from fscale.parallel.pipeline.deferred_linear import LinearStore, deferring
 from fscale.parallel.pipeline.schedule import Schedule
@@ -167,7 +168,11 @@ def run_schedule(
     local_grads: dict[tuple[int, int], list[Tensor | None]] = {}
     recorder = StepRecorder(tree.leaves((params, buffers))) if recording() else None
     refuse_after_failure(comm)
-    mailbox = Mailbox(None if recorder is None else recorder.waited)
+    # A message can wait behind at most one action per tick of the table: with every action
+    # shorter than the collective timeout, no wait lasts longer than the table's ticks times it.
+    mailbox = Mailbox(
+        None if recorder is None else recorder.waited, collective_timeout() * schedule.length
+    )
     keys = [fsrandom.fold_in(key, m) for m in range(micro_batches)]
     total = sum(real_sizes) if real_sizes is not None else 0
     loss_sum: Tensor | None = None

@@ -153,12 +153,16 @@ class Mailbox:
     receives posted ahead of their use.
 
     `on_wait`, if given, receives the seconds each blocking receive through this mailbox
-    waited."""
+    waited. `patience` bounds each wait, in seconds (`arrival`; None: the collective timeout).
+    """
 
-    def __init__(self, on_wait: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self, on_wait: Callable[[float], None] | None = None, patience: float | None = None
+    ) -> None:
         self._pending: dict[tuple[int, int], tuple[Any, Tensor, Comm]] = {}
         self._expected: dict[tuple[int, int], tuple[Any, Tensor]] = {}
         self.on_wait = on_wait
+        self.patience = collective_timeout() if patience is None else patience
 
     def post(self, tensor: Tensor, comm: Comm, to: int, tag: int) -> None:
         payload = tensor.detach()
@@ -186,7 +190,7 @@ class Mailbox:
         start = time.perf_counter()
         pending, self._pending = self._pending, {}
         for (to, _), (work, _, comm) in pending.items():
-            arrival(work, comm, to, "a message this rank sent", sent=True)
+            arrival(work, comm, to, "a message this rank sent", self.patience, sent=True)
         return time.perf_counter() - start
 
     def expect(self, comm: Comm, spec: LeafSpec, source: int, tag: int) -> None:
@@ -204,7 +208,7 @@ class Mailbox:
         work = dist.irecv(buffer, group=comm.group, group_src=source, tag=tag)
 
         def arrived() -> Tensor:
-            arrival(work, comm, source, "the step's loss")
+            arrival(work, comm, source, "the step's loss", self.patience)
             return buffer
 
         return arrived
@@ -219,15 +223,17 @@ class Mailbox:
         if posted is None:
             buffer = torch.empty(spec[0], dtype=spec[1])
             posted = (dist.irecv(buffer, group=comm.group, group_src=source, tag=tag), buffer)
-        arrival(posted[0], comm, source, what)
+        arrival(posted[0], comm, source, what, self.patience)
         if self.on_wait is not None:
             self.on_wait(time.perf_counter() - start)
         return posted[1]
 
 
-def arrival(work: Any, comm: Comm, source: int, what: str, sent: bool = False) -> None:
+def arrival(
+    work: Any, comm: Comm, source: int, what: str, patience: float, sent: bool = False
+) -> None:
     """Wait for a receive from index `source` of `comm`'s axis (or, `sent`, for the send to it
-    to be taken), at most `collective_timeout()`.
+    to be taken), at most `patience` seconds.
 
     A peer that failed in the step (an error in its stage), left, or waits elsewhere never
     sends; without a bound the wait would end only at the process group's timeout, in the
@@ -238,7 +244,6 @@ def arrival(work: Any, comm: Comm, source: int, what: str, sent: bool = False) -
     """
     if work is None:
         return
-    patience = collective_timeout()
     try:
         work.wait(datetime.timedelta(seconds=patience))
         return
@@ -247,17 +252,16 @@ def arrival(work: Any, comm: Comm, source: int, what: str, sent: bool = False) -
     me = comm.mesh.global_rank(comm.axis, comm.index)
     peer = comm.mesh.global_rank(comm.axis, source)
     timed_out = "timed out" in str(failure).lower()
-    reason = "the connection failed"
-    if timed_out:
-        reason = f"{'not taken' if sent else 'nothing came'} within {patience:g} s"
+    reason = "the wait timed out" if timed_out else "the connection failed"
     peer_named = f"rank {peer} ({comm.axis}={source})"
     subject = f"{peer_named} to take {what}" if sent else f"{what} from {peer_named}"
     raise CollectiveTimeoutError(
         f"pipeline: rank {me} ({comm.axis}={comm.index}) waited for {subject} in vain: "
-        f"{reason}. The peer failed in this step (its own error "
-        "says why), left, or waits elsewhere; a stage that needs longer than that for one "
-        f"action needs a larger FSCALE_COLLECTIVE_TIMEOUT (now {patience:g} s). The backend "
-        f"reported: {failure}"
+        f"{reason} (this rank waits at most {patience:g} s: the step's ticks in the schedule's "
+        f"table times FSCALE_COLLECTIVE_TIMEOUT, {collective_timeout():g} s, which no wait "
+        "exceeds while every action takes less than that). The peer failed in this step (its "
+        "own error says why), left, or waits elsewhere; for actions that take longer, raise "
+        f"FSCALE_COLLECTIVE_TIMEOUT. The backend reported: {failure}"
     ) from failure
 
 
