@@ -354,7 +354,7 @@ class _LossMessage:
 
     def __init__(self, schedule: Schedule, index: int, comm: Comm | None, mailbox: Mailbox):
         self._source = schedule.stage_ranks[schedule.num_stages - 1]
-        self._comm, self._mailbox, self._index = comm, mailbox, index
+        self._comm, self._mailbox = comm, mailbox
         self._forwards_left = schedule.micro_batches
         self._values: Tensor | None = None
         self._receive: Callable[[], Tensor] | None = None

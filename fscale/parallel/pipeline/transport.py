@@ -27,6 +27,12 @@ interleaved steps took 3–17% less time with every receive posted at the start 
 posted ahead before each action). `fscale.pipeline(..., receive_ahead=k)` posts k ahead
 instead, for stages whose boundary tensors are too large to hold one per micro-batch.
 
+Every wait is bounded (`arrival`): by the step's ticks in the schedule's table times the
+collective timeout, which no wait exceeds while each action takes less than that timeout. A
+peer that failed or left is then named with the message it never sent, and a rank whose step
+failed while messages were in flight refuses its next step (`refuse_after_failure`): the
+receives it posted would take that step's messages.
+
 The comm ledger records each send (the bytes this rank puts on the wire), under the
 pipeline's axis. A mailbox made with `on_wait` is told the seconds each receive through it
 spent blocked (`fscale.parallel.pipeline.timeline` counts them as idle).
