@@ -399,6 +399,18 @@ def test_the_loss_goes_from_the_last_stage_in_one_message_not_a_collective():
     assert loss0 == loss1
 
 
+def test_the_loss_values_give_the_mean_and_the_count_as_the_loss_said():
+    from fscale.parallel.pipeline.loss_message import loss_of, loss_values
+
+    shares = loss_values(torch.tensor(0.75), [])  # weighted by the samples' shares
+    loss, count = loss_of(shares)
+    assert shares.dtype == torch.float64 and float(loss) == 0.75 and count is None
+    counted = loss_values(torch.tensor(9.0), [torch.tensor(2.0), torch.tensor(4.0)])
+    loss, count = loss_of(counted)  # a (mean, count) loss: the sum over the total count
+    assert float(loss) == 1.5 and float(count) == 6.0
+    assert float(loss_of(loss_values(None, []))[0]) == 0.0  # every micro-batch padding
+
+
 class _FailsWhenArmed(nn.Linear):
     armed = False
 

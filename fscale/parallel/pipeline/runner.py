@@ -42,12 +42,12 @@ from fscale.distributed.comm import Comm
 from fscale.distributed.watchdog import collective_timeout
 from fscale.grad import normalize_loss_output
 from fscale.parallel.pipeline.deferred_linear import LinearStore, deferring
+from fscale.parallel.pipeline.loss_message import LossMessage, loss_of, loss_values
 from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.split_backward import WeightWork, input_backward, weight_backward
 from fscale.parallel.pipeline.stages import Stages
 from fscale.parallel.pipeline.timeline import StepRecorder, recording
 from fscale.parallel.pipeline.transport import (
-    LOSS_TAG,
     Link,
     Mailbox,
     differentiable,
@@ -296,7 +296,7 @@ def run_schedule(
         if kind == "F":
             forward(m, stage)
             if stage == last:
-                loss_message.forward_done(lambda: _loss_values(loss_sum, counts))
+                loss_message.forward_done(lambda: loss_values(loss_sum, counts))
         elif kind == "B":
             backward(m, stage)
         else:
@@ -310,8 +310,8 @@ def run_schedule(
     posted = consumed = 0
     with failure_noted(comm):
         # The loss goes from the last stage's rank to the others as soon as its last forward
-        # is done; they post its receive now and read it at the step's end (`_LossMessage`).
-        loss_message = _LossMessage(schedule, index, comm, mailbox)
+        # is done; they post its receive now and read it at the step's end (`LossMessage`).
+        loss_message = LossMessage(schedule, index, comm, mailbox)
         for action in actions:
             posted = max(posted, consumed)  # a receive made at its use is not posted again
             while posted < min(len(receives), consumed + window):
@@ -331,7 +331,7 @@ def run_schedule(
                 timed = recorder.action(action.kind, action.micro_batch, action.stage)
                 with timed, recorder.saving():
                     run(action.kind, action.micro_batch, action.stage)
-        loss, count = _loss_of(loss_message.values())
+        loss, count = loss_of(loss_message.values())
         drain_wait = mailbox.drain()
     if recorder is not None:
         recorder.finish(drain_wait)
@@ -340,65 +340,6 @@ def run_schedule(
         found = split_grads[i] if split else [t.grad for t in ls]
         stage_grads.append(tree.unflatten(d, [_as_grad(g, t) for g, t in zip(found, ls)]))
     return RankResult(tuple(stage_grads), tuple(stage_buffers), loss, count)
-
-
-class _LossMessage:
-    """The batch's loss, sent by the last stage's rank to every other rank of the axis.
-
-    Only that rank holds the loss; the others would add zeros. So instead of a collective at
-    the step's end, which every rank would enter only once the last rank's last action is done
-    (in 1F1B a backward on the first stage's rank, long after the last stage's rank is idle),
-    the values go out as soon as the last stage's last forward has run: receives posted at the
-    step's start take them, and no rank waits for another to finish its actions.
-    """
-
-    def __init__(self, schedule: Schedule, index: int, comm: Comm | None, mailbox: Mailbox):
-        self._source = schedule.stage_ranks[schedule.num_stages - 1]
-        self._comm, self._mailbox = comm, mailbox
-        self._forwards_left = schedule.micro_batches
-        self._values: Tensor | None = None
-        self._receive: Callable[[], Tensor] | None = None
-        self._others = [r for r in range(schedule.num_ranks) if r != index]
-        if comm is not None and index != self._source:
-            self._receive = mailbox.receive_later(comm, _LOSS_SPEC, self._source, LOSS_TAG)
-
-    def forward_done(self, values: Callable[[], Tensor]) -> None:
-        """After each forward of the last stage: once all are done, send the values."""
-        self._forwards_left -= 1
-        if self._forwards_left == 0:
-            self._values = values()
-            if self._comm is not None:
-                for rank in self._others:
-                    self._mailbox.post(self._values, self._comm, rank, LOSS_TAG)
-
-    def values(self) -> Tensor:
-        """The values the last stage's rank computed, on every rank (waits for them)."""
-        if self._receive is not None:
-            return self._receive()
-        assert self._values is not None, "the last stage's forwards did not all run"
-        return self._values
-
-
-# (loss sum, count sum, whether counted): float64 keeps a float64 model's loss whole; for
-# float32 and narrower losses the result, cast back, is what float32 arithmetic gives (one
-# sum, one correctly rounded division).
-_LOSS_SPEC = (torch.Size([3]), torch.float64)
-
-
-def _loss_values(loss_sum: Tensor | None, counts: list[Tensor]) -> Tensor:
-    values = torch.zeros(3, dtype=torch.float64)
-    if loss_sum is not None:  # None: every micro-batch was padding
-        values[0] = loss_sum.double()
-    if counts:
-        values[1], values[2] = torch.stack(counts).sum(), 1.0
-    return values
-
-
-def _loss_of(values: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The batch's mean loss and, when the loss gave counts, the batch's count."""
-    if values[2] > 0:
-        return values[0] / values[1], values[1]
-    return values[0], None
 
 
 def _as_grad(found: Tensor | None, leaf: Tensor) -> Tensor:
