@@ -387,3 +387,34 @@ def test_strategies_compare_gives_the_interval_verdict(monkeypatch):
     interval = rows["ZeRO-2"]["paired_interval"]
     assert (interval["low"], interval["high"]) == pytest.approx((0.995, 1.085))
     assert "remat" not in rows  # neither of its variants was timed
+
+
+def test_pipeline_goals_name_cells_whose_ceiling_is_below_the_goal(monkeypatch):
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    pipeline = importlib.import_module("pipeline")
+
+    def row(ranks, schedule, torch_over_floor):
+        return {
+            "ranks": ranks,
+            "micro_batches": 8,
+            "schedule": schedule,
+            "torch_over_floor": torch_over_floor,
+            "activation_peak_mib": [1.0],
+            "measured_bubble": 0.1,
+        }
+
+    text = pipeline._goals(
+        [
+            row(2, "1f1b", 1.05),  # torch within 1.1x of fscale's floor: out of reach
+            row(2, "gpipe", 1.30),  # room above the goal
+            row(4, "1f1b", 1.02),  # 4 ranks on 2 cores: the floor is no bound
+            row(2, "zero_bubble", 1.01),  # torch runs another table
+        ]
+    )
+    ceilings = [line for line in text.splitlines() if "floor" in line]
+    expected = (
+        "P=2 M=8 1f1b: torch took 1.050x fscale's floor, so no runtime with fscale's action "
+        "costs reaches 1.1x torch here"
+    )
+    assert ceilings == [expected]
