@@ -180,6 +180,16 @@ class FunctionalModule:
         # The module tree as of functionalize (its parameter names are fixed then too).
         self._named_submodules = list(module.named_modules())
         self._submodules = [submodule for _, submodule in self._named_submodules]
+        # Hugging Face turns gradient checkpointing on only in modules that have the flag
+        # (`hasattr`, set False in their __init__), so each call checks those alone.
+        self._checkpointable = [
+            (name, submodule)
+            for name, submodule in self._named_submodules
+            if hasattr(submodule, "gradient_checkpointing")
+        ]
+        self._name_sets = {
+            names: frozenset(names) for names in (param_names, buffer_names + frozen_names)
+        }
         self._param_check = checks.ParamCheck((n, module.get_parameter(n)) for n in param_names)
         self._state_dict_names = tuple(module.state_dict(keep_vars=True))
         self._slots = slots_lib.named_slots(  # resolved once; None: the general path
@@ -254,7 +264,7 @@ class FunctionalModule:
             self._check_names("params", params, self.param_names)
             self._param_check.check(params)
         if mode and torch.is_grad_enabled():
-            checks.refuse_torch_checkpointing("apply", self._named_submodules)
+            checks.refuse_torch_checkpointing("apply", self._checkpointable)
         self._check_names("buffers", buffers, self.buffer_names + self.frozen_names)
 
         # Mutable state is passed as clones in training mode, so in-place updates (BatchNorm's
@@ -414,6 +424,8 @@ class FunctionalModule:
         }
 
     def _with_aliases(self, leaves: Mapping[str, torch.Tensor]) -> Tensors:
+        if not self.aliases:  # nothing tied: every name is its own
+            return dict(leaves)
         named: Tensors = {}
         for name, tensor in leaves.items():
             for alias in self.aliases.get(name, (name,)):
@@ -423,6 +435,15 @@ class FunctionalModule:
     def _check_names(
         self, argument: str, given: object, expected: tuple[str, ...], caller: str = "apply"
     ) -> None:
+        # The usual case, exactly the expected names, costs one comparison of key sets.
+        names = self._name_sets.get(expected)
+        if (
+            names is not None
+            and isinstance(given, dict)
+            and given.keys() == names
+            and all(isinstance(t, torch.Tensor) for t in given.values())
+        ):
+            return
         module_name = type(self.module).__name__
         checks.check_names(caller, argument, given, expected, module_name, self._hint)
 
