@@ -325,6 +325,19 @@ def test_apply_takes_a_model_cast_alike_and_names_a_leaf_cast_alone() -> None:
         )
 
 
+def test_the_fast_name_check_accepts_exactly_the_names_as_tensors() -> None:
+    from fscale.functional import checks
+
+    names = frozenset({"a", "b"})
+    assert checks.exactly({"a": torch.zeros(1), "b": torch.zeros(1)}, names)
+    assert not checks.exactly({"a": torch.zeros(1)}, names)  # missing
+    assert not checks.exactly({"a": torch.zeros(1), "b": torch.zeros(1), "c": 0}, names)
+    assert not checks.exactly({"a": torch.zeros(1), "b": 1.0}, names)  # not a tensor
+    module = _mlp()
+    module[0].gradient_checkpointing = False  # as a Hugging Face layer declares it
+    assert checks.checkpointable(list(module.named_modules())) == [("0", module[0])]
+
+
 def test_huggingface_gradient_checkpointing_is_refused_with_the_fix() -> None:
     # transformers' gradient_checkpointing_enable() sets this flag on each layer; the layer
     # then recomputes through torch.utils.checkpoint in backward, outside apply.

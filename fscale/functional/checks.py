@@ -35,6 +35,8 @@ __all__ = [
     "ParamCheck",
     "check_name_set",
     "check_names",
+    "checkpointable",
+    "exactly",
     "refuse_torch_checkpointing",
 ]
 
@@ -147,6 +149,23 @@ def refuse_torch_checkpointing(caller: str, named_modules: Sequence[tuple[str, n
                 "`blocks[i] = fs.checkpoint(blocks[i])` for each block before functionalize, "
                 "or fully_shard(step, mesh, reshard_after_forward='remat')."
             )
+
+
+def checkpointable(named_modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The modules of `named_modules` that can be flagged for gradient checkpointing: Hugging
+    Face turns it on only in modules that have the flag (set False in their __init__), so
+    `refuse_torch_checkpointing` need only look at these on each call."""
+    return [(name, m) for name, m in named_modules if hasattr(m, "gradient_checkpointing")]
+
+
+def exactly(given: object, names: frozenset[str]) -> bool:
+    """Whether `given` is a dict of tensors under exactly `names`: the usual case of
+    `check_names`, at the cost of one comparison of key sets."""
+    return (
+        isinstance(given, dict)
+        and given.keys() == names
+        and all(isinstance(t, torch.Tensor) for t in given.values())
+    )
 
 
 def check_names(

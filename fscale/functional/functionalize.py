@@ -180,16 +180,8 @@ class FunctionalModule:
         # The module tree as of functionalize (its parameter names are fixed then too).
         self._named_submodules = list(module.named_modules())
         self._submodules = [submodule for _, submodule in self._named_submodules]
-        # Hugging Face turns gradient checkpointing on only in modules that have the flag
-        # (`hasattr`, set False in their __init__), so each call checks those alone.
-        self._checkpointable = [
-            (name, submodule)
-            for name, submodule in self._named_submodules
-            if hasattr(submodule, "gradient_checkpointing")
-        ]
-        self._name_sets = {
-            names: frozenset(names) for names in (param_names, buffer_names + frozen_names)
-        }
+        self._checkpointable = checks.checkpointable(self._named_submodules)
+        self._name_sets = {n: frozenset(n) for n in (param_names, buffer_names + frozen_names)}
         self._param_check = checks.ParamCheck((n, module.get_parameter(n)) for n in param_names)
         self._state_dict_names = tuple(module.state_dict(keep_vars=True))
         self._slots = slots_lib.named_slots(  # resolved once; None: the general path
@@ -435,14 +427,8 @@ class FunctionalModule:
     def _check_names(
         self, argument: str, given: object, expected: tuple[str, ...], caller: str = "apply"
     ) -> None:
-        # The usual case, exactly the expected names, costs one comparison of key sets.
         names = self._name_sets.get(expected)
-        if (
-            names is not None
-            and isinstance(given, dict)
-            and given.keys() == names
-            and all(isinstance(t, torch.Tensor) for t in given.values())
-        ):
+        if names is not None and checks.exactly(given, names):
             return
         module_name = type(self.module).__name__
         checks.check_names(caller, argument, given, expected, module_name, self._hint)
