@@ -51,8 +51,7 @@ from fscale.parallel.pipeline.transport import (
     Link,
     Mailbox,
     differentiable,
-    failure_noted,
-    refuse_after_failure,
+    in_flight,
 )
 from fscale.remat import checkpoint as remat_checkpoint
 
@@ -167,11 +166,10 @@ def run_schedule(
     units: dict[tuple[int, int], _Unit] = {}
     local_grads: dict[tuple[int, int], list[Tensor | None]] = {}
     recorder = StepRecorder(tree.leaves((params, buffers))) if recording() else None
-    refuse_after_failure(comm)
     # A message can wait behind at most one action per tick of the table: with every action
     # shorter than the collective timeout, no wait lasts longer than the table's ticks times it.
     mailbox = Mailbox(
-        None if recorder is None else recorder.waited, collective_timeout() * schedule.length
+        collective_timeout() * schedule.length, None if recorder is None else recorder.waited
     )
     keys = [fsrandom.fold_in(key, m) for m in range(micro_batches)]
     total = sum(real_sizes) if real_sizes is not None else 0
@@ -308,7 +306,7 @@ def run_schedule(
     # window of them ahead of their use (0: each when its action needs it).
     window = len(receives) if receive_ahead is None else receive_ahead
     posted = consumed = 0
-    with failure_noted(comm):
+    with in_flight(comm):
         # The loss goes from the last stage's rank to the others as soon as its last forward
         # is done; they post its receive now and read it at the step's end (`LossMessage`).
         loss_message = LossMessage(schedule, index, comm, mailbox)

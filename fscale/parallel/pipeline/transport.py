@@ -30,7 +30,7 @@ instead, for stages whose boundary tensors are too large to hold one per micro-b
 Every wait is bounded (`arrival`): by the step's ticks in the schedule's table times the
 collective timeout, which no wait exceeds while each action takes less than that timeout. A
 peer that failed or left is then named with the message it never sent, and a rank whose step
-failed while messages were in flight refuses its next step (`refuse_after_failure`): the
+failed while messages were in flight refuses its next step (`in_flight`): the
 receives it posted would take that step's messages.
 
 The comm ledger records each send (the bytes this rank puts on the wire), under the
@@ -61,9 +61,8 @@ __all__ = [
     "arrival",
     "check_transport",
     "differentiable",
-    "failure_noted",
+    "in_flight",
     "message_tag",
-    "refuse_after_failure",
     "wait",
 ]
 
@@ -103,21 +102,14 @@ _FAILED: dict[Any, str] = {}
 
 
 @contextlib.contextmanager
-def failure_noted(comm: Comm | None) -> Iterator[None]:
-    """The part of a step in which its messages are in flight: an error inside it (a stage's,
-    a receive that never came) leaves receives posted that would take the next step's
-    messages, so the group is noted and `refuse_after_failure` stops later steps on it."""
-    try:
-        yield
-    except BaseException as error:
-        if comm is not None:
-            _FAILED[comm.group] = f"{type(error).__name__}: {str(error)[:200]}"
-        raise
+def in_flight(comm: Comm | None) -> Iterator[None]:
+    """The part of a step in which its messages are in flight.
 
-
-def refuse_after_failure(comm: Comm | None) -> None:
-    """Raise if a pipeline step failed on this rank's group while messages were in flight."""
+    An error inside it (a stage's, a receive that never came) leaves receives posted that
+    would take the next step's messages, so the group is noted, and a later block on it is
+    refused at entry, before anything is posted."""
     if comm is None:
+        yield
         return
     failed = _FAILED.get(comm.group)
     if failed is not None:
@@ -128,6 +120,11 @@ def refuse_after_failure(comm: Comm | None) -> None:
             "fscale.launch, or destroy_process_group and init_process_group) before the next "
             "pipeline step"
         )
+    try:
+        yield
+    except BaseException as error:
+        _FAILED[comm.group] = f"{type(error).__name__}: {str(error)[:200]}"
+        raise
 
 
 def differentiable(dtype: torch.dtype) -> bool:
@@ -159,16 +156,14 @@ class Mailbox:
     receives posted ahead of their use.
 
     `on_wait`, if given, receives the seconds each blocking receive through this mailbox
-    waited. `patience` bounds each wait, in seconds (`arrival`; None: the collective timeout).
+    waited. `patience` bounds each wait, in seconds (`arrival`).
     """
 
-    def __init__(
-        self, on_wait: Callable[[float], None] | None = None, patience: float | None = None
-    ) -> None:
+    def __init__(self, patience: float, on_wait: Callable[[float], None] | None = None) -> None:
         self._pending: dict[tuple[int, int], tuple[Any, Tensor, Comm]] = {}
         self._expected: dict[tuple[int, int], tuple[Any, Tensor]] = {}
+        self.patience = patience
         self.on_wait = on_wait
-        self.patience = collective_timeout() if patience is None else patience
 
     def post(self, tensor: Tensor, comm: Comm, to: int, tag: int) -> None:
         payload = tensor.detach()
@@ -201,17 +196,14 @@ class Mailbox:
 
     def expect(self, comm: Comm, spec: LeafSpec, source: int, tag: int) -> None:
         """Post the receive of the tensor tagged `tag` from index `source` now."""
-        buffer = torch.empty(spec[0], dtype=spec[1])
-        work = dist.irecv(buffer, group=comm.group, group_src=source, tag=tag)
-        self._expected[(source, tag)] = (work, buffer)
+        self._expected[(source, tag)] = _post_receive(comm, spec, source, tag)
 
     def receive_later(
         self, comm: Comm, spec: LeafSpec, source: int, tag: int
     ) -> Callable[[], Tensor]:
         """Post the receive of a message no action waits for (the step's loss) now; the
         function returned blocks until it has arrived and returns it."""
-        buffer = torch.empty(spec[0], dtype=spec[1])
-        work = dist.irecv(buffer, group=comm.group, group_src=source, tag=tag)
+        work, buffer = _post_receive(comm, spec, source, tag)
 
         def arrived() -> Tensor:
             arrival(work, comm, source, "the step's loss", self.patience)
@@ -227,12 +219,16 @@ class Mailbox:
         start = time.perf_counter()
         posted = self._expected.pop((source, tag), None)
         if posted is None:
-            buffer = torch.empty(spec[0], dtype=spec[1])
-            posted = (dist.irecv(buffer, group=comm.group, group_src=source, tag=tag), buffer)
+            posted = _post_receive(comm, spec, source, tag)
         arrival(posted[0], comm, source, what, self.patience)
         if self.on_wait is not None:
             self.on_wait(time.perf_counter() - start)
         return posted[1]
+
+
+def _post_receive(comm: Comm, spec: LeafSpec, source: int, tag: int) -> tuple[Any, Tensor]:
+    buffer = torch.empty(spec[0], dtype=spec[1])
+    return dist.irecv(buffer, group=comm.group, group_src=source, tag=tag), buffer
 
 
 def arrival(
