@@ -185,3 +185,46 @@ def test_bucket_views_equal_the_layout_views_and_zeros_are_shared():
     assert all(z.stride() == (0,) * z.dim() and not z.any() for z in zeros)
     again = GradBuckets([bucket], 3, lambda b, d: None, keep_grads=False).hooks()[0]
     assert again(torch.ones(2, 3)) is zeros[0]
+
+
+def test_a_small_last_bucket_is_written_after_backward_in_order_with_the_others():
+    # Buckets [2], [1], [0] (one leaf each, 8 bytes); the last one (leaf 0) is within 8 bytes.
+    leaves = [torch.ones(2), torch.ones(2), torch.ones(2)]
+    buckets = assign_buckets(leaves, bucket_bytes=8)
+    ready = []
+    collector = GradBuckets(
+        buckets, 3, lambda b, d: ready.append((b.index, d.tolist())), late_bytes=8
+    )
+    hooks = collector.hooks()
+    assert hooks[0] is None and hooks[1] is not None and hooks[2] is not None
+    hooks[2](torch.full((2,), 1.0))  # bucket 0 is handed out at once
+    assert ready == [(0, [1.0, 1.0])]
+    # Bucket 1 (leaf 1) got no gradient yet: the late bucket waits for it.
+    collector.deliver_late([torch.full((2,), 3.0), None, None])
+    assert ready == [(0, [1.0, 1.0])]
+    collector.flush()  # leaf 1 never arrives: zeros, then the late bucket in order
+    assert ready == [(0, [1.0, 1.0]), (1, [0.0, 0.0]), (2, [3.0, 3.0])]
+
+
+def test_the_late_bucket_adds_the_initial_gradients_and_flush_fills_what_it_lacked():
+    leaves = [torch.ones(2), torch.ones(3)]
+    buckets = assign_buckets(leaves, bucket_bytes=100)  # one bucket: leaves [1, 0]
+    initial = [torch.full((2,), 10.0), torch.full((3,), 20.0)]
+    ready = []
+    collector = GradBuckets(
+        buckets, 2, lambda b, d: ready.append(d.tolist()), initial=initial, late_bytes=20
+    )
+    assert collector.hooks() == [None, None]
+    collector.deliver_late([None, torch.full((3,), 1.0)])
+    assert ready == []  # leaf 0 is still missing
+    collector.flush()
+    assert ready == [[21.0, 21.0, 21.0, 10.0, 10.0]]
+
+
+def test_a_last_bucket_over_the_late_bytes_keeps_its_hooks():
+    leaves = [torch.ones(2), torch.ones(2)]
+    buckets = assign_buckets(leaves, bucket_bytes=8)  # [1], [0]: 8 bytes each
+    collector = GradBuckets(buckets, 2, lambda b, d: None, late_bytes=7)
+    assert all(hook is not None for hook in collector.hooks())
+    collector.deliver_late([torch.ones(2), torch.ones(2)])  # no late bucket: nothing written
+    assert collector.bucket_data(0) is None and collector.bucket_data(1) is None

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel
 
 import fscale as fs
+from fscale.parallel.buckets import GradBuckets, assign_buckets, forward_order
 from fscale.testing import RankError, assert_trees_close, assert_trees_equal, run_spmd
 from fscale.testing import strategies as fst
 from fscale.testing.probes import on_gradient
@@ -25,13 +26,14 @@ def _local(case, step_index, rank, world):
     return fs.data.split_batch(case.batch(BATCH, seed=step_index), rank, world)
 
 
-def _train_fscale_and_ddp(case, opt, steps):
+def _train_fscale_and_ddp(case, opt, steps, bucket_mb=25.0):
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = fs.Mesh(dp=world)
     module = case.module()
     reference = copy.deepcopy(module)
     apply, params, buffers = fs.functionalize(module)
-    step = fs.data_parallel(fs.train_step(case.loss_fn(apply), opt.fscale()), mesh)
+    step = fs.train_step(case.loss_fn(apply), opt.fscale())
+    step = fs.data_parallel(step, mesh, bucket_mb=bucket_mb)
     state = step.init(params, buffers)
     with warnings.catch_warnings():  # the flag is deprecated in favour of one without this meaning
         warnings.simplefilter("ignore", FutureWarning)
@@ -218,6 +220,38 @@ def _first_bucket_reduced_before_backward_ends():
 def test_buckets_start_reducing_during_backward():
     started_before_last_gradient = run_spmd(_first_bucket_reduced_before_backward_ends, 2)
     assert all(n >= 1 for n in started_before_last_gradient)
+
+
+def _small_buckets_against_torch_ddp(kind):
+    """Several hooked buckets and a late one (written after backward) against torch DDP."""
+    case = fst.ModelCase(kind, width=16, depth=2)
+    opt = fst.OptimizerCase("adam", (("lr", 1e-2),))
+    hooked = []
+    deliver = GradBuckets._deliver
+
+    def counted(self, *args):
+        hooked.append(self.late)
+        return deliver(self, *args)
+
+    GradBuckets._deliver = counted  # type: ignore[method-assign]
+    try:
+        ours, theirs, _ = _train_fscale_and_ddp(case, opt, STEPS, bucket_mb=1 / 1024)
+    finally:
+        GradBuckets._deliver = deliver  # type: ignore[method-assign]
+    _, params, _ = fs.functionalize(case.module())
+    order, leaves = forward_order(params), fs.tree.leaves(params)
+    buckets = assign_buckets(leaves, 1024, order=order, first_bucket_bytes=1 << 20)
+    return ours, theirs, hooked, [len(b.leaf_indices) for b in buckets]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_hooked_buckets_and_the_late_bucket_equal_torch_ddp(kind):
+    for ours, theirs, hooked, sizes in run_spmd(_small_buckets_against_torch_ddp, 2, kind):
+        assert_trees_equal(ours, theirs)
+        assert len(sizes) > 2
+        late = len(sizes) - 1
+        # A hook ran for every leaf of every bucket but the last, which was written in one go.
+        assert hooked == [late] * (sum(sizes) - sizes[-1]) * STEPS
 
 
 def _buffers_are_averaged():

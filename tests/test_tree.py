@@ -123,6 +123,27 @@ def test_views_of_a_differentiable_buffer_give_one_gradient_buffer(align):
 
 
 @pytest.mark.parametrize("align", [1, 4])
+def test_views_alias_the_buffer_where_it_lies_in_its_storage(align):
+    shapes = [(2, 3), (0, 4), (5,), (), (3, 1)]
+    g = torch.Generator().manual_seed(1)
+    flat = FlatBuffer([torch.randn(s, generator=g) for s in shapes], 2, align=align)
+    storage = torch.zeros(flat.numel + 7)
+    inside = storage[7:]  # a buffer that starts inside its storage
+    inside.copy_(flat.data)
+    strided = torch.zeros(2 * flat.numel)[::2]  # and one that is not contiguous
+    strided.copy_(flat.data)
+    for data in (flat.data, inside, strided):
+        views = flat.views(data)
+        for view, offset, shape in zip(views, flat.offsets, shapes):
+            assert view.shape == torch.Size(shape)
+            if view.numel() > 1:
+                assert view.is_contiguous() == (data is not strided)
+            assert torch.equal(view.reshape(-1), data[offset : offset + view.numel()])
+        views[2].fill_(7.0)  # writes land in the buffer
+        assert torch.equal(data[flat.offsets[2] : flat.offsets[2] + 5], torch.full((5,), 7.0))
+
+
+@pytest.mark.parametrize("align", [1, 4])
 def test_parameters_that_require_grad_pack_by_value(align):
     params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(5))]
     flat = FlatBuffer(params, 2, align=align)

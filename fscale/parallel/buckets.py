@@ -35,9 +35,13 @@ from typing import Any
 import optree
 import torch
 
-from fscale.flat import FlatBuffer
+from fscale.flat import FlatBuffer, contiguous_strides
 
 __all__ = ["Bucket", "GradBuckets", "assign_buckets", "forward_order"]
+
+
+Placement = tuple[torch.Size, tuple[int, ...], int]
+"""Where a leaf lies in its bucket's buffer: shape, contiguous strides and offset."""
 
 
 class Bucket:
@@ -54,14 +58,14 @@ class Bucket:
         self.index = index
         self.leaf_indices = leaf_indices
         self.layout = layout
-        self._placements: list[tuple[torch.Size, tuple[int, ...], int]] | None = None
+        self._placements: list[Placement] | None = None
 
     @property
     def numel(self) -> int:
         return self.layout.numel
 
     @property
-    def placements(self) -> list[tuple[torch.Size, tuple[int, ...], int]]:
+    def placements(self) -> list[Placement]:
         """Per slot, ``(shape, contiguous strides, offset)`` of its leaf in the bucket's buffer:
         one ``as_strided`` call makes the leaf's view. Computed once per bucket (buckets are
         built once per model and reused every step), in plain Python, which torch.compile
@@ -69,7 +73,7 @@ class Bucket:
         if self._placements is None:
             layout = self.layout
             self._placements = [
-                (shape, _contiguous_strides(shape), offset)
+                (shape, contiguous_strides(shape), offset)
                 for shape, offset in zip(layout.shapes, layout.offsets)
             ]
         return self._placements
@@ -84,14 +88,6 @@ class Bucket:
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, leaves={self.leaf_indices}, {self.layout.numel} elements)"
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 # One stride-0 zero per (shape, dtype, device), handed to autograd in place of every gradient
@@ -232,6 +228,13 @@ class GradBuckets:
         zero_whole: zero each new buffer whole (a layout with gaps between its leaves), not
             only its padding (every other element is overwritten by a gradient).
         on_allocate: called with each buffer this collector allocates (e.g. to track it).
+        late_bytes: the last bucket, when it holds at most this many bytes of gradients, gets
+            no per-leaf hooks: `deliver_late` writes its gradients in one go after backward.
+            Its leaves are the first the forward pass uses, so their gradients are the last
+            backward completes and its collective could not start much earlier; a hook costs
+            a Python call inside autograd per leaf (about 15 us on a CPU), which on a small
+            model is a large part of the step. The price is the bucket's gradients held twice
+            for a moment at the end of backward, when the activations are gone.
     """
 
     def __init__(
@@ -244,8 +247,12 @@ class GradBuckets:
         initial: Sequence[torch.Tensor] | None = None,
         zero_whole: bool = False,
         on_allocate: Callable[[torch.Tensor], None] | None = None,
+        late_bytes: int = 0,
     ) -> None:
         self.buckets = list(buckets)
+        last = self.buckets[-1].layout if self.buckets else None
+        late = last is not None and last.numel * last.dtype.itemsize <= late_bytes
+        self.late: int | None = len(self.buckets) - 1 if late else None
         self.zero_whole = zero_whole
         self.on_allocate = on_allocate
         self.on_ready = on_ready
@@ -294,26 +301,47 @@ class GradBuckets:
         self._trailing = values
 
     def hooks(self) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
-        """One hook per leaf (None for leaves in no bucket)."""
-        return [None if where is None else self._make_hook(*where) for where in self._where]
+        """One hook per leaf (None for leaves in no bucket and for those of the late bucket,
+        see `deliver_late`)."""
+        return [
+            None if where is None or where[0] == self.late else self._make_hook(*where)
+            for where in self._where
+        ]
+
+    def deliver_late(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Write the late bucket's gradients, `grads` holding one per parameter leaf in leaf
+        order (None for a leaf autograd gave none: `flush` zeroes those), and hand out every
+        bucket complete by then. Call it after backward, before `flush`; without a late bucket
+        it does nothing."""
+        if self.late is None:
+            return
+        bucket = self.buckets[self.late]
+        for slot, (leaf, placement) in enumerate(zip(bucket.leaf_indices, bucket.placements)):
+            grad = grads[leaf]
+            if grad is not None:
+                self._write(self.late, slot, grad, placement)
+        self._hand_out_ready()
 
     def _make_hook(self, bucket_index: int, slot: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        shape, stride, offset = self.buckets[bucket_index].placements[slot]
+        placement = self.buckets[bucket_index].placements[slot]
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
-            return self._deliver(bucket_index, slot, grad, shape, stride, offset)
+            return self._deliver(bucket_index, slot, grad, placement)
 
         return hook
 
     def _deliver(
-        self,
-        bucket_index: int,
-        slot: int,
-        grad: torch.Tensor,
-        shape: torch.Size,
-        stride: tuple[int, ...],
-        offset: int,
+        self, bucket_index: int, slot: int, grad: torch.Tensor, placement: Placement
     ) -> torch.Tensor:
+        target = self._write(bucket_index, slot, grad, placement)
+        if self._pending[bucket_index] == 0 and bucket_index == self._next_ready:
+            self._hand_out_ready()
+        return target if self.keep_grads else _zero_like(grad)
+
+    def _write(
+        self, bucket_index: int, slot: int, grad: torch.Tensor, placement: Placement
+    ) -> torch.Tensor:
+        """Copy one leaf's gradient into its bucket's buffer (allocated on first use)."""
         delivered = self._delivered[bucket_index]
         if delivered[slot]:
             # A second call would complete the bucket while another leaf is still unwritten.
@@ -324,16 +352,13 @@ class GradBuckets:
         data = self._data[bucket_index]
         if data is None:
             data = self._allocate(bucket_index)
-        target = data.as_strided(shape, stride, offset)
+        target = data.as_strided(*placement)
         target.copy_(grad)
         if self.initial is not None:
             target.add_(self.initial[self.buckets[bucket_index].leaf_indices[slot]])
         delivered[slot] = True
-        pending = self._pending[bucket_index] - 1
-        self._pending[bucket_index] = pending
-        if pending == 0 and bucket_index == self._next_ready:
-            self._hand_out_ready()
-        return target if self.keep_grads else _zero_like(grad)
+        self._pending[bucket_index] -= 1
+        return target
 
     def _allocate(self, bucket_index: int) -> torch.Tensor:
         """A new buffer for a bucket: the padding zeroed, the folded values after the last."""

@@ -1,16 +1,17 @@
 """The one gradient-reduction engine: bucketed, overlapped with backward, for every data axis.
 
 Data parallel layers add their axis to a `GradReducer` (mean over the axis); `shard_optimizer`
-makes it scatter over its axis; the innermost plan opens a session on the state's parameter
-leaves for the backward pass that completes a step's gradient (`fscale.grad.value_and_grad`).
-So ``data_parallel(data_parallel(step, mesh, "a"), mesh, "b")`` is one all-reduce over
-``("a", "b")``, ZeRO inside data parallelism over another axis reduce-scatters over its own
-axis and then all-reduces the shard over the other, and data parallelism around `fully_shard`
-(HSDP) all-reduces the gradient shards — whatever the order the transformations were written in.
+makes it scatter over its axis; the innermost plan opens a session on the state's leaves for the
+backward that completes a step's gradient (`fscale.grad.value_and_grad`). So
+``data_parallel(data_parallel(step, mesh, "a"), mesh, "b")`` is one all-reduce over ("a", "b"),
+ZeRO inside data parallelism over another axis reduce-scatters over its own axis and then
+all-reduces the shard over the other, and data parallelism around `fully_shard` (HSDP)
+all-reduces the gradient shards, whatever the order the transformations were written in.
 
 Autograd path. Leaves are packed into buckets (`fscale.parallel.buckets`: reverse order of use,
 a small first bucket as torch DDP); each leaf's gradient is copied into its bucket by a hook the
-moment it is final, and the bucket's collective starts as soon as the bucket is complete:
+moment it is final (the last bucket's, when no larger than the first, in one go after backward:
+`GradBuckets.deliver_late`), and a bucket's collective starts as soon as it is complete:
 
 - all-reduce (mean) over the axes, in the bucket itself (`fscale.parallel.bucket_collectives`),
   or the user's reduction hook on the bucket's flat gradient;
@@ -198,14 +199,12 @@ def bucket_infos(
     params: PyTree, reducer_bucket_bytes: int, mesh: Mesh, axes: tuple[str, ...]
 ) -> list[BucketInfo]:
     """The buckets a data-parallel reducer forms over `params` (for a hook's `init`)."""
-    leaves = tree.leaves(params)
-    buckets = assign_buckets(
-        leaves,
-        reducer_bucket_bytes,
-        order=forward_order(params),
-        first_bucket_bytes=FIRST_BUCKET_BYTES,
-    )
-    return [_info(bucket, mesh, axes) for bucket in buckets]
+    return [_info(bucket, mesh, axes) for bucket in _buckets(params, reducer_bucket_bytes)]
+
+
+def _buckets(params: PyTree, bucket_bytes: int) -> list[Bucket]:
+    leaves, order = tree.leaves(params), forward_order(params)
+    return assign_buckets(leaves, bucket_bytes, order=order, first_bucket_bytes=FIRST_BUCKET_BYTES)
 
 
 def _info(bucket: Bucket, mesh: Mesh, axes: tuple[str, ...]) -> BucketInfo:
@@ -253,16 +252,16 @@ class _AllReduceSession:
     def hooks(self) -> list[Any]:
         if self.func:
             return [None] * len(self.leaves)
-        self.buckets = assign_buckets(
-            self.leaves,
-            self.reducer.bucket_bytes,
-            order=forward_order(self.params),
-            first_bucket_bytes=FIRST_BUCKET_BYTES,
-        )
+        self.buckets = _buckets(self.params, self.reducer.bucket_bytes)
         # Each hook copies its gradient into the bucket and hands autograd a stride-0 zero, so
         # once a bucket's reduction has started the only copy is the one being reduced.
         self.collector = GradBuckets(
-            self.buckets, len(self.leaves), self._start, keep_grads=False, initial=self.initial
+            self.buckets,
+            len(self.leaves),
+            self._start,
+            keep_grads=False,
+            initial=self.initial,
+            late_bytes=FIRST_BUCKET_BYTES,
         )
         return self.collector.hooks()
 
@@ -296,6 +295,7 @@ class _AllReduceSession:
                 self.treedef, [collectives.all_reduce(g, axis, "mean", mesh=mesh) for g in summed]
             )
         assert self.collector is not None
+        self.collector.deliver_late(tree.leaves(grads))
         self.collector.flush()
         reduced: list[Any] = [None] * len(self.leaves)
         for bucket in self.buckets:
@@ -375,6 +375,7 @@ class _ScatterSession:
             initial=self.initial,
             zero_whole=True,
             on_allocate=self.live.track,
+            late_bytes=FIRST_BUCKET_BYTES,
         )
         return self.collector.hooks()
 
@@ -408,6 +409,7 @@ class _ScatterSession:
             self._after_backward(grads)
         else:
             assert self.collector is not None
+            self.collector.deliver_late(tree.leaves(grads))
             self.collector.flush()
             if not self.reducer.shard_grads:
                 for bucket in self.layout.buckets:
