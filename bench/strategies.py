@@ -1,7 +1,7 @@
 """Benchmark: the step time of every fscale strategy beside its peers, one run per model and ranks.
 
 Usage: ``python bench/strategies.py [--quick] [--ranks N ...] [--models gpt cnn] [--rounds N]
-[--warmup N] [--keep-heap] [--strategies DDP ZeRO-2 ZeRO-3 remat]``
+[--warmup N] [--keep-heap] [--isolated] [--strategies DDP ZeRO-2 ZeRO-3 remat]``
 
 For each model (the GPT language model of `_util.gpt_config`, 8 sequences per rank, and the
 ResNet of ``bench/oss.py``, 32 images per rank) and each number of gloo ranks (default 2 and 4,
@@ -33,19 +33,25 @@ missed when the whole interval lies on one side of it, undecided when the rounds
 small models, 4 timed rounds after 2. ``--keep-heap``: every rank first makes glibc keep the
 memory it frees for reuse (`_util.keep_heap`), so no variant's time depends on how its frees
 order the heap (with glibc's defaults a step that frees its activations takes fresh zero-filled
-pages for them in the next one). ``--strategies``
+pages for them in the next one). ``--isolated``: each variant in rank processes of its own
+(`_isolated`: all alive at once, one variant's step at a time in the same rotating order), so
+no variant runs on a heap another variant's step left behind; the page faults per step
+(reported in both modes) show what that changes. ``--strategies``
 times only those strategies' variants and their peers (fewer variants share the machine's
 caches differently, so such figures are read beside each other, not beside a full run's).
-Writes ``bench/results/strategies.json`` (``strategies_keep_heap.json``; with
-``--strategies``, ``strategies_<names>.json``).
+Writes ``bench/results/strategies.json`` (``strategies_keep_heap.json``, then ``_isolated``
+with ``--isolated``; with ``--strategies``, ``_<names>`` after that).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import resource
+import statistics
 from typing import Any
 
+import _isolated
 import _util
 import _variants
 import torch
@@ -95,19 +101,69 @@ def variants_for(
     ]
 
 
-def rank_main(model: str, names: list[str], options: dict[str, Any]) -> dict[str, Any]:
-    """One rank: build the variants, time them interleaved, then reduce their last losses."""
+def _prepare_rank(model: str, options: dict[str, Any]) -> _variants.Workload:
     if options["keep_heap"] and not _util.keep_heap():
         raise RuntimeError("--keep-heap: glibc's mallopt refused the thresholds")
     torch.set_num_threads(1)
     fs.distributed.set_debug(False)  # the cross-rank metadata check is a test aid, not timed
-    rank, world = dist.get_rank(), dist.get_world_size()
+    count = options["warmup"] + options["rounds"]
+    return _variants.Workload(
+        model, options["quick"], count, dist.get_rank(), dist.get_world_size()
+    )
+
+
+def rank_main(model: str, names: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    """One rank: build the variants, time them interleaved, then reduce their last losses."""
+    workload = _prepare_rank(model, options)
     rounds, warmup = options["rounds"], options["warmup"]
-    workload = _variants.Workload(model, options["quick"], warmup + rounds, rank, world)
     variants = {name: _variants.build(name, workload) for name in names}
-    times = _util.interleave(variants, rounds, warmup, before_each=dist.barrier)
+    faults: dict[str, list[float]] = {name: [] for name in names}
+    counted = {name: _counting_faults(variant, faults[name]) for name, variant in variants.items()}
+    times = _util.interleave(counted, rounds, warmup, before_each=dist.barrier)
     losses = {name: variant.global_loss() for name, variant in variants.items()}
-    return {"rank": rank, "times": times, "final_loss": losses}
+    faults = {name: values[warmup:] for name, values in faults.items()}
+    return {"rank": dist.get_rank(), "times": times, "faults": faults, "final_loss": losses}
+
+
+def _counting_faults(variant: Any, into: list[float]) -> Any:
+    def call() -> None:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        variant()
+        into.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+    return call
+
+
+def build_isolated(name: str, payload: tuple[str, dict[str, Any]]) -> _variants.Variant:
+    """`_isolated.Build`: one variant on a rank of its own process group."""
+    model, options = payload
+    return _variants.build(name, _prepare_rank(model, options))
+
+
+def final_loss(variant: Any) -> float:
+    return variant.global_loss()
+
+
+def run_isolated(model: str, names: list[str], world: int, options: dict[str, Any]) -> list[dict]:
+    """`rank_main`'s results, each variant timed in rank processes of its own (`_isolated`)."""
+    measured = _isolated.run(
+        build_isolated,
+        final_loss,
+        names,
+        world,
+        options["rounds"],
+        options["warmup"],
+        (model, options),
+    )
+    return [
+        {
+            "rank": rank,
+            "times": {name: measured[name]["wall"][rank] for name in names},
+            "faults": {name: measured[name]["faults"][rank] for name in names},
+            "final_loss": {name: measured[name]["finish"][rank] for name in names},
+        }
+        for rank in range(world)
+    ]
 
 
 def slowest_rank(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:
@@ -168,6 +224,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=[c[0] for c in COMPARISONS],
         help="time only these strategies and their peers",
     )
+    parser.add_argument(
+        "--isolated",
+        action="store_true",
+        help="each variant in rank processes of its own, so no variant runs on a heap another "
+        "left behind (see bench/_isolated.py)",
+    )
     args = parser.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (4 if args.quick else 20)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
@@ -189,9 +251,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         for world in args.ranks:
             with _util.MachineLoad() as load:
-                per_rank = fs.launch(
-                    rank_main, world, model, names, options, backend="gloo", timeout=3600
-                )
+                if args.isolated:
+                    per_rank = run_isolated(model, names, world, options)
+                else:
+                    per_rank = fs.launch(
+                        rank_main, world, model, names, options, backend="gloo", timeout=3600
+                    )
             per_round = slowest_rank([r["times"] for r in per_rank])
             comparisons = compare(per_round)
             variants = [
@@ -200,6 +265,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "step_s": _util.summarize(samples).as_dict(),
                     "round_s": samples,
                     "final_loss": per_rank[0]["final_loss"][name],
+                    "page_faults_per_step": [
+                        statistics.median(r["faults"][name]) for r in per_rank
+                    ],
                 }
                 for name, samples in per_round.items()
             ]
@@ -222,6 +290,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         row["variant"],
                         step["median"] * 1e3,
                         step["iqr"] * 1e3,
+                        max(row["page_faults_per_step"]),
                         f"{row['final_loss']:.6f}",
                     ]
                 )
@@ -244,7 +313,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
     print(
         _util.format_table(
-            ["model", "ranks", "variant", "median ms", "IQR ms", "final loss"], table
+            ["model", "ranks", "variant", "median ms", "IQR ms", "page faults", "final loss"],
+            table,
         )
     )
     print()
@@ -273,6 +343,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "with a distribution-free 95% interval for it; verdict: met / missed when the whole "
         "interval is on one side of the goal, else undecided"
         + ("; freed memory kept for reuse (--keep-heap)" if args.keep_heap else "")
+        + ("; each variant in rank processes of its own (--isolated)" if args.isolated else "")
+        + "; page faults: the median per step of the rank with most"
     )
     payload = {
         "options": {
@@ -280,12 +352,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "ranks": args.ranks,
             "models": args.models,
             "strategies": args.strategies,
+            "isolated": args.isolated,
         },
         "fairscale": fairscale or "imported",
         "deepspeed": deepspeed or "imported (no DeepSpeed variant is built)",
         "runs": runs,
     }
     name = "strategies_keep_heap" if args.keep_heap else "strategies"
+    if args.isolated:
+        name += "_isolated"
     if args.strategies:
         name += "_" + "_".join(s.lower().replace("-", "") for s in args.strategies)
     path = _util.write_results(name, payload)
