@@ -1,7 +1,7 @@
 """Benchmark: `fscale.pipeline` against `torch.distributed.pipelining` on gloo ranks.
 
 Usage: ``python bench/pipeline.py [--quick] [--steps N] [--warmup N] [--ranks 2 4]
-[--micro-batches 4 8] [--balance time|even]``
+[--micro-batches 4 8] [--balance time|even] [--keep-heap]``
 
 For every (ranks P, micro-batches M, schedule) one `fscale.launch` starts P gloo ranks (one
 thread each) that train the same GPT-style ``nn.Sequential`` — token and position embeddings,
@@ -26,7 +26,10 @@ fscale (the CPU seconds all ranks spend per step, median over rounds: the work d
 load other processes put on a shared machine does not stretch as it stretches step times), the
 peak RSS growth of each rank during its steps (what the step allocates above the model: mostly
 activations), the bubble fraction of fscale's schedule table, and for GPipe and 1F1B the
-analytical (P−1)/(M+P−1).
+analytical (P−1)/(M+P−1). ``--keep-heap``: every rank first makes glibc keep the memory it
+frees (`_util.keep_heap`); with glibc's defaults the two runtimes share each rank's heap, and
+how often it is given back and faulted in again depends on their largest blocks (see the
+README's pipeline section). Writes ``bench/results/pipeline.json`` (``pipeline_keep_heap.json``).
 
 Measured, from extra fscale steps run under `fscale.parallel.pipeline.record_timeline` after
 the timed rounds (so the recording costs the timed steps nothing): the bubble, each rank's
@@ -209,6 +212,8 @@ def _measure(run: Any, tokens: torch.Tensor, targets: torch.Tensor, steps: int) 
 
 
 def rank_main(options: dict[str, Any]) -> dict[str, Any]:
+    if options.get("keep_heap") and not _util.keep_heap():
+        raise RuntimeError("--keep-heap: glibc's mallopt refused the thresholds")
     torch.set_num_threads(1)
     cfg = _config(options["quick"])
     schedule, micro_batches = options["schedule"], options["micro_batches"]
@@ -283,6 +288,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="time",
         help="layers per stage: fscale.balance_by_time (default) or an even count",
     )
+    parser.add_argument(
+        "--keep-heap",
+        action="store_true",
+        help="every rank keeps its freed memory for reuse (glibc thresholds; see _util.keep_heap)",
+    )
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (5 if args.quick else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
@@ -303,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(_goals(rows))
     print(load.describe())
     _util.write_results(
-        "pipeline",
+        "pipeline_keep_heap" if args.keep_heap else "pipeline",
         {
             "rows": rows,
             "steps": steps,
@@ -327,6 +337,7 @@ def _run_all(args: Any, steps: int, warmup: int, rows: list[dict[str, Any]]) -> 
                     "micro_batches": micro_batches,
                     "measure": args.measure,
                     "balances": args.balances,
+                    "keep_heap": args.keep_heap,
                 }
                 results = fs.launch(
                     rank_main,
