@@ -12,8 +12,9 @@ What a variant pays there is what the other left behind, not its own work.
 `run` gives each variant `world` rank processes of its own (its own process group and heap),
 all alive at once; the parent runs one step of one variant at a time, every rank of it
 together, in the rotating order of `_util.interleave`, so drift still cancels and no variant's
-memory affects another's. The ranks of the variants waiting for their turn block on a queue.
-Costs: ``len(names) * world`` processes, each with its own copy of torch.
+memory affects another's. At the end the variants are stopped one after the other, each
+running its `finish` while the others wait. The ranks of the variants waiting for their turn
+block on a queue. Costs: ``len(names) * world`` processes, each with its own copy of torch.
 
 Each rank records, per step, the wall time, its process's CPU time and its minor page faults.
 """
@@ -117,10 +118,11 @@ def run(
                         rank_queue.put(True)
                     _wait_for(done, {("step", name, r) for r in range(world)}, errors, deadline)
         finally:
-            for queues in go.values():
-                for rank_queue in queues:
+            # One variant at a time, so that each `finish` (which may run steps of its own)
+            # has the machine to itself while the other variants' ranks wait, idle.
+            for name, thread in zip(names, threads):
+                for rank_queue in go[name]:
                     rank_queue.put(None)
-            for thread in threads:
                 thread.join(max(1.0, deadline - time.monotonic()))
         if errors:
             name, error = next(iter(errors.items()))

@@ -1,7 +1,7 @@
 """Benchmark: `fscale.pipeline` against `torch.distributed.pipelining` on gloo ranks.
 
 Usage: ``python bench/pipeline.py [--quick] [--steps N] [--warmup N] [--ranks 2 4]
-[--micro-batches 4 8] [--balance time|even] [--keep-heap]``
+[--micro-batches 4 8] [--balance time|even] [--keep-heap] [--isolated]``
 
 For every (ranks P, micro-batches M, schedule) one `fscale.launch` starts P gloo ranks (one
 thread each) that train the same GPT-style ``nn.Sequential`` — token and position embeddings,
@@ -29,7 +29,10 @@ activations), the bubble fraction of fscale's schedule table, and for GPipe and 
 analytical (P−1)/(M+P−1). ``--keep-heap``: every rank first makes glibc keep the memory it
 frees (`_util.keep_heap`); with glibc's defaults the two runtimes share each rank's heap, and
 how often it is given back and faulted in again depends on their largest blocks (see the
-README's pipeline section). Writes ``bench/results/pipeline.json`` (``pipeline_keep_heap.json``).
+README's pipeline section). ``--isolated``: each runtime in rank processes of its own
+(`_isolated`: both alive at once, one runtime's step at a time, alternating), so neither runs
+on a heap the other left. Writes ``bench/results/pipeline.json`` (``pipeline_keep_heap.json``,
+then ``_isolated`` with ``--isolated``).
 
 Measured, from extra fscale steps run under `fscale.parallel.pipeline.record_timeline` after
 the timed rounds (so the recording costs the timed steps nothing): the bubble, each rank's
@@ -60,6 +63,7 @@ import statistics
 import time
 from typing import Any
 
+import _isolated
 import _util
 import torch
 import torch.distributed as dist
@@ -211,44 +215,83 @@ def _measure(run: Any, tokens: torch.Tensor, targets: torch.Tensor, steps: int) 
     }
 
 
-def rank_main(options: dict[str, Any]) -> dict[str, Any]:
-    if options.get("keep_heap") and not _util.keep_heap():
-        raise RuntimeError("--keep-heap: glibc's mallopt refused the thresholds")
-    torch.set_num_threads(1)
-    cfg = _config(options["quick"])
-    schedule, micro_batches = options["schedule"], options["micro_batches"]
-    world = dist.get_world_size()
-    num_stages = world * (2 if schedule in ("interleaved", "zero_bubble") else 1)
-    if schedule == "zero_bubble":
-        num_stages = world  # fscale's ZB-H1 is one stage per rank; torch's needs v stages
-    balance = _stage_balance(options, cfg, num_stages)
-    batch = _util.lm_batch(cfg, SEQUENCES_PER_MICRO_BATCH * micro_batches, 0)
-    tokens, targets = batch.inputs, batch.targets
-    torch_stages = world * 2 if schedule in ("interleaved", "zero_bubble") else world
-    torch_balance = _stage_balance(options, cfg, torch_stages)
-    variants: dict[str, Any] = {}
-    peaks: dict[str, int] = {}
-    try:
-        variants["torch"] = _torch_variant(
-            cfg, torch_balance, torch_stages, schedule, micro_batches
+class _Setup:
+    """What both runtimes train on this rank: the model's config, the balances, the batch."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        if options.get("keep_heap") and not _util.keep_heap():
+            raise RuntimeError("--keep-heap: glibc's mallopt refused the thresholds")
+        torch.set_num_threads(1)
+        fs.distributed.set_debug(False)  # the cross-rank metadata check is a test aid
+        self.options = options
+        self.cfg = cfg = _config(options["quick"])
+        self.schedule, self.micro_batches = options["schedule"], options["micro_batches"]
+        world = dist.get_world_size()
+        split = self.schedule in ("interleaved", "zero_bubble")
+        # fscale's ZB-H1 is one stage per rank; torch's zero-bubble schedule needs v stages.
+        self.num_stages = world * (2 if self.schedule == "interleaved" else 1)
+        self.balance = _stage_balance(options, cfg, self.num_stages)
+        batch = _util.lm_batch(cfg, SEQUENCES_PER_MICRO_BATCH * self.micro_batches, 0)
+        self.tokens, self.targets = batch.inputs, batch.targets
+        self.torch_stages = world * 2 if split else world
+        self.torch_balance = _stage_balance(options, cfg, self.torch_stages)
+
+    def build(self, name: str) -> tuple[Any, Any]:
+        """``(run, table)`` of the runtime `name` (the table is fscale's; None for torch)."""
+        if name == "torch":
+            run = _torch_variant(
+                self.cfg, self.torch_balance, self.torch_stages, self.schedule, self.micro_batches
+            )
+            return run, None
+        return _fscale_variant(
+            self.cfg, self.balance, self.num_stages, self.schedule, self.micro_batches
         )
+
+    def fscale_facts(self, run: Any, table: Any) -> dict[str, Any]:
+        """The measured bubble and costs of fscale's steps (`_measure`) and its table's facts."""
+        return {
+            "measured": _measure(run, self.tokens, self.targets, self.options["measure"]),
+            "bubble": table.bubble_fraction(),
+            "table": table,
+            "activation_bound": list(table.activation_bound),
+            "balance": self.balance,
+        }
+
+
+class _Timed:
+    """One runtime's step with its CPU seconds and its peak RSS growth recorded."""
+
+    def __init__(self, setup: _Setup, run: Any) -> None:
+        self.setup, self.run = setup, run
+        self.cpu: list[float] = []
+        self.peak = 0
+
+    def __call__(self) -> None:
+        _util.reset_peak_rss()
+        before = _util.rss_bytes()
+        cpu_start = time.process_time()
+        self.run(self.setup.tokens, self.setup.targets)
+        self.cpu.append(time.process_time() - cpu_start)
+        self.peak = max(self.peak, _util.peak_rss_bytes() - before)
+
+
+def rank_main(options: dict[str, Any]) -> dict[str, Any]:
+    """Both runtimes in this rank's process, timed round by round (`_util.interleave`)."""
+    setup = _Setup(options)
+    variants: dict[str, _Timed] = {}
+    try:
+        variants["torch"] = _Timed(setup, setup.build("torch")[0])
     except Exception as error:  # a schedule that torch does not run on gloo is reported
         variants_error = f"{type(error).__name__}: {error}"
     else:
         variants_error = None
-    fscale_step, table = _fscale_variant(cfg, balance, num_stages, schedule, micro_batches)
-    variants["fscale"] = fscale_step
-    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    fscale_run, table = setup.build("fscale")
+    variants["fscale"] = _Timed(setup, fscale_run)
 
     def timed(name: str):
         def call() -> None:
             dist.barrier()
-            _util.reset_peak_rss()
-            before = _util.rss_bytes()
-            cpu_start = time.process_time()
-            variants[name](tokens, targets)
-            cpu[name].append(time.process_time() - cpu_start)
-            peaks[name] = max(peaks.get(name, 0), _util.peak_rss_bytes() - before)
+            variants[name]()
 
         return call
 
@@ -258,19 +301,66 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
         rounds=options["steps"],
         warmup=options["warmup"],
     )
-    measured = _measure(variants["fscale"], tokens, targets, options["measure"])
     return {
         "times": times,
-        "cpu": {name: values[options["warmup"] :] for name, values in cpu.items()},
-        "measured": measured,
-        "peak_rss_growth": peaks,
+        "cpu": {name: v.cpu[options["warmup"] :] for name, v in variants.items()},
+        "peak_rss_growth": {name: v.peak for name, v in variants.items()},
         "torch_error": variants_error,
-        "bubble": table.bubble_fraction(),
-        "table": table,
-        "activation_bound": list(table.activation_bound),
-        "balance": balance,
+        **setup.fscale_facts(fscale_run, table),
         "seconds": time.perf_counter() - start,
     }
+
+
+def build_isolated(name: str, options: dict[str, Any]) -> _Timed:
+    """`_isolated.Build`: one runtime on a rank of its own process group. A torch schedule that
+    does not run on gloo becomes a step that does nothing, its error kept for the report."""
+    setup = _Setup(options)
+    try:
+        run, table = setup.build(name)
+    except Exception as error:
+        if name != "torch":
+            raise
+        timed = _Timed(setup, lambda tokens, targets: None)
+        timed.error = f"{type(error).__name__}: {error}"  # type: ignore[attr-defined]
+        return timed
+    timed = _Timed(setup, run)
+    timed.table = table  # type: ignore[attr-defined]
+    return timed
+
+
+def finish_isolated(timed: _Timed) -> dict[str, Any]:
+    out: dict[str, Any] = {"cpu": timed.cpu, "peak": timed.peak}
+    out["error"] = getattr(timed, "error", None)
+    table = getattr(timed, "table", None)
+    if table is not None:
+        out.update(timed.setup.fscale_facts(timed.run, table))
+    return out
+
+
+def run_isolated(ranks: int, options: dict[str, Any]) -> list[dict[str, Any]]:
+    """`rank_main`'s results, each runtime in rank processes of its own (`_isolated`)."""
+    start = time.perf_counter()
+    steps, warmup = options["steps"], options["warmup"]
+    measured = _isolated.run(
+        build_isolated, finish_isolated, ["torch", "fscale"], ranks, steps, warmup, options
+    )
+    error = measured["torch"]["finish"][0]["error"]
+    names = ["fscale"] if error else ["torch", "fscale"]
+    results = []
+    for rank in range(ranks):
+        ours = measured["fscale"]["finish"][rank]
+        facts = {k: ours[k] for k in ("measured", "bubble", "table", "activation_bound", "balance")}
+        results.append(
+            {
+                "times": {name: measured[name]["wall"][rank] for name in names},
+                "cpu": {n: measured[n]["finish"][rank]["cpu"][warmup:] for n in names},
+                "peak_rss_growth": {n: measured[n]["finish"][rank]["peak"] for n in names},
+                "torch_error": error,
+                **facts,
+                "seconds": time.perf_counter() - start,
+            }
+        )
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -293,6 +383,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="every rank keeps its freed memory for reuse (glibc thresholds; see _util.keep_heap)",
     )
+    parser.add_argument(
+        "--isolated",
+        action="store_true",
+        help="each runtime in rank processes of its own (see bench/_isolated.py)",
+    )
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (5 if args.quick else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
@@ -313,7 +408,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(_goals(rows))
     print(load.describe())
     _util.write_results(
-        "pipeline_keep_heap" if args.keep_heap else "pipeline",
+        ("pipeline_keep_heap" if args.keep_heap else "pipeline")
+        + ("_isolated" if args.isolated else ""),
         {
             "rows": rows,
             "steps": steps,
@@ -339,14 +435,17 @@ def _run_all(args: Any, steps: int, warmup: int, rows: list[dict[str, Any]]) -> 
                     "balances": args.balances,
                     "keep_heap": args.keep_heap,
                 }
-                results = fs.launch(
-                    rank_main,
-                    ranks,
-                    options,
-                    backend="gloo",
-                    env={"FSCALE_DEBUG": "0"},
-                    timeout=1800,
-                )
+                if args.isolated:
+                    results = run_isolated(ranks, options)
+                else:
+                    results = fs.launch(
+                        rank_main,
+                        ranks,
+                        options,
+                        backend="gloo",
+                        env={"FSCALE_DEBUG": "0"},
+                        timeout=1800,
+                    )
                 rows.append(_row(ranks, micro_batches, schedule, results))
                 print(_format([rows[-1]]), flush=True)
 

@@ -37,7 +37,9 @@ def _step_builder(name, payload):
 
 
 def _report(step):
-    return os.getpid(), dist.get_world_size(), step.calls
+    start = time.monotonic()
+    time.sleep(0.05)  # a finish that takes a while (e.g. steps of its own)
+    return os.getpid(), dist.get_world_size(), step.calls, (start, time.monotonic())
 
 
 def test_each_variant_runs_alone_in_its_own_processes_in_rotating_order():
@@ -45,14 +47,15 @@ def test_each_variant_runs_alone_in_its_own_processes_in_rotating_order():
     payload = {"c": 64 << 20}
     measured = _isolated.run(_step_builder, _report, names, 2, rounds=3, warmup=1, payload=payload)
     assert list(measured) == names
-    pids, spans = set(), []
+    pids, spans, finishes = set(), [], []
     for name in names:
         result = measured[name]
         for key in ("wall", "cpu", "faults"):
             assert len(result[key]) == 2 and all(len(v) == 3 for v in result[key])  # warmup off
         assert all(w >= 0.01 for per_rank in result["wall"] for w in per_rank)
-        for pid, world, calls in result["finish"]:
+        for pid, world, calls, finish in result["finish"]:
             pids.add(pid)
+            finishes.append((*finish, name))
             assert world == 2 and [n for *_, n in calls] == [2] * 4  # both ranks, every step
             spans += [(start, end, name) for start, end, _ in calls]
     assert len(pids) == 2 * len(names)  # a process per rank and variant
@@ -62,6 +65,11 @@ def test_each_variant_runs_alone_in_its_own_processes_in_rotating_order():
         assert name == next_name or end <= start
     order = [name for i, (_, _, name) in enumerate(spans) if i == 0 or spans[i - 1][2] != name]
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    # The variants finish one after the other, after their last steps.
+    finishes.sort()
+    assert all(start >= spans[-1][1] for start, _, _ in finishes)
+    for (_, end, name), (start, _, next_name) in itertools.pairwise(finishes):
+        assert name == next_name or end <= start
     # Page faults are each process's own: only c touches 64 MiB of fresh memory per step.
     assert min(min(f) for f in measured["c"]["faults"]) > 10_000
     assert max(max(f) for f in measured["a"]["faults"]) < 10_000
