@@ -33,14 +33,16 @@ positions well before it (`fscale.distributed.watchdog`), so the error says whic
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
 import os
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -84,6 +86,7 @@ DEFAULT_PG_TIMEOUT = 60.0
 
 # A rank that sent its result gets this long to leave the process group and exit by itself.
 _EXIT_GRACE_S = 5.0
+_ENVIRON_LOCK = threading.Lock()
 
 
 class RankInfo(NamedTuple):
@@ -261,7 +264,10 @@ def launch(
         timeout: seconds the whole call may take, start-up included; ranks still running
             then are killed and reported.
         pg_timeout: seconds a collective may wait for its peers before it fails.
-        env: environment variables to set in every rank before the group is initialised.
+        env: environment variables every rank starts with: a rank's process is started with
+            them, so what reads its settings when a process starts takes them too (glibc's
+            ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_MMAP_THRESHOLD_``, OpenMP's
+            ``OMP_NUM_THREADS``); this process's own environment is left as it was.
 
     Returns:
         The return value of `fn` on each rank, in rank order. Tensors in the results (at any
@@ -297,7 +303,8 @@ def launch(
                 daemon=False,
             )
             connections.append(receiver)
-            process.start()
+            with _started_with(env):
+                process.start()
             processes.append(process)
             sender.close()  # the parent keeps only the reading end, so EOF means the rank died
         replies = gather_replies(connections, processes, deadline)
@@ -364,6 +371,30 @@ def _check_launch_context() -> None:
             "Save the program as a file and run `python train.py`, or run it under torchrun "
             "with fs.init()."
         )
+
+
+@contextlib.contextmanager
+def _started_with(env: Mapping[str, str]) -> Iterator[None]:
+    """Inside: `env` in this process's environment, which a process started now inherits.
+
+    A spawned process is a new program that inherits the environment; what reads its settings
+    at start-up (glibc's malloc) would miss variables set only once it runs Python. The lock
+    keeps launches from other threads from starting ranks with this launch's variables.
+    """
+    if not env:
+        yield
+        return
+    with _ENVIRON_LOCK:
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def _join(processes: Sequence[multiprocessing.process.BaseProcess], timeout: float) -> None:
