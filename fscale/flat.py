@@ -30,6 +30,10 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+Placement = tuple[torch.Size, tuple[int, ...], int]
+"""Where a tensor lies in a flat buffer: its shape, contiguous strides and offset."""
+
+
 class Fragment(NamedTuple):
     """The piece of one tensor that a shard of a `FlatBuffer` holds.
 
@@ -169,15 +173,18 @@ class FlatBuffer:
             base = data.storage_offset()
             return [
                 data.as_strided(shape, strides, base + offset)
-                for shape, strides, offset in self._placements()
+                for shape, strides, offset in self.placements
             ]
         return [
             data[o : o + n].view(shape)
             for o, n, shape in zip(self.offsets, self.numels, self.shapes)
         ]
 
-    def _placements(self) -> list[tuple[torch.Size, tuple[int, ...], int]]:
-        """Per tensor, its shape, contiguous strides and offset (computed once per layout)."""
+    @property
+    def placements(self) -> list[Placement]:
+        """Per tensor, ``(shape, contiguous strides, offset)``: one ``as_strided`` call on a
+        contiguous buffer of this layout makes its view. Computed once per layout, in plain
+        Python, which torch.compile traces."""
         cached = self.__dict__.get("_placements_cache")
         if cached is None:
             cached = self.__dict__["_placements_cache"] = [

@@ -171,11 +171,14 @@ def test_fold_places_values_after_the_last_bucket():
     assert flushed[-1].tolist() == [0.0] * last.numel + [5.0]
 
 
-def test_bucket_views_equal_the_layout_views_and_zeros_are_shared():
+def test_bucket_views_alias_the_buffer_and_zeros_are_shared():
     leaves = [torch.zeros(2, 3), torch.zeros(5), torch.zeros(1, 4)]
     (bucket,) = assign_buckets(leaves, 1 << 20, num_shards=4)
     flat = torch.arange(40.0)[3 : 3 + bucket.numel]  # a buffer that starts inside its storage
-    for view, expected in zip(bucket.views(flat), bucket.layout.views(flat)):
+    layout = bucket.layout
+    packed = [leaves[i] for i in bucket.leaf_indices]  # last-used leaves first
+    for view, offset, leaf in zip(layout.views(flat), layout.offsets, packed):
+        expected = flat[offset : offset + leaf.numel()].view(leaf.shape)
         assert view.shape == expected.shape and torch.equal(view, expected)
         assert view.data_ptr() == expected.data_ptr()  # a view, not a copy
     # Gradients kept only in the buckets: autograd gets one stride-0 zero per shape.
@@ -199,10 +202,11 @@ def test_a_small_last_bucket_is_written_after_backward_in_order_with_the_others(
     assert hooks[0] is None and hooks[1] is not None and hooks[2] is not None
     hooks[2](torch.full((2,), 1.0))  # bucket 0 is handed out at once
     assert ready == [(0, [1.0, 1.0])]
-    # Bucket 1 (leaf 1) got no gradient yet: the late bucket waits for it.
-    collector.deliver_late([torch.full((2,), 3.0), None, None])
+    with pytest.raises(ValueError, match="pass the gradients autograd returned"):
+        collector.flush()  # the late bucket's gradients would be lost
     assert ready == [(0, [1.0, 1.0])]
-    collector.flush()  # leaf 1 never arrives: zeros, then the late bucket in order
+    # Leaf 1 never got a gradient: zeros, and the late bucket after it, in order.
+    collector.flush([torch.full((2,), 3.0), None, None])
     assert ready == [(0, [1.0, 1.0]), (1, [0.0, 0.0]), (2, [3.0, 3.0])]
 
 
@@ -215,16 +219,16 @@ def test_the_late_bucket_adds_the_initial_gradients_and_flush_fills_what_it_lack
         buckets, 2, lambda b, d: ready.append(d.tolist()), initial=initial, late_bytes=20
     )
     assert collector.hooks() == [None, None]
-    collector.deliver_late([None, torch.full((3,), 1.0)])
-    assert ready == []  # leaf 0 is still missing
-    collector.flush()
+    collector.flush([None, torch.full((3,), 1.0)])  # leaf 0 got none: its initial alone
     assert ready == [[21.0, 21.0, 21.0, 10.0, 10.0]]
 
 
 def test_a_last_bucket_over_the_late_bytes_keeps_its_hooks():
     leaves = [torch.ones(2), torch.ones(2)]
     buckets = assign_buckets(leaves, bucket_bytes=8)  # [1], [0]: 8 bytes each
-    collector = GradBuckets(buckets, 2, lambda b, d: None, late_bytes=7)
+    ready = []
+    collector = GradBuckets(buckets, 2, lambda b, d: ready.append(d.tolist()), late_bytes=7)
     assert all(hook is not None for hook in collector.hooks())
-    collector.deliver_late([torch.ones(2), torch.ones(2)])  # no late bucket: nothing written
-    assert collector.bucket_data(0) is None and collector.bucket_data(1) is None
+    # No late bucket: flush reads none of the gradients given, the hooks alone write them.
+    collector.flush([torch.ones(2), torch.ones(2)])
+    assert ready == [[0.0, 0.0], [0.0, 0.0]]

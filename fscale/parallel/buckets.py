@@ -35,13 +35,9 @@ from typing import Any
 import optree
 import torch
 
-from fscale.flat import FlatBuffer, contiguous_strides
+from fscale.flat import FlatBuffer, Placement
 
 __all__ = ["Bucket", "GradBuckets", "assign_buckets", "forward_order"]
-
-
-Placement = tuple[torch.Size, tuple[int, ...], int]
-"""Where a leaf lies in its bucket's buffer: shape, contiguous strides and offset."""
 
 
 class Bucket:
@@ -58,33 +54,10 @@ class Bucket:
         self.index = index
         self.leaf_indices = leaf_indices
         self.layout = layout
-        self._placements: list[Placement] | None = None
 
     @property
     def numel(self) -> int:
         return self.layout.numel
-
-    @property
-    def placements(self) -> list[Placement]:
-        """Per slot, ``(shape, contiguous strides, offset)`` of its leaf in the bucket's buffer:
-        one ``as_strided`` call makes the leaf's view. Computed once per bucket (buckets are
-        built once per model and reused every step), in plain Python, which torch.compile
-        traces."""
-        if self._placements is None:
-            layout = self.layout
-            self._placements = [
-                (shape, contiguous_strides(shape), offset)
-                for shape, offset in zip(layout.shapes, layout.offsets)
-            ]
-        return self._placements
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The leaves' views of `flat` (a buffer of this bucket's layout), in slot order."""
-        base = flat.storage_offset()
-        return [
-            flat.as_strided(shape, stride, base + offset)
-            for shape, stride, offset in self.placements
-        ]
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, leaves={self.leaf_indices}, {self.layout.numel} elements)"
@@ -229,7 +202,7 @@ class GradBuckets:
             only its padding (every other element is overwritten by a gradient).
         on_allocate: called with each buffer this collector allocates (e.g. to track it).
         late_bytes: the last bucket, when it holds at most this many bytes of gradients, gets
-            no per-leaf hooks: `deliver_late` writes its gradients in one go after backward.
+            no per-leaf hooks: `flush` writes its gradients in one go after backward.
             Its leaves are the first the forward pass uses, so their gradients are the last
             backward completes and its collective could not start much earlier; a hook costs
             a Python call inside autograd per leaf (about 15 us on a CPU), which on a small
@@ -302,28 +275,14 @@ class GradBuckets:
 
     def hooks(self) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
         """One hook per leaf (None for leaves in no bucket and for those of the late bucket,
-        see `deliver_late`)."""
+        which `flush` writes)."""
         return [
             None if where is None or where[0] == self.late else self._make_hook(*where)
             for where in self._where
         ]
 
-    def deliver_late(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """Write the late bucket's gradients, `grads` holding one per parameter leaf in leaf
-        order (None for a leaf autograd gave none: `flush` zeroes those), and hand out every
-        bucket complete by then. Call it after backward, before `flush`; without a late bucket
-        it does nothing."""
-        if self.late is None:
-            return
-        bucket = self.buckets[self.late]
-        for slot, (leaf, placement) in enumerate(zip(bucket.leaf_indices, bucket.placements)):
-            grad = grads[leaf]
-            if grad is not None:
-                self._write(self.late, slot, grad, placement)
-        self._hand_out_ready()
-
     def _make_hook(self, bucket_index: int, slot: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        placement = self.buckets[bucket_index].placements[slot]
+        placement = self.buckets[bucket_index].layout.placements[slot]
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             return self._deliver(bucket_index, slot, grad, placement)
@@ -387,13 +346,33 @@ class GradBuckets:
             assert data is not None  # a complete bucket has its buffer
             self.on_ready(self.buckets[index], data)
 
-    def flush(self) -> None:
-        """Deliver buckets whose leaves got no gradient hook call (unused leaves) as zeros.
+    def flush(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
+        """After backward: write the late bucket's gradients from `grads`, deliver as zeros
+        the leaves that got no gradient (unused leaves), and hand out every bucket.
 
+        `grads` holds one gradient per parameter leaf, in leaf order (None for a leaf autograd
+        gave none); only the late bucket's are read, and it is required when there is one.
         Autograd does not run hooks for leaves the loss does not depend on, so a bucket with
         such a leaf would never complete; every rank must still issue the same collectives.
         After `flush` every bucket has been handed to `on_ready` exactly once.
+
+        Raises:
+            ValueError: the collector has a late bucket but `grads` is None (its gradients
+                would be lost).
         """
+        if self.late is not None:
+            if grads is None:
+                raise ValueError(
+                    "GradBuckets.flush: the last bucket is written after backward (late_bytes); "
+                    "pass the gradients autograd returned, one per parameter leaf"
+                )
+            bucket = self.buckets[self.late]
+            for slot, (leaf, placement) in enumerate(
+                zip(bucket.leaf_indices, bucket.layout.placements)
+            ):
+                grad = grads[leaf]
+                if grad is not None:
+                    self._write(self.late, slot, grad, placement)
         for bucket in self.buckets[self._next_ready :]:
             if self._pending[bucket.index] != 0:
                 data = self._data[bucket.index]

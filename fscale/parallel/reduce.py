@@ -11,7 +11,7 @@ all-reduces the gradient shards, whatever the order the transformations were wri
 Autograd path. Leaves are packed into buckets (`fscale.parallel.buckets`: reverse order of use,
 a small first bucket as torch DDP); each leaf's gradient is copied into its bucket by a hook the
 moment it is final (the last bucket's, when no larger than the first, in one go after backward:
-`GradBuckets.deliver_late`), and a bucket's collective starts as soon as it is complete:
+`GradBuckets.flush`), and a bucket's collective starts as soon as it is complete:
 
 - all-reduce (mean) over the axes, in the bucket itself (`fscale.parallel.bucket_collectives`),
   or the user's reduction hook on the bucket's flat gradient;
@@ -199,11 +199,12 @@ def bucket_infos(
     params: PyTree, reducer_bucket_bytes: int, mesh: Mesh, axes: tuple[str, ...]
 ) -> list[BucketInfo]:
     """The buckets a data-parallel reducer forms over `params` (for a hook's `init`)."""
-    return [_info(bucket, mesh, axes) for bucket in _buckets(params, reducer_bucket_bytes)]
+    buckets = _buckets(tree.leaves(params), params, reducer_bucket_bytes)
+    return [_info(bucket, mesh, axes) for bucket in buckets]
 
 
-def _buckets(params: PyTree, bucket_bytes: int) -> list[Bucket]:
-    leaves, order = tree.leaves(params), forward_order(params)
+def _buckets(leaves: list[torch.Tensor], params: PyTree, bucket_bytes: int) -> list[Bucket]:
+    order = forward_order(params)
     return assign_buckets(leaves, bucket_bytes, order=order, first_bucket_bytes=FIRST_BUCKET_BYTES)
 
 
@@ -252,7 +253,7 @@ class _AllReduceSession:
     def hooks(self) -> list[Any]:
         if self.func:
             return [None] * len(self.leaves)
-        self.buckets = _buckets(self.params, self.reducer.bucket_bytes)
+        self.buckets = _buckets(self.leaves, self.params, self.reducer.bucket_bytes)
         # Each hook copies its gradient into the bucket and hands autograd a stride-0 zero, so
         # once a bucket's reduction has started the only copy is the one being reduced.
         self.collector = GradBuckets(
@@ -295,8 +296,7 @@ class _AllReduceSession:
                 self.treedef, [collectives.all_reduce(g, axis, "mean", mesh=mesh) for g in summed]
             )
         assert self.collector is not None
-        self.collector.deliver_late(tree.leaves(grads))
-        self.collector.flush()
+        self.collector.flush(tree.leaves(grads))
         reduced: list[Any] = [None] * len(self.leaves)
         for bucket in self.buckets:
             pending = self.in_flight.pop(bucket.index)
@@ -304,7 +304,7 @@ class _AllReduceSession:
             if self.num_folded and bucket.index == len(self.buckets) - 1:
                 assert isinstance(pending, BucketPending)  # folding has no reduction hook
                 self.folded = pending.trailing
-            for leaf_index, view in zip(bucket.leaf_indices, bucket.views(flat)):
+            for leaf_index, view in zip(bucket.leaf_indices, bucket.layout.views(flat)):
                 reduced[leaf_index] = view
         if self.reducer.hook_out is not None:
             self.reducer.hook_out["states"] = tuple(
@@ -409,8 +409,7 @@ class _ScatterSession:
             self._after_backward(grads)
         else:
             assert self.collector is not None
-            self.collector.deliver_late(tree.leaves(grads))
-            self.collector.flush()
+            self.collector.flush(tree.leaves(grads))
             if not self.reducer.shard_grads:
                 for bucket in self.layout.buckets:
                     full = self.collector.bucket_data(bucket.index)
