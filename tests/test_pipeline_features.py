@@ -409,6 +409,9 @@ def test_the_loss_values_give_the_mean_and_the_count_as_the_loss_said():
     loss, count = loss_of(counted)  # a (mean, count) loss: the sum over the total count
     assert float(loss) == 1.5 and float(count) == 6.0
     assert float(loss_of(loss_values(None, []))[0]) == 0.0  # every micro-batch padding
+    # A count computed from tracked tensors does not put the message in a graph.
+    tracked = torch.tensor(3.0, requires_grad=True) * 1.0
+    assert not loss_values(tracked.detach(), [tracked]).requires_grad
 
 
 class _FailsWhenArmed(nn.Linear):
