@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
-import resource
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import _util
 import torch.distributed as dist
 
 import fscale as fs
@@ -112,8 +112,7 @@ def run(
                 done, {("ready", n, r) for n in names for r in range(world)}, errors, deadline
             )
             for round_index in range(warmup + rounds):
-                shift = round_index % len(names)
-                for name in names[shift:] + names[:shift]:
+                for name in _util.rotation(names, round_index):
                     for rank_queue in go[name]:
                         rank_queue.put(True)
                     _wait_for(done, {("step", name, r) for r in range(world)}, errors, deadline)
@@ -177,11 +176,11 @@ def _rank_main(
     measured: dict[str, list[float]] = {"wall": [], "cpu": [], "faults": []}
     while go[rank].get():
         dist.barrier()
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        faults = _util.minor_faults()
         cpu, wall = time.process_time(), time.perf_counter()
         step()
         measured["wall"].append(time.perf_counter() - wall)
         measured["cpu"].append(time.process_time() - cpu)
-        measured["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        measured["faults"].append(_util.minor_faults() - faults)
         done.put(("step", name, rank))
     return {**measured, "finish": None if finish is None else finish(step)}

@@ -42,6 +42,7 @@ import math
 import os
 import platform
 import pstats
+import resource
 import sys
 import time
 import warnings
@@ -266,6 +267,19 @@ def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) ->
 # Timing
 
 
+def rotation(names: Sequence[str], round_index: int) -> list[str]:
+    """`names` rotated left by `round_index`: the order of round `round_index`, so that each
+    name runs first, second, ... equally often."""
+    shift = round_index % len(names)
+    return [*names[shift:], *names[:shift]]
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far: first touches of memory the allocator got
+    fresh from the system."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def interleave(
     variants: Mapping[str, Callable[[], Any]],
     rounds: int,
@@ -306,8 +320,7 @@ def interleave(
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(warmup + rounds):
-        shift = round_index % len(names) if rotate else 0
-        for name in names[shift:] + names[:shift]:
+        for name in rotation(names, round_index) if rotate else names:
             if before_each is not None:
                 before_each()
             start = clock()

@@ -28,7 +28,6 @@ Writes ``bench/results/step.json``.
 from __future__ import annotations
 
 import argparse
-import resource
 from collections.abc import Callable
 from typing import Any
 
@@ -143,9 +142,9 @@ def page_faults(variant: Callable[[], None], steps: int = 3) -> float:
     """Median minor page faults per step: first touches of memory the allocator got fresh."""
     counts = []
     for _ in range(steps):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = _util.minor_faults()
         variant()
-        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        counts.append(_util.minor_faults() - before)
     return _util.quantile(counts, 0.5)
 
 

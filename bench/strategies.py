@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import resource
 import statistics
 from typing import Any
 
@@ -127,9 +126,9 @@ def rank_main(model: str, names: list[str], options: dict[str, Any]) -> dict[str
 
 def _counting_faults(variant: Any, into: list[float]) -> Any:
     def call() -> None:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = _util.minor_faults()
         variant()
-        into.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        into.append(_util.minor_faults() - before)
 
     return call
 

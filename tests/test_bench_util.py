@@ -6,6 +6,7 @@ import importlib.util
 import itertools
 import json
 import math
+import mmap
 import random
 import sys
 import time
@@ -173,6 +174,25 @@ def test_interleave_times_each_variant_per_round_and_drops_warmup():
     assert times == {"a": [12.0, 13.0, 14.0], "b": [102.0, 103.0, 104.0]}
     # The order rotates each round: a first in even rounds, b first in odd ones.
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+
+
+def test_rotation_puts_each_name_first_once_per_cycle():
+    names = ["a", "b", "c"]
+    orders = [util.rotation(names, r) for r in range(4)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert names == ["a", "b", "c"]  # not modified
+
+
+def test_minor_faults_count_the_first_touch_of_fresh_memory():
+    size = 16 << 20
+    with mmap.mmap(-1, size) as fresh:  # a new mapping, whatever malloc keeps
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            fresh.madvise(mmap.MADV_NOHUGEPAGE)  # 4 KiB pages, one fault each
+        before = util.minor_faults()
+        for offset in range(0, size, 4096):
+            fresh[offset] = 1  # first touch of each page
+        grown = util.minor_faults() - before
+    assert grown >= size // 4096 // 2  # at least half its pages faulted in
 
 
 def test_interleave_keeps_the_order_without_rotation():
