@@ -113,7 +113,7 @@ def test_a_rank_that_takes_one_more_collective_is_named_with_the_rank_that_retur
     assert "FSCALE_DEBUG=1" in failure
 
 
-def _extra_step(steps_by_rank):
+def _extra_step(steps_by_rank, transform="data_parallel"):
     rank, mesh = _default_path()
     apply, params, buffers = fs.functionalize(nn.Linear(4, 2))
 
@@ -121,18 +121,23 @@ def _extra_step(steps_by_rank):
         out, buffers = apply(params, buffers, batch)
         return out.square().mean(), buffers
 
-    step = fs.data_parallel(fs.train_step(loss_fn, fs.optim.sgd(0.1)), mesh)
+    step = getattr(fs, transform)(fs.train_step(loss_fn, fs.optim.sgd(0.1)), mesh)
     state = step.init(params, buffers)
     for _ in range(steps_by_rank[rank]):
         state, _ = step(state, torch.ones(3, 4))
     return int(state.step)
 
 
-def test_a_rank_that_takes_one_step_more_names_the_step():
+@pytest.mark.parametrize(
+    ("transform", "collective"),
+    # ZeRO's reduce-scatter on gloo is an exchange of sends and receives (fscale.parallel.exchange)
+    [("data_parallel", "all_reduce"), ("shard_optimizer", "reduce_scatter")],
+)
+def test_a_rank_that_takes_one_step_more_names_the_step(transform, collective):
     with pytest.raises(RankError) as caught:
-        run_spmd(_extra_step, 2, [2, 3])
+        run_spmd(_extra_step, 2, [2, 3], transform)
     failure = caught.value.failures[1]
-    assert "waits in #" in failure and "at step 2" in failure
+    assert "waits in #" in failure and "at step 2" in failure and collective in failure
     assert "rank 0: returned from its function" in failure
 
 

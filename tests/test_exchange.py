@@ -1,0 +1,179 @@
+"""Bucket collectives as pairwise exchanges on gloo: gloo's all-reduce's bits, the wire once.
+
+Inputs are heavy-tailed (magnitudes over many binades), so summing four terms in another order
+shows in the last bits of most elements; equality is checked on the raw bits. The sizes cover
+gloo's two regimes: at most 2N segments of under 1 MiB, and buffers cut into 1 MiB segments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fscale import distributed as fd
+from fscale.distributed import collectives as C
+from fscale.distributed.comm import resolve_comm
+from fscale.parallel.bucket_collectives import (
+    all_gather_bucket_start,
+    reduce_scatter_bucket_start,
+)
+from fscale.parallel.exchange import (
+    PairWork,
+    exchange_all_gather,
+    exchange_reduce_scatter,
+    exchanges,
+    ring_chunk,
+)
+from fscale.testing import run_spmd
+
+# Small, uneven, one just past 2N MiB (1 MiB segments), and several MiB segments per rank.
+SIZES = (8, 4100, 3 * (1 << 16) + 448, 2 * 4 * (1 << 18) + 8, 6_292_692)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+def _terms(rank: int, numel: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * rank + numel)
+    return torch.randn(numel, generator=g) * torch.exp(torch.randn(numel, generator=g) * 5)
+
+
+def _ring_sum(terms: list[torch.Tensor], chunk: int) -> torch.Tensor:
+    """Every element summed as `ring_chunk` says gloo sums it, written out term by term."""
+    size, numel = len(terms), terms[0].numel()
+    out = torch.empty(numel)
+    for c in range(size):
+        lo, hi = min(c * chunk, numel), min((c + 1) * chunk, numel)
+        if lo < hi:
+            acc = terms[(c - 1) % size][lo:hi].clone()
+            for k in range(2, size + 1):
+                acc = terms[(c - k) % size][lo:hi] + acc
+            out[lo:hi] = acc
+    return out
+
+
+def _model_case() -> list[bool]:
+    world = dist.get_world_size()
+    out = []
+    for numel in SIZES:
+        numel = numel // world * world
+        terms = [_terms(r, numel) for r in range(world)]
+        reduced = terms[dist.get_rank()].clone()
+        dist.all_reduce(reduced)
+        expected = _ring_sum(terms, ring_chunk(numel, world, 4))
+        out.append(torch.equal(_bits(reduced), _bits(expected)))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_chunk_is_the_order_gloo_sums_in(world):
+    for per_rank in run_spmd(_model_case, world, timeout=120):
+        assert all(per_rank), per_rank
+
+
+def test_ring_chunk_covers_the_buffer_in_n_chunks():
+    for numel in (1, 7, 4100, 2_097_157, 6_292_692, 50_000_000):
+        for size in (2, 3, 4, 8):
+            for element_size in (2, 4, 8):
+                chunk = ring_chunk(numel, size, element_size)
+                assert chunk * size >= numel  # every element in one of the N chunks
+                # Nearly an N-th part: one element per segment over it at most (rounding).
+                assert chunk - numel / size <= max(2, -(-numel * element_size // (1 << 20)))
+
+
+def _exchange_case(trailing: int) -> list[dict[str, bool]]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = fd.Mesh(dp=world)
+    comm = resolve_comm("dp", mesh, "test")
+    out = []
+    for size in SIZES:
+        numel = size // world * world
+        whole = numel + trailing
+        terms = [_terms(r, whole) for r in range(world)]
+        reduced = terms[rank].clone()
+        dist.all_reduce(reduced)  # the reference: gloo's all-reduce of the same buffer
+        part = slice(rank * (numel // world), (rank + 1) * (numel // world))
+        flat = terms[rank].clone()
+        work, total = exchange_reduce_scatter(flat, comm, None, trailing)
+        work.wait()
+        target = torch.full((numel,), float("nan"))
+        target[part] = reduced[part]
+        exchange_all_gather(target, comm, None).wait()
+        out.append(
+            {
+                "part": torch.equal(_bits(total), _bits(reduced[part])),
+                "trailing": torch.equal(_bits(flat[numel:]), _bits(reduced[numel:])),
+                "gathered": torch.equal(_bits(target), _bits(reduced[:numel])),
+                "own part untouched": torch.equal(flat[part], terms[rank][part]),
+                "exchanges": exchanges(comm, flat),
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("trailing", [0, 3])
+def test_exchanges_give_gloo_all_reduce_bits(world, trailing):
+    for per_rank in run_spmd(_exchange_case, world, trailing, timeout=120):
+        for checks in per_rank:
+            assert all(checks.values()), checks
+
+
+def _in_flight_case() -> list[bool]:
+    # Two buckets' collectives in flight at once, a point-to-point message of the same shape
+    # between them, waited for in the other order: each takes its own messages.
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = fd.Mesh(dp=world)
+    first, second = _terms(rank, 4096), _terms(rank + 10, 4096)
+    expected = [x.clone() for x in (first, second)]
+    for x in expected:
+        dist.all_reduce(x)
+    a = reduce_scatter_bucket_start(first * world, "dp", mesh)
+    b = reduce_scatter_bucket_start(second * world, "dp", mesh)
+    shifted = C.ppermute(
+        torch.full((4096 // world,), float(rank)),
+        "dp",
+        [(r, (r + 1) % world) for r in range(world)],
+        mesh=mesh,
+    )
+    shard_b, shard_a = b.wait(), a.wait()
+    part = slice(rank * (4096 // world), (rank + 1) * (4096 // world))
+    gathered = torch.zeros(4096)
+    gathered[part] = shard_a
+    gathered = all_gather_bucket_start(gathered, "dp", mesh).wait()
+    return [
+        torch.equal(shard_a, expected[0][part]),
+        torch.equal(shard_b, expected[1][part]),
+        torch.equal(shifted, torch.full_like(shifted, float((rank - 1) % world))),
+        torch.equal(gathered, expected[0]),
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_exchanges_in_flight_take_their_own_messages(world):
+    for checks in run_spmd(_in_flight_case, world):
+        assert all(checks), checks
+
+
+def test_pair_work_waits_for_every_message_then_runs_its_completion_once():
+    calls = []
+
+    class Done:
+        def __init__(self):
+            self.waited = 0
+
+        def wait(self, timeout=None):
+            self.waited += 1
+            return True
+
+        def is_completed(self):
+            return self.waited > 0
+
+    works = [Done(), Done()]
+    pending = PairWork(list(works), lambda: calls.append(1))
+    assert not pending.is_completed()
+    pending.wait()
+    pending.wait()
+    assert [w.waited for w in works] == [1, 1] and calls == [1] and pending.is_completed()
