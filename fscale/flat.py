@@ -221,23 +221,32 @@ class FlatBuffer:
 
     def fragments(self, index: int) -> list[Fragment]:
         """For each packed tensor, the element range of it that `shard(index)` holds."""
-        lo = index * self.shard_size
-        hi = lo + self.shard_size
-        out = []
-        for offset, n, shape in zip(self.offsets, self.numels, self.shapes):
-            start = min(max(lo - offset, 0), n)
-            stop = min(max(hi - offset, 0), n)
-            out.append(Fragment(shape, start, max(start, stop)))
-        return out
+        return list(self._fragment_layout(index)[0])
+
+    def _fragment_layout(self, index: int) -> tuple[list[Fragment], list[tuple[int, int]]]:
+        """`fragments(index)`, and where each lies in the shard: (begin, numel). Computed once
+        per shard index: a ZeRO step takes these views of every bucket, every step."""
+        cache = self.__dict__.setdefault("_fragments_cache", {})
+        cached = cache.get(index)
+        if cached is None:
+            lo = index * self.shard_size
+            hi = lo + self.shard_size
+            fragments, spans = [], []
+            for offset, n, shape in zip(self.offsets, self.numels, self.shapes):
+                start = min(max(lo - offset, 0), n)
+                stop = max(start, min(max(hi - offset, 0), n))
+                fragments.append(Fragment(shape, start, stop))
+                spans.append((max(offset + start - lo, 0), stop - start))
+            cached = cache[index] = (fragments, spans)
+        return cached
 
     def fragment_views(self, index: int, shard_data: torch.Tensor) -> list[torch.Tensor]:
         """1-D views into `shard_data` (a shard-sized tensor) for each tensor's fragment."""
-        lo = index * self.shard_size
-        out = []
-        for offset, frag in zip(self.offsets, self.fragments(index)):
-            begin = offset + frag.start - lo
-            out.append(shard_data[max(begin, 0) : max(begin, 0) + frag.numel])
-        return out
+        spans = self._fragment_layout(index)[1]
+        if not shard_data.requires_grad and shard_data.stride() == (1,):
+            base = shard_data.storage_offset()
+            return [shard_data.as_strided((n,), (1,), base + begin) for begin, n in spans]
+        return [shard_data[begin : begin + n] for begin, n in spans]
 
     def __repr__(self) -> str:
         return (

@@ -80,6 +80,26 @@ def test_fragments_hand_computed():
     assert flat.fragments(1)[1].is_whole and not flat.fragments(0)[1].is_whole
 
 
+def test_fragment_views_alias_the_shard_wherever_it_lies():
+    flat = FlatBuffer([torch.arange(6.0), torch.arange(5.0)], num_shards=2)  # 11 -> 12
+    expected = [
+        [fv.tolist() for fv in flat.fragment_views(r, flat.shard(r).clone())] for r in range(2)
+    ]
+    assert expected == [[[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], []], [[], [0.0, 1.0, 2.0, 3.0, 4.0]]]
+    # A shard inside a larger storage (one as_strided per fragment): writes land in the buffer.
+    views = flat.fragment_views(1, flat.shard(1))
+    views[1].fill_(-1.0)
+    assert flat.views()[1].tolist() == [-1.0] * 5
+    # A shard autograd tracks, or a strided one, is sliced: the same values.
+    tracked = flat.shard(0).clone().requires_grad_()
+    assert [v.tolist() for v in flat.fragment_views(0, tracked)] == expected[0]
+    strided = torch.stack([flat.shard(0), flat.shard(0)], dim=1)[:, 0]
+    assert [v.tolist() for v in flat.fragment_views(0, strided)] == expected[0]
+    # The fragments are computed once per shard and handed out as a fresh list.
+    flat.fragments(0).clear()
+    assert len(flat.fragments(0)) == 2
+
+
 def test_with_data_shares_the_layout():
     flat = FlatBuffer([torch.ones(2), torch.ones(3)], num_shards=2)
     grads = flat.with_data(torch.arange(6.0))

@@ -131,11 +131,14 @@ def check_state(caller: str, what: str, value: PyTree, spec: StateSpec, why: str
         spec: the structure and shapes it must have.
         why: the likely cause and the fix, appended to the message.
     """
-    paths, leaves, value_def = tree.flatten_with_paths(value)
+    leaves, value_def = tree.flatten(value)
     if value_def != spec.treedef:
         raise ValueError(
             f"{caller}: `{what}` has structure {value_def} but {spec.treedef} was expected; {why}"
         )
+    if all(_shape(leaf) == shape for leaf, shape in zip(leaves, spec.shapes)):
+        return  # every step: the leaves' paths are only spelled out for the message
+    paths, leaves, _ = tree.flatten_with_paths(value)
     for path, leaf, shape in zip(paths, leaves, spec.shapes):
         if _shape(leaf) != shape:
             raise ValueError(
