@@ -12,18 +12,22 @@ barrier before each call):
 * ``all_gather`` of 1/N into the buffer (ZeRO's parameter gather),
 
 each once through ``torch.distributed`` (``all_reduce``, ``reduce_scatter_single`` /
-``reduce_scatter_tensor``, ``all_gather_single`` / ``all_gather_into_tensor``) and once through
-`fscale.distributed.collectives` on a mesh axis (the path fscale's plans take: the ledger, the
-watchdog's signature check, the autograd Function). A round's time is its slowest rank's.
+``reduce_scatter_tensor``, ``all_gather_single`` / ``all_gather_into_tensor``), once through
+`fscale.distributed.collectives` on a mesh axis (the differentiable path: the ledger, the
+watchdog's signature check, the autograd Function), and once through the in-place bucket
+collectives of `fscale.parallel.bucket_collectives` (what `data_parallel` and
+`shard_optimizer` run on their gradient and parameter buckets; on gloo the reduce-scatter and
+the all-gather are exchanges between every pair of ranks, `fscale.parallel.exchange`). A
+round's time is its slowest rank's.
 
-Reported per (N, size, collective): the median milliseconds of each path, fscale over c10d,
+Reported per (N, size, collective): the median milliseconds of each path, fscale's over c10d,
 the algorithm bandwidth (buffer bytes / time) and the bus bandwidth, the bytes each rank's
 link carries in a ring algorithm per second (nccl-tests' convention: algorithm bandwidth
 times 2(N-1)/N for all_reduce, (N-1)/N for the other two), so the three are comparable. Below
-the table, per size: ``(reduce_scatter + all_gather) / all_reduce`` over c10d, what ZeRO's
-two collectives cost against DDP's one for the same bytes. A ring moves the same bytes for
-both, so the ratio is 1 where the backend's collectives are equally good. Writes
-``bench/results/collectives.json``.
+the table, per size: ``(reduce_scatter + all_gather) / all_reduce``, over c10d and over the
+bucket collectives, what ZeRO's two collectives cost against DDP's one for the same bytes. A
+ring moves the same bytes for both, so the ratio is 1 where the collectives are equally good.
+Writes ``bench/results/collectives.json``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ import torch.distributed as dist
 import fscale as fs
 from fscale.distributed import collectives
 from fscale.distributed.comm import all_gather_flat, reduce_scatter_flat
+from fscale.parallel.bucket_collectives import (
+    all_gather_bucket_start,
+    all_reduce_bucket_start,
+    reduce_scatter_bucket_start,
+)
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 BUS_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}
@@ -57,6 +66,11 @@ def _calls(size: int, world: int, mesh: fs.Mesh) -> dict[str, Any]:
         "fscale all_reduce": lambda: collectives.all_reduce(full, "x", mesh=mesh),
         "fscale reduce_scatter": lambda: collectives.reduce_scatter(full, "x", mesh=mesh),
         "fscale all_gather": lambda: collectives.all_gather(shard, "x", mesh=mesh),
+        # In place: the mean keeps the values where they were; the reduce-scatter's input is
+        # consumed (its values do not change what the call costs).
+        "bucket all_reduce": lambda: all_reduce_bucket_start(full, "x", mesh).wait(),
+        "bucket reduce_scatter": lambda: reduce_scatter_bucket_start(full, "x", mesh).wait(),
+        "bucket all_gather": lambda: all_gather_bucket_start(out_full, "x", mesh).wait(),
     }
 
 
@@ -109,6 +123,7 @@ def _rows(world: int, sizes_kib: list[int], per_rank: list[dict[str, Any]]) -> l
 
         for kind in KINDS:
             c10d, ours = median(f"c10d {kind}"), median(f"fscale {kind}")
+            bucket = median(f"bucket {kind}")
             size_bytes = kib * 1024 // 4 // world * world * 4
             algorithm = size_bytes / c10d
             rows.append(
@@ -119,6 +134,8 @@ def _rows(world: int, sizes_kib: list[int], per_rank: list[dict[str, Any]]) -> l
                     "c10d_s": c10d,
                     "fscale_s": ours,
                     "fscale_over_c10d": ours / c10d,
+                    "bucket_s": bucket,
+                    "bucket_over_c10d": bucket / c10d,
                     "algorithm_gb_s": algorithm / 1e9,
                     "bus_gb_s": algorithm * BUS_FACTOR[kind] * (world - 1) / world / 1e9,
                 }
@@ -134,6 +151,8 @@ def _format(rows: list[dict[str, Any]]) -> str:
         "c10d ms",
         "fscale ms",
         "fscale/c10d",
+        "bucket ms",
+        "bucket/c10d",
         "alg GB/s",
         "bus GB/s",
     ]
@@ -145,6 +164,8 @@ def _format(rows: list[dict[str, Any]]) -> str:
             r["c10d_s"] * 1e3,
             r["fscale_s"] * 1e3,
             r["fscale_over_c10d"],
+            r["bucket_s"] * 1e3,
+            r["bucket_over_c10d"],
             r["algorithm_gb_s"],
             r["bus_gb_s"],
         ]
@@ -154,14 +175,22 @@ def _format(rows: list[dict[str, Any]]) -> str:
 
 
 def _zero_over_ddp(rows: list[dict[str, Any]]) -> str:
-    """Per (N, size): ZeRO's reduce_scatter + all_gather over DDP's all_reduce, c10d times."""
-    by_key = {(r["world"], r["size_kib"], r["collective"]): r["c10d_s"] for r in rows}
+    """Per (N, size): ZeRO's reduce_scatter + all_gather over DDP's all_reduce, c10d times and
+    bucket-collective times."""
     lines = []
     for world, kib in sorted({(r["world"], r["size_kib"]) for r in rows}):
-        zero = by_key[(world, kib, "reduce_scatter")] + by_key[(world, kib, "all_gather")]
+        ratios = []
+        for path in ("c10d", "bucket"):
+            by_kind = {
+                r["collective"]: r[f"{path}_s"]
+                for r in rows
+                if (r["world"], r["size_kib"]) == (world, kib)
+            }
+            zero = by_kind["reduce_scatter"] + by_kind["all_gather"]
+            ratios.append(f"{path} {zero / by_kind['all_reduce']:.2f}")
         lines.append(
             f"N={world} {kib} KiB: (reduce_scatter + all_gather) / all_reduce = "
-            f"{zero / by_key[(world, kib, 'all_reduce')]:.2f}"
+            + ", ".join(ratios)
         )
     return "\n".join(lines)
 

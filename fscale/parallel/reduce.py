@@ -33,7 +33,7 @@ for the metrics and buffers that still hold the values folded: no collective of 
 can on the autograd path without a reduction hook (under accumulation only the last
 micro-batch's buffers are offered: the loss is known at the end), over one axis of two ranks
 that is all the step's metric axes: the all-reduce's, or the scatter axis where the
-reduce-scatter runs as an all-reduce of the bucket (gloo,
+reduce-scatter can send them to every rank beside the bucket's parts (gloo,
 `fscale.parallel.bucket_collectives.folds_trailing`), when the last bucket has the values' dtype
 and device. With two ranks every element's sum has two terms,
 equal in any order, so gradients and means are bit for bit what separate collectives give; with

@@ -44,8 +44,11 @@ Gradients:
   released, so the reduction of bucket k runs while backward computes bucket k+1. At most two
   reductions are in flight; the step waits for the older one before starting a third, which
   frees its full bucket. The peak of gradient memory is about Ψ/N (the reduced shards) plus
-  three buckets, instead of Ψ. On gloo the reduce-scatter runs in the bucket itself
-  (`fscale.parallel.bucket_collectives`): gloo's own keeps 1.5 more buckets per reduction.
+  three buckets, instead of Ψ. On gloo the reduce-scatter is an exchange between every pair
+  of ranks that sums in gloo's ring order (`fscale.parallel.exchange`): each rank receives the
+  N - 1 other ranks' parts of its shard, (N - 1)/N of a bucket per reduction in flight, one of
+  which becomes the shard (gloo's own reduce-scatter keeps 1.5 more buckets and takes twice the
+  time).
 - ``shard_grads=False`` (ZeRO-1, OSS on top of DDP): the full gradient buckets are kept until
   backward ends, then reduce-scattered. Gradient memory peaks at Ψ + Ψ/N.
 - ``grad_mode="func"`` (`torch.func` gradients, no autograd hooks): backward returns the full
