@@ -17,7 +17,7 @@ each once through ``torch.distributed`` (``all_reduce``, ``reduce_scatter_single
 watchdog's signature check, the autograd Function), and once through the in-place bucket
 collectives of `fscale.parallel.bucket_collectives` (what `data_parallel` and
 `shard_optimizer` run on their gradient and parameter buckets; on gloo the reduce-scatter and
-the all-gather are exchanges between every pair of ranks, `fscale.parallel.exchange`). A
+the all-gather are exchanges between every pair of ranks, `fscale.distributed.exchange`). A
 round's time is its slowest rank's.
 
 Reported per (N, size, collective): the median milliseconds of each path, fscale's over c10d,

@@ -130,7 +130,7 @@ def _extra_step(steps_by_rank, transform="data_parallel"):
 
 @pytest.mark.parametrize(
     ("transform", "collective"),
-    # ZeRO's reduce-scatter on gloo is an exchange of sends and receives (fscale.parallel.exchange)
+    # ZeRO's reduce-scatter on gloo: sends and receives (fscale.distributed.exchange)
     [("data_parallel", "all_reduce"), ("shard_optimizer", "reduce_scatter")],
 )
 def test_a_rank_that_takes_one_step_more_names_the_step(transform, collective):

@@ -14,16 +14,16 @@ import torch.distributed as dist
 from fscale import distributed as fd
 from fscale.distributed import collectives as C
 from fscale.distributed.comm import resolve_comm
-from fscale.parallel.bucket_collectives import (
-    all_gather_bucket_start,
-    reduce_scatter_bucket_start,
-)
-from fscale.parallel.exchange import (
+from fscale.distributed.exchange import (
     PairWork,
     exchange_all_gather,
     exchange_reduce_scatter,
     exchanges,
     ring_chunk,
+)
+from fscale.parallel.bucket_collectives import (
+    all_gather_bucket_start,
+    reduce_scatter_bucket_start,
 )
 from fscale.testing import run_spmd
 

@@ -11,6 +11,11 @@ from rank i, and reduce-scatter maps (N, *S) to S. The public functions move `di
 the front with ordinary (differentiable) reshapes, which are views for dim=0. Over a tuple of
 axes they run one axis at a time, the first axis outermost (the order of `Mesh.rank` over the
 tuple).
+
+On gloo with host tensors both run as exchanges between every pair of ranks
+(`fscale.distributed.exchange`): gloo's own all-gather and reduce-scatter take about twice as
+long for the same bytes; the reduce-scatter sums in the order of gloo's ring, so its bits are
+gloo's.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from fscale.distributed.comm import (
     resolve_comm,
 )
 from fscale.distributed.debug import issue
+from fscale.distributed.exchange import exchange_all_gather, exchange_reduce_scatter, exchanges
 from fscale.distributed.mesh import Axis, Mesh
 from fscale.distributed.pending import Pending, Work
 
@@ -49,9 +55,13 @@ class _AllGatherStart(torch.autograd.Function):
         numel = shard.numel() * comm.size
         work.ticket = issue(comm, "all_gather", shard, numel, REDUCTIONS.index(op))
         gathered = shard.new_empty((comm.size, *shard.shape))
-        work.work = all_gather_flat(
-            gathered.view(-1), shard.reshape(-1), group=comm.group, async_op=True
-        )
+        if exchanges(comm, gathered):
+            gathered[comm.index].copy_(shard)
+            work.work = exchange_all_gather(gathered.view(-1), comm, work.ticket)
+        else:
+            work.work = all_gather_flat(
+                gathered.view(-1), shard.reshape(-1), group=comm.group, async_op=True
+            )
         return gathered
 
     @staticmethod
@@ -70,6 +80,11 @@ class _ReduceScatterStart(torch.autograd.Function):
     def forward(stacked: Tensor, comm: Comm, op: str, work: Work) -> Tensor:
         # `op` is only checked here: a mean is divided out after the wait, on the shard.
         work.ticket = issue(comm, "reduce_scatter", stacked, stacked.numel(), REDUCTIONS.index(op))
+        if exchanges(comm, stacked):
+            # Reads its input (sends it, adds it), never writes it.
+            flat = stacked.reshape(-1)
+            work.work, total = exchange_reduce_scatter(flat, comm, work.ticket, 0)
+            return total.view(stacked.shape[1:])
         shard = stacked.new_empty(stacked.shape[1:])
         work.work = reduce_scatter_flat(
             shard.view(-1), stacked.reshape(-1), group=comm.group, async_op=True

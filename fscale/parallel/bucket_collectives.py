@@ -12,7 +12,7 @@ collectives work in place, with the same arithmetic and the same record in the c
   DDP reduces its buckets): no copy of the bucket per reduction in flight.
 - `reduce_scatter_bucket_start`: this rank's shard of the mean. On gloo (host tensors) each
   rank sends every other rank its part of the bucket and sums the parts it receives in the
-  order gloo's all-reduce of the bucket would (`fscale.parallel.exchange`): the bits of DDP's
+  order gloo's all-reduce of the bucket would (`fscale.distributed.exchange`): the bits of DDP's
   all-reduce, half its bytes on the wire. gloo's own reduce-scatter sums in that order too, but
   takes 1.5x an all-reduce's time and copies its input. Other backends run their reduce-scatter.
 - `all_gather_bucket_start`: every rank's shard of a bucket gathered into the bucket, whose own
@@ -41,10 +41,10 @@ import torch.distributed as dist
 from fscale.distributed import collectives
 from fscale.distributed.comm import REDUCTIONS, Comm, all_gather_flat, resolve_comm
 from fscale.distributed.debug import issue
+from fscale.distributed.exchange import exchange_all_gather, exchange_reduce_scatter, exchanges
 from fscale.distributed.ledger import record
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.pending import Pending, Work
-from fscale.parallel.exchange import exchange_all_gather, exchange_reduce_scatter, exchanges
 
 __all__ = [
     "BucketPending",

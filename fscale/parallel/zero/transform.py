@@ -45,7 +45,7 @@ Gradients:
   reductions are in flight; the step waits for the older one before starting a third, which
   frees its full bucket. The peak of gradient memory is about Ψ/N (the reduced shards) plus
   three buckets, instead of Ψ. On gloo the reduce-scatter is an exchange between every pair
-  of ranks that sums in gloo's ring order (`fscale.parallel.exchange`): each rank receives the
+  of ranks that sums in gloo's ring order (`fscale.distributed.exchange`): each rank receives the
   N - 1 other ranks' parts of its shard, (N - 1)/N of a bucket per reduction in flight, one of
   which becomes the shard (gloo's own reduce-scatter keeps 1.5 more buckets and takes twice the
   time).

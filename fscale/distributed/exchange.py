@@ -1,4 +1,4 @@
-"""Bucket collectives on gloo as pairwise exchanges: each byte crosses the wire once.
+"""All-gathers and reduce-scatters on gloo as pairwise exchanges: each byte crosses the wire once.
 
 gloo's all-gather and reduce-scatter of a flat buffer cost far more than the bytes they move
 (`bench/collectives.py`): on 2 ranks, 16 MB, an all-gather takes 0.8x and a reduce-scatter
@@ -131,7 +131,7 @@ def exchange_reduce_scatter(
     The first ``flat.numel() - trailing`` elements are cut into N equal parts, part r summed
     on rank r. Returns the work and a new tensor that holds this rank's part of the sum once
     the work is waited for; ``flat[-trailing:]`` then holds the trailing elements' sum. The
-    rest of `flat` is left as sent.
+    rest of `flat` is only read; it must not change until the work is waited for.
     """
     size, rank, tag = comm.size, comm.index, _tag(ticket)
     numel = flat.numel() - trailing
