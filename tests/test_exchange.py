@@ -16,6 +16,7 @@ from fscale.distributed import collectives as C
 from fscale.distributed.comm import resolve_comm
 from fscale.distributed.exchange import (
     PairWork,
+    all_reduce_async,
     exchange_all_gather,
     exchange_reduce_scatter,
     exchanges,
@@ -67,7 +68,7 @@ def _model_case() -> list[bool]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_chunk_is_the_order_gloo_sums_in(world):
     for per_rank in run_spmd(_model_case, world, timeout=120):
         assert all(per_rank), per_rank
@@ -117,6 +118,36 @@ def _exchange_case(trailing: int) -> list[dict[str, bool]]:
 @pytest.mark.parametrize("trailing", [0, 3])
 def test_exchanges_give_gloo_all_reduce_bits(world, trailing):
     for per_rank in run_spmd(_exchange_case, world, trailing, timeout=120):
+        for checks in per_rank:
+            assert all(checks.values()), checks
+
+
+def _small_all_reduce_case() -> list[dict[str, bool]]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    comm = resolve_comm("dp", fd.Mesh(dp=world), "test")
+    out = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for numel in (1, 3, 7, 1000, 4099, 65_536, 1 << 20):
+            terms = [_terms(r, numel).to(dtype) for r in range(world)]
+            expected = terms[rank].clone()
+            dist.all_reduce(expected)
+            mine = terms[rank].clone()
+            work = all_reduce_async(mine, comm, None)
+            work.wait()
+            out.append(
+                {
+                    "bits": torch.equal(mine.view(torch.uint8), expected.view(torch.uint8)),
+                    "exchanged": isinstance(work, PairWork)
+                    == ((world - 1) * numel * mine.element_size() <= 1 << 20),
+                }
+            )
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_small_all_reduces_are_exchanged_with_gloo_bits(world):
+    # Three ranks: chunks that are not a power-of-two split of the buffer.
+    for per_rank in run_spmd(_small_all_reduce_case, world, timeout=120):
         for checks in per_rank:
             assert all(checks.values()), checks
 

@@ -17,7 +17,15 @@ ranks and 21 -> 11.5 ms at 4, the 2-rank reduce-scatter 13.0 ms (an all-reduce) 
   are the price: (N - 1)/N of the bucket per reduction in flight, one part of which becomes the
   shard the step keeps (gloo's ring holds two 1 MiB segments).
 
-Both return a `PairWork`, which `fscale.distributed.watchdog.wait` bounds like a collective's
+- `all_reduce_async`: a small all-reduce (at most 1 MiB sent per rank) as every rank sending
+  its whole buffer to every other and summing what it receives in the ring's order: one round
+  of messages where gloo's ring takes 2(N - 1) dependent ones. Measured (2 and 4 ranks, 16 B
+  to 256 KiB): 0.19-0.37 ms against gloo's 0.33-0.51 at 2 ranks, 2.1-2.7 ms against 4.0-5.0
+  at 4 on 2 cores, with less CPU. The loss, the metrics, BatchNorm statistics and small models'
+  gradient buckets are that small. Larger buffers keep gloo's all-reduce, which sends
+  2(N - 1)/N of the buffer where this sends N - 1 times it.
+
+All return a `PairWork`, which `fscale.distributed.watchdog.wait` bounds like a collective's
 work. Messages carry tags from a range of their own, numbered by the collective's ticket
 (every rank of the group counts its collectives alike), so they never match the pipeline's or
 `ppermute`'s messages, nor one another across buckets in flight.
@@ -26,7 +34,9 @@ work. Messages carry tags from a range of their own, numbered by the collective'
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +46,7 @@ from fscale.distributed.watchdog import Ticket
 
 __all__ = [
     "PairWork",
+    "all_reduce_async",
     "exchange_all_gather",
     "exchange_reduce_scatter",
     "exchanges",
@@ -48,13 +59,21 @@ _TAG_BASE = 1 << 30
 _TAGS_PER_BASE = 1 << 20
 # gloo's largest all-reduce segment (AllreduceOptions::kMaxSegmentSize).
 _GLOO_MAX_SEGMENT = 1 << 20
+# The most bytes a rank sends in an all-reduce by exchange: (N - 1) copies of the buffer.
+_EXCHANGE_ALL_REDUCE_BYTES = 1 << 20
 
 
 class PairWork:
     """The sends and receives of one exchange; `wait` blocks on all of them, then runs `done`.
 
     Has the part of c10d's Work that `fscale.distributed.watchdog.wait` uses: ``wait(timeout)``
-    (raising on a timeout as c10d does) and ``is_completed()``.
+    (raising on a timeout as c10d does) and ``is_completed()``. The watchdog waits `timeout`
+    (its patience) for a collective, then compares where the ranks are and waits on while
+    every peer is in it, so a peer late by less than twice the patience is no error. gloo
+    closes the connection of a send or receive whose wait timed out, after which nothing
+    more can pass, so an exchange cannot wait, compare and go on: it waits twice `timeout`
+    before it reports the timeout. An exchange whose ranks have all posted completes as fast
+    as its bytes move, so only a peer that is late or gone ever reaches that bound.
     """
 
     __slots__ = ("_done", "_works")
@@ -64,11 +83,13 @@ class PairWork:
         self._done = done
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + 2 * timeout.total_seconds()
         while self._works:
-            if timeout is None:
+            if deadline is None:
                 self._works[0].wait()
             else:
-                self._works[0].wait(timeout)
+                left = max(deadline - time.monotonic(), 1e-3)
+                self._works[0].wait(datetime.timedelta(seconds=left))
             self._works.pop(0)
         if self._done is not None:
             done, self._done = self._done, None
@@ -99,6 +120,33 @@ def exchange_all_gather(flat: torch.Tensor, comm: Comm, ticket: Ticket | None) -
         works.append(dist.isend(parts[rank], group=comm.group, group_dst=to, tag=tag))
         works.append(dist.irecv(parts[source], group=comm.group, group_src=source, tag=tag))
     return PairWork(works)
+
+
+def all_reduce_async(buffer: torch.Tensor, comm: Comm, ticket: Ticket | None) -> Any:
+    """Start summing the contiguous `buffer` over `comm`'s ranks, in place: an exchange where
+    it is small and on gloo (see the module docstring), else ``dist.all_reduce``. Returns the
+    work to wait for; the sum is in `buffer` after the wait, the bits of gloo's all-reduce."""
+    flat = buffer.view(-1)
+    small = (comm.size - 1) * flat.numel() * flat.element_size() <= _EXCHANGE_ALL_REDUCE_BYTES
+    if not (small and flat.is_floating_point() and exchanges(comm, flat)):
+        return dist.all_reduce(buffer, group=comm.group, async_op=True)
+    size, rank, tag = comm.size, comm.index, _tag(ticket)
+    received = {peer: torch.empty_like(flat) for peer in range(size) if peer != rank}
+    works = []
+    for step in range(1, size):
+        to, source = (rank + step) % size, (rank - step) % size
+        works.append(dist.isend(flat, group=comm.group, group_dst=to, tag=tag))
+        works.append(dist.irecv(received[source], group=comm.group, group_src=source, tag=tag))
+
+    def terms(source: int, start: int, stop: int) -> torch.Tensor:
+        return (flat if source == rank else received[source])[start:stop]
+
+    def add() -> None:
+        chunk = ring_chunk(flat.numel(), size, flat.element_size())
+        for start, stop, c in _chunks_between(0, flat.numel(), chunk, size):
+            _sum_in_ring_order(flat, terms, start, stop, c, size)
+
+    return PairWork(works, add)
 
 
 def ring_chunk(numel: int, size: int, element_size: int) -> int:
