@@ -138,15 +138,15 @@ def _small_all_reduce_case() -> list[dict[str, bool]]:
                 {
                     "bits": torch.equal(mine.view(torch.uint8), expected.view(torch.uint8)),
                     "exchanged": isinstance(work, PairWork)
-                    == ((world - 1) * numel * mine.element_size() <= 1 << 20),
+                    == (world == 2 and numel * mine.element_size() <= 1 << 20),
                 }
             )
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 4])
 def test_small_all_reduces_are_exchanged_with_gloo_bits(world):
-    # Three ranks: chunks that are not a power-of-two split of the buffer.
+    # Over two ranks only (more ranks keep gloo's all-reduce: see the exchange module).
     for per_rank in run_spmd(_small_all_reduce_case, world, timeout=120):
         for checks in per_rank:
             assert all(checks.values()), checks

@@ -17,13 +17,14 @@ ranks and 21 -> 11.5 ms at 4, the 2-rank reduce-scatter 13.0 ms (an all-reduce) 
   are the price: (N - 1)/N of the bucket per reduction in flight, one part of which becomes the
   shard the step keeps (gloo's ring holds two 1 MiB segments).
 
-- `all_reduce_async`: a small all-reduce (at most 1 MiB sent per rank) as every rank sending
-  its whole buffer to every other and summing what it receives in the ring's order: one round
-  of messages where gloo's ring takes 2(N - 1) dependent ones. Measured (2 and 4 ranks, 16 B
-  to 256 KiB): 0.19-0.37 ms against gloo's 0.33-0.51 at 2 ranks, 2.1-2.7 ms against 4.0-5.0
-  at 4 on 2 cores, with less CPU. The loss, the metrics, BatchNorm statistics and small models'
-  gradient buckets are that small. Larger buffers keep gloo's all-reduce, which sends
-  2(N - 1)/N of the buffer where this sends N - 1 times it.
+- `all_reduce_async`: a small all-reduce over two ranks (at most 1 MiB) as each rank sending
+  its buffer to the other and adding what it receives: one round of messages where gloo's ring
+  takes two dependent ones, 0.19-0.37 ms against gloo's 0.33-0.51 for 16 B to 256 KiB
+  (standalone). The loss, the metrics, BatchNorm statistics and small models' gradient buckets
+  are that small. Over more ranks the same exchange (N - 1 sends and receives per rank, each
+  post taking the connection's lock) cost more CPU inside a step than gloo's ring: on 4 ranks
+  sharing 2 cores, the ResNet's DDP step took 7% longer with it (40 rounds, isolated, paired
+  against torch DDP: 1.075 against 1.003), so it is used on two ranks only.
 
 All return a `PairWork`, which `fscale.distributed.watchdog.wait` bounds like a collective's
 work. Messages carry tags from a range of their own, numbered by the collective's ticket
@@ -59,7 +60,7 @@ _TAG_BASE = 1 << 30
 _TAGS_PER_BASE = 1 << 20
 # gloo's largest all-reduce segment (AllreduceOptions::kMaxSegmentSize).
 _GLOO_MAX_SEGMENT = 1 << 20
-# The most bytes a rank sends in an all-reduce by exchange: (N - 1) copies of the buffer.
+# The largest buffer a two-rank all-reduce exchanges (sent whole to the peer).
 _EXCHANGE_ALL_REDUCE_BYTES = 1 << 20
 
 
@@ -124,11 +125,12 @@ def exchange_all_gather(flat: torch.Tensor, comm: Comm, ticket: Ticket | None) -
 
 def all_reduce_async(buffer: torch.Tensor, comm: Comm, ticket: Ticket | None) -> Any:
     """Start summing the contiguous `buffer` over `comm`'s ranks, in place: an exchange where
-    it is small and on gloo (see the module docstring), else ``dist.all_reduce``. Returns the
-    work to wait for; the sum is in `buffer` after the wait, the bits of gloo's all-reduce."""
+    it is small, floating point, on gloo and over two ranks (see the module docstring), else
+    ``dist.all_reduce``. Returns the work to wait for; the sum is in `buffer` after the wait,
+    the bits of gloo's all-reduce."""
     flat = buffer.view(-1)
-    small = (comm.size - 1) * flat.numel() * flat.element_size() <= _EXCHANGE_ALL_REDUCE_BYTES
-    if not (small and flat.is_floating_point() and exchanges(comm, flat)):
+    small = flat.numel() * flat.element_size() <= _EXCHANGE_ALL_REDUCE_BYTES
+    if not (comm.size == 2 and small and flat.is_floating_point() and exchanges(comm, flat)):
         return dist.all_reduce(buffer, group=comm.group, async_op=True)
     size, rank, tag = comm.size, comm.index, _tag(ticket)
     received = {peer: torch.empty_like(flat) for peer in range(size) if peer != rank}
