@@ -28,7 +28,6 @@ from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.comm import REDUCTIONS, resolve_comm
 from fscale.distributed.debug import issue
-from fscale.distributed.exchange import all_reduce_async
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.pending import Work
 from fscale.distributed.watchdog import note_step
@@ -238,7 +237,7 @@ class StartedMean:
         work = Work()
         work.ticket = issue(comm, "all_reduce", self.flat, self.flat.numel(), extra=_MEAN)
         self.flat.div_(comm.size)
-        work.work = all_reduce_async(self.flat, comm, work.ticket)
+        work.work = dist.all_reduce(self.flat, group=comm.group, async_op=True)
         return work
 
     def wait(self) -> torch.Tensor:

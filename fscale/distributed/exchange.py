@@ -17,16 +17,7 @@ ranks and 21 -> 11.5 ms at 4, the 2-rank reduce-scatter 13.0 ms (an all-reduce) 
   are the price: (N - 1)/N of the bucket per reduction in flight, one part of which becomes the
   shard the step keeps (gloo's ring holds two 1 MiB segments).
 
-- `all_reduce_async`: a small all-reduce over two ranks (at most 1 MiB) as each rank sending
-  its buffer to the other and adding what it receives: one round of messages where gloo's ring
-  takes two dependent ones, 0.19-0.37 ms against gloo's 0.33-0.51 for 16 B to 256 KiB
-  (standalone). The loss, the metrics, BatchNorm statistics and small models' gradient buckets
-  are that small. Over more ranks the same exchange (N - 1 sends and receives per rank, each
-  post taking the connection's lock) cost more CPU inside a step than gloo's ring: on 4 ranks
-  sharing 2 cores, the ResNet's DDP step took 7% longer with it (40 rounds, isolated, paired
-  against torch DDP: 1.075 against 1.003), so it is used on two ranks only.
-
-All return a `PairWork`, which `fscale.distributed.watchdog.wait` bounds like a collective's
+Both return a `PairWork`, which `fscale.distributed.watchdog.wait` bounds like a collective's
 work. Messages carry tags from a range of their own, numbered by the collective's ticket
 (every rank of the group counts its collectives alike), so they never match the pipeline's or
 `ppermute`'s messages, nor one another across buckets in flight.
@@ -37,7 +28,6 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +37,6 @@ from fscale.distributed.watchdog import Ticket
 
 __all__ = [
     "PairWork",
-    "all_reduce_async",
     "exchange_all_gather",
     "exchange_reduce_scatter",
     "exchanges",
@@ -58,10 +47,14 @@ __all__ = [
 # micro-batch, stage and leaf); two tags per collective, for a buffer and its trailing part.
 _TAG_BASE = 1 << 30
 _TAGS_PER_BASE = 1 << 20
+EXCHANGE_MIN_BYTES = 1 << 20
+"""Smaller buffers keep gloo's collectives. Below this the time goes to the messages' count,
+not their bytes, and 2(N - 1) posts from the calling thread cost more than gloo's one: with
+every buffer exchanged, fully_shard's ResNet step (units of tens of KiB, 2 ranks) took 13%
+longer (40 isolated rounds, paired), and ZeRO-2's (one 312 KiB bucket) 2-3% longer."""
+
 # gloo's largest all-reduce segment (AllreduceOptions::kMaxSegmentSize).
 _GLOO_MAX_SEGMENT = 1 << 20
-# The largest buffer a two-rank all-reduce exchanges (sent whole to the peer).
-_EXCHANGE_ALL_REDUCE_BYTES = 1 << 20
 
 
 class PairWork:
@@ -102,8 +95,14 @@ class PairWork:
 
 
 def exchanges(comm: Comm, flat: torch.Tensor) -> bool:
-    """Whether bucket collectives over `comm` on `flat` run as exchanges (gloo, host tensors)."""
-    return comm.size > 1 and flat.device.type == "cpu" and dist.get_backend(comm.group) == "gloo"
+    """Whether a collective over `comm` on `flat` runs as an exchange: on gloo, host tensors,
+    buffers of at least `EXCHANGE_MIN_BYTES`."""
+    return (
+        comm.size > 1
+        and flat.numel() * flat.element_size() >= EXCHANGE_MIN_BYTES
+        and flat.device.type == "cpu"
+        and dist.get_backend(comm.group) == "gloo"
+    )
 
 
 def _tag(ticket: Ticket | None) -> int:
@@ -121,34 +120,6 @@ def exchange_all_gather(flat: torch.Tensor, comm: Comm, ticket: Ticket | None) -
         works.append(dist.isend(parts[rank], group=comm.group, group_dst=to, tag=tag))
         works.append(dist.irecv(parts[source], group=comm.group, group_src=source, tag=tag))
     return PairWork(works)
-
-
-def all_reduce_async(buffer: torch.Tensor, comm: Comm, ticket: Ticket | None) -> Any:
-    """Start summing the contiguous `buffer` over `comm`'s ranks, in place: an exchange where
-    it is small, floating point, on gloo and over two ranks (see the module docstring), else
-    ``dist.all_reduce``. Returns the work to wait for; the sum is in `buffer` after the wait,
-    the bits of gloo's all-reduce."""
-    flat = buffer.view(-1)
-    small = flat.numel() * flat.element_size() <= _EXCHANGE_ALL_REDUCE_BYTES
-    if not (comm.size == 2 and small and flat.is_floating_point() and exchanges(comm, flat)):
-        return dist.all_reduce(buffer, group=comm.group, async_op=True)
-    size, rank, tag = comm.size, comm.index, _tag(ticket)
-    received = {peer: torch.empty_like(flat) for peer in range(size) if peer != rank}
-    works = []
-    for step in range(1, size):
-        to, source = (rank + step) % size, (rank - step) % size
-        works.append(dist.isend(flat, group=comm.group, group_dst=to, tag=tag))
-        works.append(dist.irecv(received[source], group=comm.group, group_src=source, tag=tag))
-
-    def terms(source: int, start: int, stop: int) -> torch.Tensor:
-        return (flat if source == rank else received[source])[start:stop]
-
-    def add() -> None:
-        chunk = ring_chunk(flat.numel(), size, flat.element_size())
-        for start, stop, c in _chunks_between(0, flat.numel(), chunk, size):
-            _sum_in_ring_order(flat, terms, start, stop, c, size)
-
-    return PairWork(works, add)
 
 
 def ring_chunk(numel: int, size: int, element_size: int) -> int:

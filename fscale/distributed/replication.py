@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fscale.distributed.comm import REDUCTIONS, Comm, axes, check_op, check_tensor, resolve_comm
 from fscale.distributed.debug import issue
-from fscale.distributed.exchange import all_reduce_async
 from fscale.distributed.mesh import Axis, Mesh
 from fscale.distributed.pending import Pending, Work
 
@@ -53,7 +53,7 @@ class _AllReduceStart(torch.autograd.Function):
             buffer = torch.div(x, comm.size).contiguous()
         else:
             buffer = x.clone(memory_format=torch.contiguous_format)
-        work.work = all_reduce_async(buffer, comm, work.ticket)
+        work.work = dist.all_reduce(buffer, group=comm.group, async_op=True)
         return buffer
 
     @staticmethod

@@ -41,12 +41,7 @@ import torch.distributed as dist
 from fscale.distributed import collectives
 from fscale.distributed.comm import REDUCTIONS, Comm, all_gather_flat, resolve_comm
 from fscale.distributed.debug import issue
-from fscale.distributed.exchange import (
-    all_reduce_async,
-    exchange_all_gather,
-    exchange_reduce_scatter,
-    exchanges,
-)
+from fscale.distributed.exchange import exchange_all_gather, exchange_reduce_scatter, exchanges
 from fscale.distributed.ledger import record
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.pending import Pending, Work
@@ -151,7 +146,7 @@ def all_reduce_bucket_start(
     if trailing:
         record("all_reduce", comm.axis, flat.dtype, trailing, comm.size)
     flat.div_(comm.size)
-    work.work = all_reduce_async(flat, comm, work.ticket)
+    work.work = dist.all_reduce(flat, group=comm.group, async_op=True)
     return BucketPending(flat, work, num_trailing=trailing)
 
 
