@@ -13,8 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fscale as fs
 from fscale import distributed as fd
 from fscale.distributed import collectives as C
+from fscale.distributed import exchange as exchange_module
 from fscale.distributed.comm import resolve_comm
 from fscale.distributed.exchange import (
     EXCHANGE_MIN_BYTES,
@@ -184,6 +186,39 @@ def _late_exchange(late):
 
 def test_a_peer_late_by_less_than_twice_the_patience_is_no_error_in_an_exchange():
     assert run_spmd(_late_exchange, 2, 1.4) == [True, True]
+
+
+def _zero_grad_peak(exchange: bool) -> tuple[int, int]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    saved = exchange_module.EXCHANGE_MIN_BYTES
+    exchange_module.EXCHANGE_MIN_BYTES = saved if exchange else 1 << 62
+    try:
+        params = {"w": torch.randn(512, 1024, generator=torch.Generator().manual_seed(0))}
+
+        def loss_fn(p, buffers, batch, key):
+            return (batch @ p["w"].T).square().mean()
+
+        step = fs.shard_optimizer(fs.train_step(loss_fn, fs.optim.sgd(0.1)), fd.Mesh(dp=world))
+        state = step.init(params)
+        _, metrics = step(
+            state, torch.randn(4, 1024, generator=torch.Generator().manual_seed(rank))
+        )
+    finally:
+        exchange_module.EXCHANGE_MIN_BYTES = saved
+    return int(metrics["grad_peak_bytes"]), 512 * 1024 * 4
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_gradient_peak_counts_what_an_exchange_receives(world):
+    for (exchanged, bucket), (all_reduced, _) in zip(
+        run_spmd(_zero_grad_peak, world, True), run_spmd(_zero_grad_peak, world, False)
+    ):
+        # The bucket, and beside it the other ranks' parts of this rank's shard it receives (one
+        # of which becomes the shard); over two ranks the loss rides in the bucket too (4 bytes
+        # in it, 4 received). An all-reduce in the bucket holds less.
+        riding = 8 if world == 2 else 0
+        assert exchanged == bucket + bucket * (world - 1) // world + riding
+        assert all_reduced < exchanged
 
 
 def test_pair_work_waits_for_every_message_then_runs_its_completion_once():

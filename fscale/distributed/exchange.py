@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,11 +70,17 @@ class PairWork:
     as its bytes move, so only a peer that is late or gone ever reaches that bound.
     """
 
-    __slots__ = ("_done", "_works")
+    __slots__ = ("_done", "_works", "buffers")
 
-    def __init__(self, works: list, done: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        works: list,
+        done: Callable[[], None] | None = None,
+        buffers: Sequence[torch.Tensor] = (),
+    ) -> None:
         self._works = works
         self._done = done
+        self.buffers = list(buffers)  # what the exchange allocated to receive into
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + 2 * timeout.total_seconds()
@@ -88,6 +94,7 @@ class PairWork:
         if self._done is not None:
             done, self._done = self._done, None
             done()
+        self.buffers = []
         return True
 
     def is_completed(self) -> bool:
@@ -188,7 +195,7 @@ def exchange_reduce_scatter(
         for start, stop, c in _chunks_between(numel, flat.numel(), chunk, size):
             _sum_in_ring_order(tail, tail_terms, start - numel, stop - numel, c, size)
 
-    return PairWork(works, add), result
+    return PairWork(works, add, [*received.values(), *tails.values()]), result
 
 
 def _chunks_between(start: int, stop: int, chunk: int, size: int) -> Iterator[tuple[int, int, int]]:

@@ -12,7 +12,7 @@ the front with ordinary (differentiable) reshapes, which are views for dim=0. Ov
 axes they run one axis at a time, the first axis outermost (the order of `Mesh.rank` over the
 tuple).
 
-On gloo with host tensors both run as exchanges between every pair of ranks
+On gloo with host tensors of 1 MiB or more both run as exchanges between every pair of ranks
 (`fscale.distributed.exchange`): gloo's own all-gather and reduce-scatter take about twice as
 long for the same bytes; the reduce-scatter sums in the order of gloo's ring, so its bits are
 gloo's.

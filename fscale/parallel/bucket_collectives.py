@@ -10,14 +10,15 @@ collectives work in place, with the same arithmetic and the same record in the c
 
 - `all_reduce_bucket_start`: the mean over an axis, divided and summed in the bucket (as torch
   DDP reduces its buckets): no copy of the bucket per reduction in flight.
-- `reduce_scatter_bucket_start`: this rank's shard of the mean. On gloo (host tensors) each
-  rank sends every other rank its part of the bucket and sums the parts it receives in the
-  order gloo's all-reduce of the bucket would (`fscale.distributed.exchange`): the bits of DDP's
-  all-reduce, half its bytes on the wire. gloo's own reduce-scatter sums in that order too, but
-  takes 1.5x an all-reduce's time and copies its input. Other backends run their reduce-scatter.
+- `reduce_scatter_bucket_start`: this rank's shard of the mean. On gloo (host tensors, buckets
+  of 1 MiB or more) each rank sends every other rank its part of the bucket and sums the parts
+  it receives in the order gloo's all-reduce of the bucket would (`fscale.distributed.exchange`):
+  the bits of DDP's all-reduce, half its bytes on the wire. Smaller buckets are all-reduced in
+  place and sliced (gloo's own reduce-scatter sums in that order too, but takes 1.5x an
+  all-reduce's time and copies its input). Other backends run their reduce-scatter.
 - `all_gather_bucket_start`: every rank's shard of a bucket gathered into the bucket, whose own
-  shard this rank has already written: no gathered copy beside the bucket. On gloo, exchanged
-  between every pair of ranks (about half the time of gloo's all-gather).
+  shard this rank has already written: no gathered copy beside the bucket. On gloo, from 1 MiB,
+  exchanged between every pair of ranks (about half the time of gloo's all-gather).
 
 The two reductions take ``trailing``: a few elements after the bucket in its buffer (the step's
 loss and scalar metrics) whose mean travels in the bucket's own collective, so that the step
@@ -41,7 +42,12 @@ import torch.distributed as dist
 from fscale.distributed import collectives
 from fscale.distributed.comm import REDUCTIONS, Comm, all_gather_flat, resolve_comm
 from fscale.distributed.debug import issue
-from fscale.distributed.exchange import exchange_all_gather, exchange_reduce_scatter, exchanges
+from fscale.distributed.exchange import (
+    PairWork,
+    exchange_all_gather,
+    exchange_reduce_scatter,
+    exchanges,
+)
 from fscale.distributed.ledger import record
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.pending import Pending, Work
@@ -103,6 +109,13 @@ class BucketPending:
             self._buffer = self._work = None
         return self._result
 
+    @property
+    def held(self) -> tuple[torch.Tensor, ...]:
+        """The buffers the collective allocated and holds while in flight (an exchange's
+        receives), for memory accounting; empty once waited for."""
+        work = None if self._work is None else self._work.work
+        return tuple(work.buffers) if isinstance(work, PairWork) else ()
+
     def then(self, after: Callable[[torch.Tensor], torch.Tensor]) -> BucketPending:
         """A pending whose `wait()` returns ``after(self.wait())``; `self` is consumed."""
         finish = self._finish
@@ -162,8 +175,9 @@ def _check_trailing(flat: torch.Tensor, trailing: int, caller: str) -> None:
 def folds_trailing(axis: str, mesh: Mesh) -> bool:
     """Whether `reduce_scatter_bucket_start` over `axis` can carry trailing elements.
 
-    It can on gloo with more than one rank, whose exchange sends the trailing elements to every
-    rank beside the parts: a backend's own reduce-scatter leaves each rank only its own part.
+    It can on gloo with more than one rank, where the reduce-scatter is an all-reduce of the
+    whole buffer or an exchange that sends the trailing elements to every rank beside the
+    parts: a backend's own reduce-scatter leaves each rank only its own part.
     """
     comm = resolve_comm(axis, mesh, "folds_trailing")
     return comm.size > 1 and dist.get_backend(comm.group) == "gloo"

@@ -383,9 +383,11 @@ class _ScatterSession:
         self, bucket: Bucket, flat_grad: torch.Tensor
     ) -> collectives.Pending | BucketPending:
         trailing = flat_grad.numel() - bucket.numel
-        return reduce_scatter_bucket_start(
-            flat_grad, self.axis, self.reducer.mesh, trailing=trailing
-        )
+        mesh = self.reducer.mesh
+        pending = reduce_scatter_bucket_start(flat_grad, self.axis, mesh, trailing=trailing)
+        for received in getattr(pending, "held", ()):  # an exchange's receive buffers count
+            self.live.track(received)
+        return pending
 
     def _start_and_release(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
         self.in_flight.append((bucket.index, self._reduce_start(bucket, flat_grad)))
