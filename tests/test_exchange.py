@@ -20,11 +20,14 @@ from fscale.distributed import exchange as exchange_module
 from fscale.distributed.comm import resolve_comm
 from fscale.distributed.exchange import (
     EXCHANGE_MIN_BYTES,
+    RING_RULES,
     PairWork,
     exchange_all_gather,
     exchange_reduce_scatter,
     exchanges,
+    exchanges_reduce_scatter,
     ring_chunk,
+    ring_rule,
 )
 from fscale.parallel.bucket_collectives import (
     all_gather_bucket_start,
@@ -59,23 +62,90 @@ def _ring_sum(terms: list[torch.Tensor], chunk: int) -> torch.Tensor:
     return out
 
 
-def _model_case() -> list[bool]:
+def _model_case() -> tuple[str | None, list[bool]]:
     world = dist.get_world_size()
+    rule = ring_rule(resolve_comm("dp", fd.Mesh(dp=world), "test"))
     out = []
     for numel in SIZES:
         numel = numel // world * world
         terms = [_terms(r, numel) for r in range(world)]
         reduced = terms[dist.get_rank()].clone()
         dist.all_reduce(reduced)
-        expected = _ring_sum(terms, ring_chunk(numel, world, 4))
+        expected = _ring_sum(terms, ring_chunk(numel, world, 4, rule or "count_first"))
         out.append(torch.equal(_bits(reduced), _bits(expected)))
-    return out
+    return rule, out
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_chunk_is_the_order_gloo_sums_in(world):
-    for per_rank in run_spmd(_model_case, world, timeout=120):
-        assert all(per_rank), per_rank
+    # The probe finds one of the two rules, the same on every rank, and that rule predicts
+    # gloo's sums of whole buffers in both regimes.
+    results = run_spmd(_model_case, world, timeout=120)
+    assert len({rule for rule, _ in results}) == 1 and results[0][0] in RING_RULES
+    for _, per_size in results:
+        assert all(per_size), per_size
+
+
+def _probe_in_either_order() -> list[str | None]:
+    comm = resolve_comm("dp", fd.Mesh(dp=dist.get_world_size()), "test")
+    saved = exchange_module.RING_RULES
+    found = []
+    try:
+        for rules in (saved, saved[::-1]):
+            exchange_module.RING_RULES = rules
+            found.append(exchange_module._probe_rule(comm))
+    finally:
+        exchange_module.RING_RULES = saved
+    return found
+
+
+def test_the_probe_tells_the_rules_apart():
+    # Tried in either order, the probe names the same rule: the other one's order fails it.
+    for first, second in run_spmd(_probe_in_either_order, 4):
+        assert first == second and first in RING_RULES
+
+
+def test_the_two_ring_rules_differ_only_past_2n_mib():
+    for size in (2, 3, 4, 8):
+        small = 2 * size * (1 << 18) // 3  # float32, under 2N MiB
+        assert ring_chunk(small, size, 4, "count_first") == ring_chunk(small, size, 4, "size_first")
+    # 4 ranks, 8 MiB and 80 bytes: 12 segments either way (3 per rank), of 1 MiB (size first)
+    # or of a twelfth of the buffer, 8,388,688 / 12 = 699,057.3 bytes rounded up to whole
+    # elements, 699,060 (count first).
+    numel = 2 * 4 * (1 << 18) + 20
+    assert ring_chunk(numel, 4, 4, "size_first") == 3 * (1 << 18)
+    assert ring_chunk(numel, 4, 4, "count_first") == 3 * 699_060 // 4
+    with pytest.raises(ValueError, match="`rule` must be one of"):
+        ring_chunk(numel, 4, 4, "ring")
+
+
+def _unknown_rule_case() -> list[bool]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = fd.Mesh(dp=world)
+    comm = resolve_comm("dp", mesh, "test")
+    saved = dict(exchange_module._probed_rule)
+    exchange_module._probed_rule["rule"] = None  # a gloo that sums in an unknown order
+    try:
+        numel = EXCHANGE_MIN_BYTES // 4
+        x = _terms(rank, numel)
+        expected = x.clone()
+        dist.all_reduce(expected)
+        shard = reduce_scatter_bucket_start(x * world, "dp", mesh).wait()
+        part = slice(rank * (numel // world), (rank + 1) * (numel // world))
+        return [
+            exchanges_reduce_scatter(comm, x) == (world == 2),
+            exchanges(comm, x),  # all-gathers do no arithmetic: still exchanged
+            torch.equal(shard, expected[part]),
+        ]
+    finally:
+        exchange_module._probed_rule.clear()
+        exchange_module._probed_rule.update(saved)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_unknown_ring_order_keeps_gloo_for_reduce_scatters_over_more_ranks(world):
+    for checks in run_spmd(_unknown_rule_case, world):
+        assert all(checks), checks
 
 
 def test_ring_chunk_covers_the_buffer_in_n_chunks():

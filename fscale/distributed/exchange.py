@@ -13,7 +13,10 @@ ranks and 21 -> 11.5 ms at 4, the 2-rank reduce-scatter 13.0 ms (an all-reduce) 
   the N - 1 parts it receives with its own, element by element in the order gloo's ring
   all-reduce of the same buffer sums that element (`ring_chunk`), so the shard holds the bits
   of DDP's all-reduce (and of gloo's reduce-scatter, which follows the same ring). With two
-  ranks any order gives them: one addition, and addition is commutative. The parts received
+  ranks any order gives them: one addition, and addition is commutative. Over more ranks the
+  order depends on how gloo cuts the buffer, which changed between gloo versions:
+  `exchanges_reduce_scatter` asks `ring_rule`, which probes the installed gloo once and
+  answers None (keep gloo's collective) for an order it does not know. The parts received
   are the price: (N - 1)/N of the bucket per reduction in flight, one part of which becomes the
   shard the step keeps (gloo's ring holds two 1 MiB segments).
 
@@ -40,7 +43,9 @@ __all__ = [
     "exchange_all_gather",
     "exchange_reduce_scatter",
     "exchanges",
+    "exchanges_reduce_scatter",
     "ring_chunk",
+    "ring_rule",
 ]
 
 # Above every tag the pipeline's transport uses (its messages are numbered from 1 by
@@ -112,6 +117,13 @@ def exchanges(comm: Comm, flat: torch.Tensor) -> bool:
     )
 
 
+def exchanges_reduce_scatter(comm: Comm, flat: torch.Tensor) -> bool:
+    """Whether a reduce-scatter over `comm` on `flat` runs as an exchange: as `exchanges`, and
+    with more than two ranks only where the installed gloo's order is known (`ring_rule`,
+    probed on the first call, on every rank at once)."""
+    return exchanges(comm, flat) and (comm.size == 2 or ring_rule(comm) is not None)
+
+
 def _tag(ticket: Ticket | None) -> int:
     seq = ticket.seq if ticket is not None else 0
     return _TAG_BASE + 2 * (seq % _TAGS_PER_BASE)
@@ -129,21 +141,73 @@ def exchange_all_gather(flat: torch.Tensor, comm: Comm, ticket: Ticket | None) -
     return PairWork(works)
 
 
-def ring_chunk(numel: int, size: int, element_size: int) -> int:
+def ring_chunk(numel: int, size: int, element_size: int, rule: str = "count_first") -> int:
     """The length of the chunks gloo's ring all-reduce cuts a buffer of `numel` elements into.
 
     Chunk c (elements ``[c * L, (c + 1) * L)``, the last ones short or empty) is summed around
     the ring starting from rank c - 1, each rank adding its own term to the partial sum it
     receives, and ends complete on rank c: ``x[c] + (x[c + 1] + (... + (x[c - 2] + x[c - 1])))``
-    (ranks mod N). gloo cuts the buffer into segments of at most 1 MiB, at least two per rank
-    and a multiple of N in number, each a whole number of elements; a chunk is 1/N of those
-    segments, consecutive. Pinned against gloo's own all-reduce, element for element, in both
-    regimes (up to 2N segments of under 1 MiB, and 1 MiB segments), by `tests/test_exchange.py`.
+    (ranks mod N). gloo cuts the buffer into segments of at most 1 MiB, at least 2N of them and
+    a multiple of N in number, each a whole number of elements; a chunk is 1/N of them. gloo
+    has cut by two rules (`RING_RULES`): ``"count_first"`` fixes the number of segments, then
+    their size (torch 2.13's gloo); ``"size_first"`` the size, then the number (older gloo).
+    They differ only for buffers over 2N MiB. Pinned against gloo's own all-reduce, element
+    for element, by `tests/test_exchange.py`; `ring_rule` finds the installed gloo's.
     """
     total = numel * element_size
-    segments = _round_up(max(-(-total // _GLOO_MAX_SEGMENT), 2 * size), size)
-    segment = _round_up(-(-total // segments), element_size)
+    if rule == "count_first":
+        segments = _round_up(max(-(-total // _GLOO_MAX_SEGMENT), 2 * size), size)
+        segment = _round_up(-(-total // segments), element_size)
+    elif rule == "size_first":
+        segment = _round_up(min(-(-total // (2 * size)), _GLOO_MAX_SEGMENT), element_size)
+        segments = _round_up(max(-(-total // segment), 2 * size), size)
+    else:
+        raise ValueError(f"ring_chunk: `rule` must be one of {RING_RULES}, got {rule!r}")
     return segments // size * segment // element_size
+
+
+RING_RULES = ("count_first", "size_first")
+
+_probed_rule: dict[str, str | None] = {}
+
+
+def ring_rule(comm: Comm) -> str | None:
+    """The rule (`ring_chunk`) by which the installed gloo cuts its all-reduces, or None when
+    it follows neither; the first call runs a probe over `comm` (every rank of it must call).
+
+    The probe all-reduces one buffer of 2N MiB and a little more, zero but at 64 positions
+    that hold heavy-tailed values (the same on every rank, from a fixed seed) placed where the
+    two rules put them in different chunks, and compares the sums bit for bit with each rule's
+    order. Run once per process: the rule is the gloo library's.
+    """
+    if "rule" not in _probed_rule:
+        _probed_rule["rule"] = _probe_rule(comm)
+    return _probed_rule["rule"]
+
+
+def _probe_rule(comm: Comm) -> str | None:
+    size, rank = comm.size, comm.index
+    numel = 2 * size * (_GLOO_MAX_SEGMENT // 4) + 5 * size  # float32: over 2N MiB
+    generator = torch.Generator().manual_seed(20261204)
+    positions = torch.randperm(numel, generator=generator)[:64].tolist()
+    terms = torch.randn(size, 64, generator=generator, dtype=torch.float64)
+    terms = (terms * torch.exp(terms * 4)).float()
+    buffer = torch.zeros(numel)
+    buffer[positions] = terms[rank]
+    dist.all_reduce(buffer, group=comm.group)
+    for rule in RING_RULES:
+        chunk = ring_chunk(numel, size, 4, rule)
+        expected = []
+        for i, position in enumerate(positions):
+            c = min(position // chunk, size - 1)
+            total = terms[(c - 1) % size, i].clone()
+            for k in range(2, size + 1):
+                total = total + terms[(c - k) % size, i]
+            expected.append(total)
+        got = buffer[positions]
+        if torch.equal(got.view(torch.int32), torch.stack(expected).view(torch.int32)):
+            return rule
+    return None
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -176,7 +240,13 @@ def exchange_reduce_scatter(
         if trailing:
             works.append(dist.isend(tail, group=comm.group, group_dst=to, tag=tag + 1))
             works.append(dist.irecv(tails[source], group=comm.group, group_src=source, tag=tag + 1))
-    chunk = ring_chunk(flat.numel(), size, flat.element_size())
+    rule = "count_first" if size == 2 else ring_rule(comm)  # two terms: any order
+    if rule is None:
+        raise RuntimeError(
+            "exchange_reduce_scatter: this gloo sums its all-reduces in an order fscale does "
+            "not know; check exchanges_reduce_scatter(comm, flat) first"
+        )
+    chunk = ring_chunk(flat.numel(), size, flat.element_size(), rule)
     # The sum accumulates in the part received from rank r - 1: the first term of the chunk
     # r, which covers nearly all of part r (chunks are N-th parts rounded up).
     result = received[(rank - 1) % size]

@@ -38,7 +38,12 @@ from fscale.distributed.comm import (
     resolve_comm,
 )
 from fscale.distributed.debug import issue
-from fscale.distributed.exchange import exchange_all_gather, exchange_reduce_scatter, exchanges
+from fscale.distributed.exchange import (
+    exchange_all_gather,
+    exchange_reduce_scatter,
+    exchanges,
+    exchanges_reduce_scatter,
+)
 from fscale.distributed.mesh import Axis, Mesh
 from fscale.distributed.pending import Pending, Work
 
@@ -80,7 +85,7 @@ class _ReduceScatterStart(torch.autograd.Function):
     def forward(stacked: Tensor, comm: Comm, op: str, work: Work) -> Tensor:
         # `op` is only checked here: a mean is divided out after the wait, on the shard.
         work.ticket = issue(comm, "reduce_scatter", stacked, stacked.numel(), REDUCTIONS.index(op))
-        if exchanges(comm, stacked):
+        if exchanges_reduce_scatter(comm, stacked):
             # Reads its input (sends it, adds it), never writes it.
             flat = stacked.reshape(-1)
             work.work, total = exchange_reduce_scatter(flat, comm, work.ticket, 0)

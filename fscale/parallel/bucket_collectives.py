@@ -47,6 +47,7 @@ from fscale.distributed.exchange import (
     exchange_all_gather,
     exchange_reduce_scatter,
     exchanges,
+    exchanges_reduce_scatter,
 )
 from fscale.distributed.ledger import record
 from fscale.distributed.mesh import Mesh
@@ -233,7 +234,7 @@ def reduce_scatter_bucket_start(
     if trailing:
         record("all_reduce", comm.axis, flat.dtype, trailing, size)
         flat[bucket.numel() :].div_(size)
-    if exchanges(comm, flat):
+    if exchanges_reduce_scatter(comm, flat):
         work.work, total = exchange_reduce_scatter(flat, comm, work.ticket, trailing)
         return BucketPending(flat, work, lambda _: total.div_(size), trailing)
     work.work = dist.all_reduce(flat, group=comm.group, async_op=True)
