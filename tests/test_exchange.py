@@ -7,6 +7,7 @@ gloo's two regimes: at most 2N segments of under 1 MiB, and buffers cut into 1 M
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import pytest
@@ -231,6 +232,21 @@ def _in_flight_case() -> list[bool]:
 def test_exchanges_in_flight_take_their_own_messages(world):
     for checks in run_spmd(_in_flight_case, world):
         assert all(checks), checks
+
+
+def test_a_pair_work_whose_wait_timed_out_says_the_connection_is_gone():
+    class TimesOut:
+        def wait(self, timeout=None):
+            raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
+
+        def is_completed(self):
+            return False
+
+    pending = PairWork([TimesOut()])
+    with pytest.raises(RuntimeError, match="Timed out"):
+        pending.wait(datetime.timedelta(seconds=1))  # what the watchdog sees and diagnoses
+    with pytest.raises(RuntimeError, match=r"gloo then closed the connection .*Timed out"):
+        pending.wait()  # gloo would answer "Application timeout caused pair closure"
 
 
 def _late_exchange(late):

@@ -75,7 +75,7 @@ class PairWork:
     as its bytes move, so only a peer that is late or gone ever reaches that bound.
     """
 
-    __slots__ = ("_done", "_works", "buffers")
+    __slots__ = ("_closed", "_done", "_works", "buffers")
 
     def __init__(
         self,
@@ -85,16 +85,27 @@ class PairWork:
     ) -> None:
         self._works = works
         self._done = done
+        self._closed: str | None = None  # gloo's error once a timed wait closed the pair
         self.buffers = list(buffers)  # what the exchange allocated to receive into
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if self._closed is not None:
+            raise RuntimeError(
+                "exchange: its wait timed out earlier, and gloo then closed the connection "
+                f"({self._closed}); the process group cannot be used again. For exchanges that "
+                "take longer, raise FSCALE_COLLECTIVE_TIMEOUT"
+            )
         deadline = None if timeout is None else time.monotonic() + 2 * timeout.total_seconds()
         while self._works:
             if deadline is None:
                 self._works[0].wait()
             else:
                 left = max(deadline - time.monotonic(), 1e-3)
-                self._works[0].wait(datetime.timedelta(seconds=left))
+                try:
+                    self._works[0].wait(datetime.timedelta(seconds=left))
+                except RuntimeError as error:
+                    self._closed = str(error)
+                    raise
             self._works.pop(0)
         if self._done is not None:
             done, self._done = self._done, None
@@ -199,10 +210,10 @@ def _probe_rule(comm: Comm) -> str | None:
         chunk = ring_chunk(numel, size, 4, rule)
         expected = []
         for i, position in enumerate(positions):
-            c = min(position // chunk, size - 1)
-            total = terms[(c - 1) % size, i].clone()
-            for k in range(2, size + 1):
-                total = total + terms[(c - k) % size, i]
+            first, *rest = _ring_order(min(position // chunk, size - 1), size)
+            total = terms[first, i].clone()
+            for source in rest:
+                total = total + terms[source, i]
             expected.append(total)
         got = buffer[positions]
         if torch.equal(got.view(torch.int32), torch.stack(expected).view(torch.int32)):
@@ -277,6 +288,12 @@ def _chunks_between(start: int, stop: int, chunk: int, size: int) -> Iterator[tu
         start = end
 
 
+def _ring_order(chunk: int, size: int) -> list[int]:
+    """The ranks whose terms gloo's ring adds for chunk `chunk`, first to last: c - 1, c - 2,
+    ..., c (mod N)."""
+    return [(chunk - k) % size for k in range(1, size + 1)]
+
+
 def _sum_in_ring_order(
     out: torch.Tensor,
     terms: Callable[[int, int, int], torch.Tensor],
@@ -290,7 +307,7 @@ def _sum_in_ring_order(
     The ring adds each rank's term to the partial sum from rank c - 1 down to rank c; addition
     is commutative, so adding in place to the partial sum gives the ring's bits.
     """
-    order = [(chunk - k) % size for k in range(1, size + 1)]  # c - 1, c - 2, ..., c
+    order = _ring_order(chunk, size)
     first = terms(order[0], start, stop)
     target = out[start:stop]
     # Accumulate where the first term already lies, else in a copy of it.
