@@ -32,9 +32,15 @@ def tree_bytes(values: Any) -> int:
     held as long as the view lives).
     """
     seen: dict[tuple[torch.device, int], int] = {}
+    bases: set[int] = set()  # views of one base share its storage: look it up once
     for leaf in tree.leaves(values):
         if not isinstance(leaf, torch.Tensor):
             continue
+        base = leaf._base
+        if base is not None:
+            if id(base) in bases:
+                continue
+            bases.add(id(base))
         storage = leaf.untyped_storage()
         pointer = storage.data_ptr()
         if pointer == 0:  # zero-size storage

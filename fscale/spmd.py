@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fscale import random as fsrandom
 from fscale import tree
@@ -272,7 +273,7 @@ class StartedLeafMeans:
                 by_dtype.setdefault(leaf.dtype, []).append(i)
         self.groups: list[tuple[list[int], Callable[[], torch.Tensor]]] = []
         for indices in by_dtype.values():
-            flat = torch.cat([self.leaves[i].detach().reshape(-1) for i in indices])
+            flat = _packed_copy([self.leaves[i] for i in indices])
             carried = None if carry is None else carry(flat)
             if carried is None:
                 carried = StartedMean(flat, axis, mesh).wait
@@ -282,13 +283,18 @@ class StartedLeafMeans:
         """The tree of means (each floating leaf a view of its dtype's averaged buffer)."""
         out = list(self.leaves)
         for indices, wait in self.groups:
-            flat = wait()
-            offset = 0
-            for i in indices:
-                n = self.leaves[i].numel()
-                out[i] = flat[offset : offset + n].view(self.leaves[i].shape)
-                offset += n
+            views = _unflatten_dense_tensors(wait(), [self.leaves[i] for i in indices])
+            for i, view in zip(indices, views):
+                out[i] = view
         return tree.unflatten(self.treedef, out)
+
+
+def _packed_copy(leaves: list[torch.Tensor]) -> torch.Tensor:
+    """A new 1-D buffer holding `leaves` back to back, detached (a collective writes in it)."""
+    with torch.no_grad():
+        if len(leaves) == 1:  # flattening one tensor would give a view of it, not a copy
+            return leaves[0].reshape(-1).clone()
+        return _flatten_dense_tensors(leaves)
 
 
 class StartedBufferMeans:

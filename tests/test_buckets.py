@@ -232,3 +232,42 @@ def test_a_last_bucket_over_the_late_bytes_keeps_its_hooks():
     # No late bucket: flush reads none of the gradients given, the hooks alone write them.
     collector.flush([torch.ones(2), torch.ones(2)])
     assert ready == [[0.0, 0.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("sizes", [(3, 5, 2), (7,)])
+@pytest.mark.parametrize("fold", [False, True])
+def test_the_late_bucket_written_in_one_go_equals_the_leaf_by_leaf_write(sizes, fold):
+    # The late bucket is built by one concatenation when its leaves lie back to back; the
+    # leaf-by-leaf write (a bucket with hooks, the gradients delivered one at a time) is the
+    # reference: the same buffer, padding, folded values and bits. A gradient is never the
+    # buffer itself (a one-leaf bucket too): the collective writes into the buffer.
+    leaves = [torch.zeros(n) for n in sizes]
+    (bucket,) = assign_buckets(leaves, 1 << 20, num_shards=4)
+    grads = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in sizes]
+    # A strided gradient, as autograd may return one.
+    grads[0] = torch.randn(sizes[0] * 2, generator=torch.Generator().manual_seed(0))[::2]
+    folded = torch.tensor([7.0, -0.0])
+    late, hooked, allocated = [], [], []
+    at_once = GradBuckets(
+        [bucket],
+        len(sizes),
+        lambda b, d: late.append(d),
+        late_bytes=1 << 20,
+        on_allocate=allocated.append,
+    )
+    by_leaf = GradBuckets([bucket], len(sizes), lambda b, d: hooked.append(d))
+    if fold:
+        at_once.fold(folded)
+        by_leaf.fold(folded)
+    for hook, grad in zip(by_leaf.hooks(), grads):
+        hook(grad)
+    at_once.flush(grads)
+    (expected,), (got,) = hooked, late
+    assert got.shape == expected.shape and torch.equal(
+        got.view(torch.int32), expected.view(torch.int32)
+    )
+    assert len(allocated) == 1 and allocated[0] is got and at_once.bucket_data(0) is got
+    storages = {g.untyped_storage().data_ptr() for g in grads} | {
+        folded.untyped_storage().data_ptr()
+    }
+    assert got.untyped_storage().data_ptr() not in storages

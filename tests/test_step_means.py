@@ -112,16 +112,21 @@ def _started_means():
     by_collective = collectives.all_reduce(flat.clone(), ("a", "b"), "mean", mesh=mesh)
     first, second = started.wait(), started.wait()
     tree = {"x": flat.clone(), "n": torch.tensor([rank]), "h": flat[:2].clone().half()}
+    given = {k: v.clone() for k, v in tree.items()}
     leaf_means = spmd.StartedLeafMeans(tree, mesh, ("a", "b")).wait()
+    # The means are computed in a buffer of their own, also for a dtype with one leaf ("h").
+    untouched = all(torch.equal(tree[k], given[k]) for k in tree)
     old = {"kept": torch.ones(2), "new": torch.zeros(2)}
     new = {"kept": old["kept"], "new": torch.full((2,), float(rank))}
     buffers = spmd.StartedBufferMeans(old, new, mesh, "a")
     holds = buffers.holds(new), buffers.holds({**new, "new": new["new"].clone()})
-    return first, second is first, by_collective, leaf_means, buffers.wait(), holds, rank
+    return first, second is first, by_collective, leaf_means, buffers.wait(), holds, rank, untouched
 
 
 def test_started_means_equal_the_collectives():
-    for first, again, expected, leaf_means, buffers, holds, rank in run_spmd(_started_means, 4):
+    results = run_spmd(_started_means, 4)
+    for first, again, expected, leaf_means, buffers, holds, rank, untouched in results:
+        assert untouched
         assert again  # a second wait returns the same means
         assert torch.equal(first, expected)
         assert torch.equal(leaf_means["x"], expected)

@@ -34,6 +34,7 @@ from typing import Any
 
 import optree
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from fscale.flat import FlatBuffer, Placement
 
@@ -336,6 +337,34 @@ class GradBuckets:
             self.on_allocate(data)
         return data
 
+    def _write_late_at_once(self, grads: Sequence[torch.Tensor | None]) -> bool:
+        """Build the late bucket's buffer from its gradients with one concatenation, when
+        they lie back to back in it (no gaps), every leaf has one and none is to be added to;
+        False (nothing done) otherwise. One kernel instead of a view and a copy per leaf: the
+        same elements, so the same bits."""
+        assert self.late is not None
+        bucket = self.buckets[self.late]
+        layout = bucket.layout
+        if self.initial is not None or self._data[self.late] is not None or layout.align != 1:
+            return False
+        parts = [grads[leaf] for leaf in bucket.leaf_indices]
+        if any(part is None or part.dtype != layout.dtype for part in parts):
+            return False
+        padding = layout.numel - layout.numel_unpadded
+        if padding:
+            parts.append(torch.zeros(padding, dtype=layout.dtype, device=layout.device))
+        if self._trailing is not None:
+            parts.append(self._trailing)
+        # One tensor would come back as a view of itself; the buffer must be new.
+        data = _flatten_dense_tensors(parts) if len(parts) > 1 else parts[0].reshape(-1).clone()
+        parts.clear()
+        self._data[self.late] = data
+        if self.on_allocate is not None:
+            self.on_allocate(data)
+        self._delivered[self.late] = [True] * len(bucket.leaf_indices)
+        self._pending[self.late] = 0
+        return True
+
     def _hand_out_ready(self) -> None:
         """Pass every complete bucket from `_next_ready` on to `on_ready`, in index order."""
         while self._next_ready < len(self.buckets) and self._pending[self._next_ready] == 0:
@@ -366,13 +395,14 @@ class GradBuckets:
                     "GradBuckets.flush: the last bucket is written after backward (late_bytes); "
                     "pass the gradients autograd returned, one per parameter leaf"
                 )
-            bucket = self.buckets[self.late]
-            for slot, (leaf, placement) in enumerate(
-                zip(bucket.leaf_indices, bucket.layout.placements)
-            ):
-                grad = grads[leaf]
-                if grad is not None:
-                    self._write(self.late, slot, grad, placement)
+            if not self._write_late_at_once(grads):
+                bucket = self.buckets[self.late]
+                for slot, (leaf, placement) in enumerate(
+                    zip(bucket.leaf_indices, bucket.layout.placements)
+                ):
+                    grad = grads[leaf]
+                    if grad is not None:
+                        self._write(self.late, slot, grad, placement)
         for bucket in self.buckets[self._next_ready :]:
             if self._pending[bucket.index] != 0:
                 data = self._data[bucket.index]
