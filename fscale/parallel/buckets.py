@@ -347,9 +347,12 @@ class GradBuckets:
         layout = bucket.layout
         if self.initial is not None or self._data[self.late] is not None or layout.align != 1:
             return False
-        parts = [grads[leaf] for leaf in bucket.leaf_indices]
-        if any(part is None or part.dtype != layout.dtype for part in parts):
-            return False
+        parts: list[torch.Tensor] = []
+        for leaf in bucket.leaf_indices:
+            grad = grads[leaf]
+            if grad is None or grad.dtype != layout.dtype:
+                return False
+            parts.append(grad)
         padding = layout.numel - layout.numel_unpadded
         if padding:
             parts.append(torch.zeros(padding, dtype=layout.dtype, device=layout.device))
