@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fscale import memory
+from fscale.parallel.bucket_layout import layout_of
 from fscale.parallel.buckets import GradBuckets, assign_buckets, forward_order
 
 
@@ -236,13 +237,20 @@ def test_a_last_bucket_over_the_late_bytes_keeps_its_hooks():
 
 @pytest.mark.parametrize("sizes", [(3, 5, 2), (7,)])
 @pytest.mark.parametrize("fold", [False, True])
-def test_the_late_bucket_written_in_one_go_equals_the_leaf_by_leaf_write(sizes, fold):
-    # The late bucket is built by one concatenation when its leaves lie back to back; the
-    # leaf-by-leaf write (a bucket with hooks, the gradients delivered one at a time) is the
-    # reference: the same buffer, padding, folded values and bits. A gradient is never the
+@pytest.mark.parametrize("aligned", [False, True])
+def test_the_late_bucket_written_in_one_go_equals_the_leaf_by_leaf_write(sizes, fold, aligned):
+    # The late bucket is built by one concatenation; the leaf-by-leaf write (a bucket with
+    # hooks, the gradients delivered one at a time) is the reference: the same buffer, gaps
+    # and padding, folded values and bits, for data_parallel's packed buckets and for
+    # shard_optimizer's aligned ones (gaps between leaves, zeroed). A gradient is never the
     # buffer itself (a one-leaf bucket too): the collective writes into the buffer.
     leaves = [torch.zeros(n) for n in sizes]
-    (bucket,) = assign_buckets(leaves, 1 << 20, num_shards=4)
+    if aligned:
+        layout, _ = layout_of({f"p{i}": leaf for i, leaf in enumerate(leaves)}, 1 << 20, 4)
+        (bucket,) = layout.buckets
+        assert bucket.layout.numel_unpadded > sum(sizes) or len(sizes) == 1  # has gaps
+    else:
+        (bucket,) = assign_buckets(leaves, 1 << 20, num_shards=4)
     grads = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in sizes]
     # A strided gradient, as autograd may return one.
     grads[0] = torch.randn(sizes[0] * 2, generator=torch.Generator().manual_seed(0))[::2]
@@ -254,8 +262,9 @@ def test_the_late_bucket_written_in_one_go_equals_the_leaf_by_leaf_write(sizes, 
         lambda b, d: late.append(d),
         late_bytes=1 << 20,
         on_allocate=allocated.append,
+        zero_whole=aligned,
     )
-    by_leaf = GradBuckets([bucket], len(sizes), lambda b, d: hooked.append(d))
+    by_leaf = GradBuckets([bucket], len(sizes), lambda b, d: hooked.append(d), zero_whole=aligned)
     if fold:
         at_once.fold(folded)
         by_leaf.fold(folded)
@@ -263,11 +272,8 @@ def test_the_late_bucket_written_in_one_go_equals_the_leaf_by_leaf_write(sizes, 
         hook(grad)
     at_once.flush(grads)
     (expected,), (got,) = hooked, late
-    assert got.shape == expected.shape and torch.equal(
-        got.view(torch.int32), expected.view(torch.int32)
-    )
+    assert got.shape == expected.shape
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
     assert len(allocated) == 1 and allocated[0] is got and at_once.bucket_data(0) is got
-    storages = {g.untyped_storage().data_ptr() for g in grads} | {
-        folded.untyped_storage().data_ptr()
-    }
-    assert got.untyped_storage().data_ptr() not in storages
+    storages = {g.untyped_storage().data_ptr() for g in grads}
+    assert got.untyped_storage().data_ptr() not in storages | {folded.untyped_storage().data_ptr()}

@@ -80,6 +80,19 @@ def _zero_like(grad: torch.Tensor) -> torch.Tensor:
     return zero
 
 
+# Zeros to fill a bucket's gaps and padding when it is built in one concatenation: slices of
+# one zero tensor per (dtype, device), grown when a longer run is asked for.
+_ZERO_RUNS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _zero_run(numel: int, layout: FlatBuffer) -> torch.Tensor:
+    key = (layout.dtype, layout.device)
+    zeros = _ZERO_RUNS.get(key)
+    if zeros is None or zeros.numel() < numel:
+        zeros = _ZERO_RUNS[key] = torch.zeros(max(numel, 64), dtype=key[0], device=key[1])
+    return zeros[:numel]
+
+
 def assign_buckets(
     leaves: Sequence[torch.Tensor],
     bucket_bytes: int,
@@ -338,24 +351,27 @@ class GradBuckets:
         return data
 
     def _write_late_at_once(self, grads: Sequence[torch.Tensor | None]) -> bool:
-        """Build the late bucket's buffer from its gradients with one concatenation, when
-        they lie back to back in it (no gaps), every leaf has one and none is to be added to;
-        False (nothing done) otherwise. One kernel instead of a view and a copy per leaf: the
-        same elements, so the same bits."""
+        """Build the late bucket's buffer from its gradients with one concatenation (zeros in
+        the gaps of an aligned layout and in the padding, then any folded values), when every
+        leaf has a gradient and none is to be added to; False (nothing done) otherwise. One
+        kernel instead of a view and a copy per leaf: the same elements, so the same bits."""
         assert self.late is not None
         bucket = self.buckets[self.late]
         layout = bucket.layout
-        if self.initial is not None or self._data[self.late] is not None or layout.align != 1:
+        if self.initial is not None or self._data[self.late] is not None:
             return False
         parts: list[torch.Tensor] = []
-        for leaf in bucket.leaf_indices:
+        end = 0
+        for offset, numel, leaf in zip(layout.offsets, layout.numels, bucket.leaf_indices):
             grad = grads[leaf]
             if grad is None or grad.dtype != layout.dtype:
                 return False
+            if offset > end:
+                parts.append(_zero_run(offset - end, layout))
             parts.append(grad)
-        padding = layout.numel - layout.numel_unpadded
-        if padding:
-            parts.append(torch.zeros(padding, dtype=layout.dtype, device=layout.device))
+            end = offset + numel
+        if layout.numel > end:
+            parts.append(_zero_run(layout.numel - end, layout))
         if self._trailing is not None:
             parts.append(self._trailing)
         # One tensor would come back as a view of itself; the buffer must be new.
