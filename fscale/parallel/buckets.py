@@ -80,12 +80,11 @@ def _zero_like(grad: torch.Tensor) -> torch.Tensor:
     return zero
 
 
-# Zeros to fill a bucket's gaps and padding when it is built in one concatenation: slices of
-# one zero tensor per (dtype, device), grown when a longer run is asked for.
 _ZERO_RUNS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _zero_run(numel: int, layout: FlatBuffer) -> torch.Tensor:
+    """`numel` zeros for a bucket's gaps: a slice of one zero tensor per dtype and device."""
     key = (layout.dtype, layout.device)
     zeros = _ZERO_RUNS.get(key)
     if zeros is None or zeros.numel() < numel:
@@ -351,13 +350,11 @@ class GradBuckets:
         return data
 
     def _write_late_at_once(self, grads: Sequence[torch.Tensor | None]) -> bool:
-        """Build the late bucket's buffer from its gradients with one concatenation (zeros in
-        the gaps of an aligned layout and in the padding, then any folded values), when every
-        leaf has a gradient and none is to be added to; False (nothing done) otherwise. One
-        kernel instead of a view and a copy per leaf: the same elements, so the same bits."""
+        """The late bucket's buffer in one concatenation (gaps and padding zero, then any
+        folded values), one kernel for the per-leaf copies: False when a leaf has no gradient
+        or one is to be added to."""
         assert self.late is not None
-        bucket = self.buckets[self.late]
-        layout = bucket.layout
+        bucket, layout = self.buckets[self.late], self.buckets[self.late].layout
         if self.initial is not None or self._data[self.late] is not None:
             return False
         parts: list[torch.Tensor] = []
@@ -376,7 +373,6 @@ class GradBuckets:
             parts.append(self._trailing)
         # One tensor would come back as a view of itself; the buffer must be new.
         data = _flatten_dense_tensors(parts) if len(parts) > 1 else parts[0].reshape(-1).clone()
-        parts.clear()
         self._data[self.late] = data
         if self.on_allocate is not None:
             self.on_allocate(data)
@@ -415,13 +411,10 @@ class GradBuckets:
                     "pass the gradients autograd returned, one per parameter leaf"
                 )
             if not self._write_late_at_once(grads):
-                bucket = self.buckets[self.late]
-                for slot, (leaf, placement) in enumerate(
-                    zip(bucket.leaf_indices, bucket.layout.placements)
-                ):
-                    grad = grads[leaf]
-                    if grad is not None:
-                        self._write(self.late, slot, grad, placement)
+                late = self.buckets[self.late]
+                for slot, leaf in enumerate(late.leaf_indices):
+                    if (grad := grads[leaf]) is not None:
+                        self._write(self.late, slot, grad, late.layout.placements[slot])
         for bucket in self.buckets[self._next_ready :]:
             if self._pending[bucket.index] != 0:
                 data = self._data[bucket.index]
