@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import fscale as fs
 from fscale.parallel import consolidate, shard_optimizer, shard_state
-from fscale.parallel.buckets import assign_buckets, forward_order
+from fscale.parallel.bucket_assign import assign_buckets, forward_order
 from fscale.testing import assert_trees_close, assert_trees_equal, run_spmd
 from fscale.testing import strategies as fst
 from fscale.testing.probes import on_gradient

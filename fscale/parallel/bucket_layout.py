@@ -19,7 +19,7 @@ import torch
 
 from fscale import tree
 from fscale.flat import FlatBuffer, Fragment, aligned_elements
-from fscale.parallel.buckets import Bucket, assign_buckets, forward_order
+from fscale.parallel.bucket_assign import Bucket, assign_buckets, forward_order
 
 __all__ = ["BucketLayout", "layout_of"]
 

@@ -59,6 +59,7 @@ from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.memory import LiveBytes
+from fscale.parallel.bucket_assign import Bucket, assign_buckets, forward_order
 from fscale.parallel.bucket_collectives import (
     BucketPending,
     all_reduce_bucket_start,
@@ -66,7 +67,7 @@ from fscale.parallel.bucket_collectives import (
     reduce_scatter_bucket_start,
 )
 from fscale.parallel.bucket_layout import BucketLayout, layout_of
-from fscale.parallel.buckets import Bucket, GradBuckets, assign_buckets, forward_order
+from fscale.parallel.buckets import GradBuckets
 
 __all__ = [
     "FIRST_BUCKET_BYTES",
