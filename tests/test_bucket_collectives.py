@@ -49,9 +49,12 @@ def _compare_case() -> list[dict[str, bool]]:
             target = torch.full_like(x, float("nan"))
             target[own] = x[own]
             in_place_gathered = all_gather_bucket_start(target, "dp", mesh).wait()
+        # Divided by its writer already (GradBuckets' divide_by): only the sum is left.
+        divided_mean = all_reduce_bucket_start(x / world, "dp", mesh, divided=True).wait()
         out.append(
             {
                 "all_reduce": torch.equal(_bits(in_place_mean), _bits(mean)),
+                "divided": torch.equal(_bits(divided_mean), _bits(mean)),
                 "reduce_scatter": torch.equal(_bits(in_place_shard), _bits(shard)),
                 "all_gather": torch.equal(_bits(in_place_gathered), _bits(gathered)),
                 "in_place": in_place_gathered.data_ptr() == target.data_ptr(),

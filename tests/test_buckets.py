@@ -277,3 +277,37 @@ def test_the_late_bucket_written_in_one_go_equals_the_leaf_by_leaf_write(sizes, 
     assert len(allocated) == 1 and allocated[0] is got and at_once.bucket_data(0) is got
     storages = {g.untyped_storage().data_ptr() for g in grads}
     assert got.untyped_storage().data_ptr() not in storages | {folded.untyped_storage().data_ptr()}
+
+
+@pytest.mark.parametrize("path", ["hooks", "late at once", "late leaf by leaf"])
+@pytest.mark.parametrize("fold", [False, True])
+def test_divide_by_divides_each_element_once_in_the_copy(path, fold):
+    # A mean's division done while writing into the bucket: the same bits as the undivided
+    # buffer divided afterwards, for hooked and late buckets (written at once, or leaf by leaf
+    # when a leaf has no gradient, which is zeroed) and the folded values. 3 does not divide
+    # exactly: a missed or repeated division would show.
+    leaves = [torch.zeros(n) for n in (3, 5, 2)]
+    (bucket,) = assign_buckets(leaves, 1 << 20, num_shards=4)
+    grads = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (3, 5, 2)]
+    if path == "late leaf by leaf":
+        grads[1] = None
+    late_bytes = 0 if path == "hooks" else 1 << 20
+    folded = torch.tensor([7.0, 1.0])
+    got, plain = [], []
+    divided = GradBuckets(
+        [bucket], 3, lambda b, d: got.append(d), late_bytes=late_bytes, divide_by=3
+    )
+    undivided = GradBuckets([bucket], 3, lambda b, d: plain.append(d), late_bytes=late_bytes)
+    for collector in (divided, undivided):
+        if fold:
+            collector.fold(folded)
+        for hook, grad in zip(collector.hooks(), grads):
+            if hook is not None and grad is not None:
+                hook(grad)
+        collector.flush(grads)
+    (expected,), (result,) = plain, got
+    assert torch.equal(result.view(torch.int32), (expected / 3).view(torch.int32))
+    with pytest.raises(ValueError, match="divide the sums afterwards"):
+        GradBuckets([bucket], 3, lambda b, d: None, initial=grads, divide_by=2)
+    with pytest.raises(ValueError, match="`divide_by` must be a positive int"):
+        GradBuckets([bucket], 3, lambda b, d: None, divide_by=0)

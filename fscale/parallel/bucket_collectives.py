@@ -141,11 +141,13 @@ def _comm(flat: torch.Tensor, axis: str, mesh: Mesh, caller: str) -> Comm:
 
 
 def all_reduce_bucket_start(
-    flat: torch.Tensor, axis: str, mesh: Mesh, *, trailing: int = 0
+    flat: torch.Tensor, axis: str, mesh: Mesh, *, trailing: int = 0, divided: bool = False
 ) -> BucketPending:
     """Start the mean of `flat` over `axis` in `flat` itself; ``.wait()`` returns `flat`.
 
     The last `trailing` elements are averaged with the rest; ``pending.trailing`` copies them.
+    The mean divides by the axis size, then sums; `divided`: `flat` holds its values divided
+    already (`fscale.parallel.buckets.GradBuckets`'s ``divide_by``), only the sum is left.
 
     Raises:
         ValueError: `flat` is not a contiguous 1-D tensor, `axis` is not on `mesh`, or
@@ -159,7 +161,8 @@ def all_reduce_bucket_start(
     work.ticket = issue(comm, "all_reduce", flat, flat.numel() - trailing, extra=_MEAN)
     if trailing:
         record("all_reduce", comm.axis, flat.dtype, trailing, comm.size)
-    flat.div_(comm.size)
+    if not divided:
+        flat.div_(comm.size)
     work.work = dist.all_reduce(flat, group=comm.group, async_op=True)
     return BucketPending(flat, work, num_trailing=trailing)
 

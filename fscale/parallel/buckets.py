@@ -55,6 +55,13 @@ def _zero_like(grad: torch.Tensor) -> torch.Tensor:
 _ZERO_RUNS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
+def _write_divided(target: torch.Tensor, source: torch.Tensor, divide_by: int) -> None:
+    if divide_by == 1:
+        target.copy_(source)
+    else:
+        torch.div(source, divide_by, out=target)
+
+
 def _zero_run(numel: int, layout: FlatBuffer) -> torch.Tensor:
     """`numel` zeros for a bucket's gaps: a slice of one zero tensor per dtype and device."""
     key = (layout.dtype, layout.device)
@@ -82,6 +89,9 @@ class GradBuckets:
         zero_whole: zero each new buffer whole (a layout with gaps between its leaves), not
             only its padding (every other element is overwritten by a gradient).
         on_allocate: called with each buffer this collector allocates (e.g. to track it).
+        divide_by: every element of every buffer is written divided by this (a mean's division
+            done in the copy into the bucket instead of a pass of its own over it; the same
+            bits, `x / n` either way); not with `initial`, whose sum comes first.
         late_bytes: the last bucket, when it holds at most this many bytes of gradients, gets
             no per-leaf hooks: `flush` writes its gradients in one go after backward.
             Its leaves are the first the forward pass uses, so their gradients are the last
@@ -102,7 +112,16 @@ class GradBuckets:
         zero_whole: bool = False,
         on_allocate: Callable[[torch.Tensor], None] | None = None,
         late_bytes: int = 0,
+        divide_by: int = 1,
     ) -> None:
+        if isinstance(divide_by, bool) or not isinstance(divide_by, int) or divide_by < 1:
+            raise ValueError(f"GradBuckets: `divide_by` must be a positive int, got {divide_by!r}")
+        if divide_by != 1 and initial is not None:
+            raise ValueError(
+                "GradBuckets: `divide_by` divides each gradient before `initial` "
+                "could be added; divide the sums afterwards instead"
+            )
+        self.divide_by = divide_by
         self.buckets = list(buckets)
         last = self.buckets[-1].layout if self.buckets else None
         late = last is not None and last.numel * last.dtype.itemsize <= late_bytes
@@ -193,7 +212,7 @@ class GradBuckets:
         if data is None:
             data = self._allocate(bucket_index)
         target = data.as_strided(*placement)
-        target.copy_(grad)
+        _write_divided(target, grad, self.divide_by)
         if self.initial is not None:
             target.add_(self.initial[self.buckets[bucket_index].leaf_indices[slot]])
         delivered[slot] = True
@@ -211,7 +230,7 @@ class GradBuckets:
         else:
             data[layout.numel_unpadded : layout.numel].zero_()
         if trailing is not None:
-            data[layout.numel :].copy_(trailing)
+            _write_divided(data[layout.numel :], trailing, self.divide_by)
         self._data[bucket_index] = data
         if self.on_allocate is not None:
             self.on_allocate(data)
@@ -241,6 +260,8 @@ class GradBuckets:
             parts.append(self._trailing)
         # One tensor would come back as a view of itself; the buffer must be new.
         data = _flatten_dense_tensors(parts) if len(parts) > 1 else parts[0].reshape(-1).clone()
+        if self.divide_by != 1:
+            data.div_(self.divide_by)
         self._data[self.late] = data
         if self.on_allocate is not None:
             self.on_allocate(data)

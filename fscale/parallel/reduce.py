@@ -25,17 +25,16 @@ the graph (so outer torch.func transforms see it); with a scatter axis or gradie
 earlier micro-batches, the reduction runs after backward instead.
 
 Folding. After the forward pass `fscale.grad.value_and_grad` offers the session the loss and
-the loss function's scalar metrics, followed by the float32 buffers the loss updated (one 1-D
-tensor, see `fscale.step_means`), to be averaged over the step's metric axes
-(``session.fold(values, axes)``); a session that can appends them to its last bucket
-(`GradBuckets.fold`), its collective averages them, and `Step.apply_gradients` uses those means
-for the metrics and buffers that still hold the values folded: no collective of their own. It
-can on the autograd path without a reduction hook (under accumulation only the last
-micro-batch's buffers are offered: the loss is known at the end), over one axis of two ranks
-that is all the step's metric axes: the all-reduce's, or the scatter axis where the
-reduce-scatter can send them to every rank beside the bucket's parts (gloo,
-`fscale.parallel.bucket_collectives.folds_trailing`), when the last bucket has the values' dtype
-and device. With two ranks every element's sum has two terms,
+the loss function's scalar metrics, then the float32 buffers the loss updated (one 1-D tensor,
+see `fscale.step_means`), to be averaged over the step's metric axes (``session.fold(values,
+axes)``); a session that can appends them to its last bucket (`GradBuckets.fold`), its
+collective averages them, and `Step.apply_gradients` uses those means for the metrics and
+buffers that still hold the values folded: no collective of their own. It can on the autograd
+path without a reduction hook (under accumulation only the last micro-batch's buffers are
+offered: the loss is known at the end), over one axis of two ranks that is all the step's
+metric axes: the all-reduce's, or the scatter axis where the reduce-scatter can send them to
+every rank beside the bucket's parts (gloo, `bucket_collectives.folds_trailing`), when the last
+bucket has the values' dtype and device. With two ranks every element's sum has two terms,
 equal in any order, so gradients and means are bit for bit what separate collectives give; with
 more, the ring's segments follow the buffer's length and a longer bucket would add the gradients
 in another order. The folded bytes are part of the last bucket (``grad_bytes`` counts them).
@@ -109,14 +108,12 @@ def _axis(axes: tuple[str, ...]) -> str | tuple[str, ...]:
 
 
 def _all_reduce_start(
-    flat: torch.Tensor, axes: tuple[str, ...], mesh: Mesh, trailing: int = 0
+    flat: torch.Tensor, axes: tuple[str, ...], mesh: Mesh, trailing: int = 0, divided: bool = False
 ) -> BucketPending:
     """The mean over `axes`: the first axis asynchronously, then each further one in turn."""
-    pending = all_reduce_bucket_start(flat, axes[0], mesh, trailing=trailing)
+    pending = all_reduce_bucket_start(flat, axes[0], mesh, trailing=trailing, divided=divided)
     for axis in axes[1:]:
-        pending = pending.then(
-            lambda t, axis=axis: collectives.all_reduce(t, axis, "mean", mesh=mesh)
-        )
+        pending = pending.then(lambda t, a=axis: collectives.all_reduce(t, a, "mean", mesh=mesh))
     return pending
 
 
@@ -257,6 +254,7 @@ class _AllReduceSession:
         self.buckets = _buckets(self.leaves, self.params, self.reducer.bucket_bytes)
         # Each hook copies its gradient into the bucket and hands autograd a stride-0 zero, so
         # once a bucket's reduction has started the only copy is the one being reduced.
+        plain = self.reducer.hook is None and self.initial is None
         self.collector = GradBuckets(
             self.buckets,
             len(self.leaves),
@@ -264,15 +262,17 @@ class _AllReduceSession:
             keep_grads=False,
             initial=self.initial,
             late_bytes=FIRST_BUCKET_BYTES,
+            # The mean's first division in the copy into the bucket: not for a hook (it takes
+            # the sum) nor under accumulation (the sum with the earlier micro-batches first).
+            divide_by=self.reducer.mesh.size(self.axes[0]) if plain else 1,
         )
         return self.collector.hooks()
 
     def _start(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
-        reducer = self.reducer
+        reducer, divided = self.reducer, self.collector.divide_by != 1  # type: ignore[union-attr]
         if reducer.hook is None:
-            trailing = flat_grad.numel() - bucket.numel
             self.in_flight[bucket.index] = _all_reduce_start(
-                flat_grad, self.axes, reducer.mesh, trailing
+                flat_grad, self.axes, reducer.mesh, flat_grad.numel() - bucket.numel, divided
             )
         else:
             state = None if reducer.hook_states is None else reducer.hook_states[bucket.index]
