@@ -7,9 +7,10 @@ of one bucket overlaps the computation of the next, and one collective moves man
 Which leaves go in which bucket is `fscale.parallel.bucket_assign`'s (re-exported here).
 
 `GradBuckets.hooks()` returns one hook per leaf for `fscale.train.value_and_grad`: the hook
-copies the leaf's gradient into its bucket's flat buffer (the gradient then lives only there) and
-calls ``on_ready(bucket, flat_grad)`` once every leaf of the bucket has arrived. Autograd runs a
-leaf's hook as soon as that leaf's gradient is final, which is what makes the overlap possible.
+copies the leaf's gradient into its bucket's flat buffer (divided by ``divide_by`` when a mean
+asks for it; the gradient then lives only there) and calls ``on_ready(bucket, flat_grad)`` once
+every leaf of the bucket has arrived. Autograd runs a leaf's hook as soon as that leaf's
+gradient is final, which is what makes the overlap possible.
 
 `GradBuckets.fold` appends a few scalars (the step's loss and metrics) after the last bucket's
 elements in its buffer, so that the bucket's collective reduces them too and the step needs no
