@@ -1,6 +1,7 @@
 """Benchmark: `fscale.data_parallel` against torch DistributedDataParallel on 2 gloo ranks.
 
-Usage: ``python bench/ddp.py [--quick] [--steps N] [--warmup N] [--world N] [--profile]``
+Usage: ``python bench/ddp.py [--quick] [--model gpt|hf-gpt2] [--steps N] [--warmup N] [--world N]
+[--profile]``
 
 One `fscale.launch` starts the ranks (gloo, ``torch.set_num_threads(1)`` each); inside the same
 processes, round by round (`_util.interleave`, a barrier before every step), they train:
@@ -15,20 +16,26 @@ processes, round by round (`_util.interleave`, a barrier before every step), the
   backward, optimizer state sharded) instead of ``data_parallel``.
 
 Same model (`_util.gpt_config`, seed 0, dropout 0) and the same batches: global batch ``i`` of
-`_util.lm_batch`, split evenly over the ranks (default 8 sequences per rank). A round's time is
-the slowest rank's. Reported: median step time with its IQR, ratio of medians to DDP and the
-median round-by-round ratio, each rank's peak RSS, the final global mean loss of each variant
-(DDP's is the mean of the ranks' losses, reduced as fscale reduces its metrics) and whether it
-and the parameters equal DDP's bit for bit, and the traffic of one step: what fscale's comm
-ledger records (ring-model bytes) and the bytes this rank actually wrote to its gloo sockets
-(``wchar`` of ``/proc/self/io`` across the step), for fscale and DDP alike. When an fscale
-variant is slower than DDP (or with ``--profile``), rank 0 profiles it against DDP (per-op and
-per-Python-function medians; see `_util.profile_against`). Writes ``bench/results/ddp.json``.
+`_util.lm_batch`, split evenly over the ranks (default 8 sequences per rank). ``--model hf-gpt2``
+trains a Hugging Face ``transformers.GPT2LMHeadModel`` instead, random-initialised from a config
+of the same shape (vocabulary, width, layers, heads, positions; dropout 0; nothing downloaded),
+called with ``use_cache=False``; both libraries take ``fscale.models.lm_loss`` of its logits.
+With ``--quick`` that is a small model whose step time the per-step Python (the HF model's and
+the library's) takes a visible share of. A round's time is the slowest rank's. Reported: median
+step time with its IQR, ratio of medians to DDP and the median round-by-round ratio, each rank's
+peak RSS, the final global mean loss of each variant (DDP's is the mean of the ranks' losses,
+reduced as fscale reduces its metrics) and whether it and the parameters equal DDP's bit for bit,
+and the traffic of one step: what fscale's comm ledger records (ring-model bytes) and the bytes
+this rank actually wrote to its gloo sockets (``wchar`` of ``/proc/self/io`` across the step), for
+fscale and DDP alike. When an fscale variant is slower than DDP (or with ``--profile``), rank 0
+profiles it against DDP (per-op and per-Python-function medians; see `_util.profile_against`).
+Writes ``bench/results/ddp.json`` (``ddp_hf_gpt2.json`` with ``--model hf-gpt2``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import warnings
 from typing import Any
 
@@ -63,11 +70,48 @@ class Batches:
         return self._batches[index % len(self._batches)]
 
 
+MODELS = ("gpt", "hf-gpt2")
+
+
+def build_model(kind: str, cfg: Any) -> torch.nn.Module:
+    """The model the variants train, from seed 0: fscale's GPT, or an HF GPT-2 of its shape."""
+    if kind == "gpt":
+        return GPT(cfg, seed=0)
+    import transformers  # the `integration` extra; main() checks it first
+
+    config = transformers.GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.seq_len,
+        n_embd=cfg.d_model,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits a model's forward returned (an HF model returns a ModelOutput)."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def forward_kwargs(kind: str) -> dict[str, Any]:
+    """Keyword arguments of every forward call: HF's KV cache off (nothing reuses it)."""
+    return {} if kind == "gpt" else {"use_cache": False}
+
+
 class DDPVariant:
     """torch DDP with torch.optim.AdamW(fused=True)."""
 
-    def __init__(self, cfg: Any, batches: Batches) -> None:
-        self.module = GPT(cfg, seed=0)
+    def __init__(self, cfg: Any, batches: Batches, kind: str = "gpt") -> None:
+        self.module = build_model(kind, cfg)
+        self.kwargs = forward_kwargs(kind)
         self.ddp = DistributedDataParallel(self.module)
         self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=LEARNING_RATE, fused=True)
         self.batches = batches
@@ -76,7 +120,7 @@ class DDPVariant:
     def __call__(self) -> None:
         batch = self.batches[len(self.losses)]
         self.optimizer.zero_grad(set_to_none=True)
-        loss = lm_loss(self.ddp(batch.inputs), batch.targets)
+        loss = lm_loss(logits_of(self.ddp(batch.inputs, **self.kwargs)), batch.targets)
         loss.backward()
         self.optimizer.step()
         self.losses.append(loss.detach())
@@ -96,13 +140,21 @@ class FscaleVariant:
     """fscale.data_parallel (or shard_optimizer) over fscale.train_step with fscale.optim.adamw."""
 
     def __init__(
-        self, cfg: Any, batches: Batches, mesh: fs.Mesh, *, donate: bool, zero: bool = False
+        self,
+        cfg: Any,
+        batches: Batches,
+        mesh: fs.Mesh,
+        *,
+        donate: bool,
+        zero: bool = False,
+        kind: str = "gpt",
     ) -> None:
-        apply, params, buffers = fs.functionalize(GPT(cfg, seed=0))
+        apply, params, buffers = fs.functionalize(build_model(kind, cfg))
+        kwargs = forward_kwargs(kind)
 
         def loss_fn(params, buffers, batch, key):
-            logits, new_buffers = apply(params, buffers, batch.inputs, key=key)
-            return lm_loss(logits, batch.targets), new_buffers
+            output, new_buffers = apply(params, buffers, batch.inputs, key=key, **kwargs)
+            return lm_loss(logits_of(output), batch.targets), new_buffers
 
         step = fs.train_step(loss_fn, fs.optim.adamw(LEARNING_RATE), donate=donate)
         self.step = (fs.shard_optimizer if zero else fs.data_parallel)(step, mesh)
@@ -189,16 +241,17 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
     fs.distributed.set_debug(False)  # the cross-rank metadata check is a test aid, not for timing
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = _util.gpt_config(options["quick"])
+    kind = options["model"]
     steps, warmup = options["steps"], options["warmup"]
     batches = Batches(cfg, options["batch_per_rank"], warmup + steps, rank, world)
     mesh = fs.Mesh(dp=world)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DDP's notes about the gloo backend
-        variants: dict[str, Any] = {REFERENCE: DDPVariant(cfg, batches)}
-    variants["fscale donate=False"] = FscaleVariant(cfg, batches, mesh, donate=False)
-    variants["fscale donate=True"] = FscaleVariant(cfg, batches, mesh, donate=True)
+        variants: dict[str, Any] = {REFERENCE: DDPVariant(cfg, batches, kind)}
+    variants["fscale donate=False"] = FscaleVariant(cfg, batches, mesh, donate=False, kind=kind)
+    variants["fscale donate=True"] = FscaleVariant(cfg, batches, mesh, donate=True, kind=kind)
     variants["fscale ZeRO-2 donate=True"] = FscaleVariant(
-        cfg, batches, mesh, donate=True, zero=True
+        cfg, batches, mesh, donate=True, zero=True, kind=kind
     )
 
     times = _util.interleave(variants, rounds=steps, warmup=warmup, before_each=dist.barrier)
@@ -259,6 +312,12 @@ def round_times(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model and fewer steps")
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="gpt",
+        help="fscale's GPT, or a transformers GPT2LMHeadModel of the same shape",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed rounds (steps per variant)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first")
     parser.add_argument("--world", type=int, default=2, help="number of gloo ranks")
@@ -271,9 +330,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     profile_steps = args.profile_steps or (3 if args.quick else 8)
     if steps < 1 or warmup < 0 or profile_steps < 1 or args.world < 1 or args.batch_per_rank < 1:
         parser.error("--steps, --profile-steps, --world, --batch-per-rank >= 1; --warmup >= 0")
+    if args.model == "hf-gpt2" and importlib.util.find_spec("transformers") is None:
+        parser.error("--model hf-gpt2 needs `transformers` (pip install -e '.[integration]')")
 
     options = {
         "quick": args.quick,
+        "model": args.model,
         "steps": steps,
         "warmup": warmup,
         "batch_per_rank": args.batch_per_rank,
@@ -282,7 +344,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     cfg = _util.gpt_config(args.quick)
     print(
-        f"GPT vocab={cfg.vocab_size} d_model={cfg.d_model} layers={cfg.n_layers} "
+        f"{'GPT' if args.model == 'gpt' else 'HF GPT-2'} vocab={cfg.vocab_size} "
+        f"d_model={cfg.d_model} layers={cfg.n_layers} "
         f"seq={cfg.seq_len}, {args.batch_per_rank} sequences per rank, {args.world} gloo ranks "
         f"x 1 thread, {steps} timed rounds after {warmup} warm-up"
     )
@@ -372,6 +435,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "config": {
             **cfg.__dict__,
+            "model": args.model,
             "batch_per_rank": args.batch_per_rank,
             "world": args.world,
             "params": params,
@@ -386,7 +450,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in results],
         "profile": profile,
     }
-    path = _util.write_results("ddp", result)
+    path = _util.write_results("ddp" if args.model == "gpt" else "ddp_hf_gpt2", result)
     print(f"wrote {path}")
     return result
 
