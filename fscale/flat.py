@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
-__all__ = ["ALIGN_BYTES", "FlatBuffer", "Fragment", "aligned_elements"]
+__all__ = ["ALIGN_BYTES", "FlatBuffer", "Fragment", "aligned_elements", "flat_copy"]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -270,6 +271,19 @@ ALIGN_BYTES = 64
 def aligned_elements(dtype: torch.dtype) -> int:
     """Elements of `dtype` in `ALIGN_BYTES` (the `align` argument of a sharded FlatBuffer)."""
     return max(1, ALIGN_BYTES // dtype.itemsize)
+
+
+def flat_copy(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A new 1-D buffer holding `tensors` (one dtype and device) back to back, in one kernel,
+    outside autograd: a buffer that a collective may then write into.
+
+    torch's dense flatten returns a view of a lone tensor rather than a copy, so one tensor is
+    cloned instead; either way nothing of the result aliases the given tensors.
+    """
+    with torch.no_grad():
+        if len(tensors) == 1:
+            return tensors[0].reshape(-1).clone()
+        return _flatten_dense_tensors(list(tensors))
 
 
 def _check_num_shards(num_shards: int) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 from fscale import random as fsrandom
 from fscale import tree
@@ -32,6 +32,7 @@ from fscale.distributed.debug import issue
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.pending import Work
 from fscale.distributed.watchdog import note_step
+from fscale.flat import flat_copy
 
 _MEAN = REDUCTIONS.index("mean")
 
@@ -273,7 +274,7 @@ class StartedLeafMeans:
                 by_dtype.setdefault(leaf.dtype, []).append(i)
         self.groups: list[tuple[list[int], Callable[[], torch.Tensor]]] = []
         for indices in by_dtype.values():
-            flat = _packed_copy([self.leaves[i] for i in indices])
+            flat = flat_copy([self.leaves[i] for i in indices])
             carried = None if carry is None else carry(flat)
             if carried is None:
                 carried = StartedMean(flat, axis, mesh).wait
@@ -287,14 +288,6 @@ class StartedLeafMeans:
             for i, view in zip(indices, views):
                 out[i] = view
         return tree.unflatten(self.treedef, out)
-
-
-def _packed_copy(leaves: list[torch.Tensor]) -> torch.Tensor:
-    """A new 1-D buffer holding `leaves` back to back, detached (a collective writes in it)."""
-    with torch.no_grad():
-        if len(leaves) == 1:  # flattening one tensor would give a view of it, not a copy
-            return leaves[0].reshape(-1).clone()
-        return _flatten_dense_tensors(leaves)
 
 
 class StartedBufferMeans:

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fscale import tree
-from fscale.flat import FlatBuffer, Fragment
+from fscale.flat import FlatBuffer, Fragment, flat_copy
 
 
 def test_helpers_follow_optree_order_and_name_paths():
@@ -210,3 +210,16 @@ def test_aligned_layout_starts_every_tensor_and_shard_on_the_boundary():
         assert torch.equal(torch.cat(pieces), original)
     with pytest.raises(ValueError, match="align"):
         FlatBuffer(tensors, align=0)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_flat_copy_packs_new_memory_outside_autograd(count: int) -> None:
+    base = torch.arange(24.0).reshape(4, 6)
+    tensors = [base.t(), torch.ones(5, requires_grad=True), torch.zeros(0)][:count]
+    flat = flat_copy(tensors)
+    assert torch.equal(flat, torch.cat([t.detach().reshape(-1) for t in tensors]))
+    assert not flat.requires_grad
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    assert flat.untyped_storage().data_ptr() not in storages  # a collective may write into it
+    flat.add_(1.0)
+    assert torch.equal(base, torch.arange(24.0).reshape(4, 6))

@@ -35,7 +35,7 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fscale.flat import FlatBuffer
+from fscale.flat import FlatBuffer, flat_copy
 
 __all__ = [
     "Runs",
@@ -332,13 +332,7 @@ def packed_copy(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for indices in device_groups(leaves):
         group = [leaves[i] for i in indices]
         whole = span(group)
-        if whole is not None:
-            flat = whole.clone()
-        else:
-            total = sum(t.numel() for t in group)
-            flat = torch.empty(total, dtype=group[0].dtype, device=group[0].device)
-            if total:
-                torch.cat([t.reshape(-1) for t in group], out=flat)
+        flat = whole.clone() if whole is not None else flat_copy(group)
         views = _unflatten_dense_tensors(flat, group)
         if flat.numel():
             _remember(views, flat, signatures(group))

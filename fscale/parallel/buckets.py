@@ -29,9 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch._utils import _flatten_dense_tensors
 
-from fscale.flat import FlatBuffer, Placement
+from fscale.flat import FlatBuffer, Placement, flat_copy
 from fscale.parallel.bucket_assign import Bucket, assign_buckets, forward_order
 
 __all__ = ["Bucket", "GradBuckets", "assign_buckets", "forward_order"]
@@ -259,8 +258,7 @@ class GradBuckets:
             parts.append(_zero_run(layout.numel - end, layout))
         if self._trailing is not None:
             parts.append(self._trailing)
-        # One tensor would come back as a view of itself; the buffer must be new.
-        data = _flatten_dense_tensors(parts) if len(parts) > 1 else parts[0].reshape(-1).clone()
+        data = flat_copy(parts)  # new: the collective writes into it
         if self.divide_by != 1:
             data.div_(self.divide_by)
         self._data[self.late] = data
