@@ -261,8 +261,7 @@ def _write_version_1(root):
         dcp.save(
             {p.key: p.values.reshape(-1) for p in pieces},
             storage_writer=FileSystemWriter(directory),
-            no_dist=True,
-        )
+        )  # no process group here: DCP writes from this process alone
     leaves = {p.key: (p.shape, str(p.dtype).removeprefix("torch.")) for p in pieces}
     manifest = Manifest(SAVED_AT, 1, repr(built.step.plan), layout.kind, leaves, version=1)
     write_manifest(directory, manifest)

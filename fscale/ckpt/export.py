@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
+from fscale.ckpt import dcp_io
 from fscale.ckpt import directory as dirs
 from fscale.ckpt.boxes import whole_piece
 from fscale.ckpt.manifest import CheckpointError, Manifest, dtype_of, read_manifest
@@ -58,12 +58,7 @@ def read_leaves(
     planner = PieceLoadPlanner(pieces)
     with single_process_quiet():
         try:
-            dcp.load(
-                state_dict,
-                storage_reader=FileSystemReader(directory),
-                planner=planner,
-                no_dist=True,
-            )
+            dcp_io.read(state_dict, FileSystemReader(directory), planner, None)
         except FAILURES as error:
             raise CheckpointError(
                 f"the checkpoint {str(directory)!r} could not be read (truncated or damaged "

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
+from fscale.ckpt import dcp_io
 from fscale.ckpt import directory as dirs
 from fscale.ckpt.boxes import Piece
 from fscale.ckpt.manifest import (
@@ -125,13 +125,7 @@ def load(
     error = None
     try:
         with single_process_quiet():
-            dcp.load(
-                values,
-                storage_reader=FileSystemReader(directory),
-                planner=planner,
-                process_group=group,
-                no_dist=group is None,
-            )
+            dcp_io.read(values, FileSystemReader(directory), planner, group)
     except FAILURES as failure:  # reported on every rank below
         error = f"{type(failure).__name__}: {failure}"
     _agree_read(error, group, directory)

@@ -15,11 +15,10 @@ the others never reach:
    (`fscale.ckpt.directory.commit`) and prunes to `keep_last`; agreement.
 
 With ``async_=True`` the caller returns once every rank has copied its pieces (so later steps,
-which may update the state's buffers in place, never change what is written); DCP's
-`async_save` writes the copies in a thread and a second thread commits (in one process, that
-second thread writes as well). Both use a process group of their own, so their collectives
-never interleave with the training step's. Saves run one at a
-time: a save first waits for the previous one; `wait_saves` waits for all.
+which may update the state's buffers in place, never change what is written); a thread then
+writes the copies with DCP and commits, on a process group of its own, so that its collectives
+never interleave with the training step's. Saves run one at a time: a save first waits for the
+previous one; `wait_saves` waits for all.
 """
 
 from __future__ import annotations
@@ -37,11 +36,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import AsyncStager
 
+from fscale.ckpt import dcp_io
 from fscale.ckpt import directory as dirs
 from fscale.ckpt.boxes import Piece
 from fscale.ckpt.manifest import (
@@ -60,7 +58,6 @@ from fscale.train import Step
 
 __all__ = [
     "FAILURES",
-    "AlreadyStaged",
     "agree",
     "checkpoint_group",
     "describe_ranks",
@@ -243,28 +240,13 @@ def save(
     staged: dict[str, torch.Tensor] = {}
     error = _attempt(lambda: staged.update(_stage(values)))
     agree(error, group, "staging")
-    if group is None:
-        # One process: the commit thread writes too. DCP's own upload thread would warn that
-        # it runs in one process, outside any filter this thread can set around the call.
-        def finish() -> Path:
-            _write(staged, writer, planner, None)
-            _commit(manifest, tmp, final, root, keep_last, rank, None)
-            return final
 
-    else:
-        upload = dcp.async_save(
-            staged,
-            storage_writer=writer,
-            planner=planner,
-            process_group=group,
-            async_stager=AlreadyStaged(),
-        )
-
-        def finish() -> Path:
-            error = _attempt(lambda: _result(upload))
-            agree(error, group, "write")
-            _commit(manifest, tmp, final, root, keep_last, rank, group)
-            return final
+    # The commit thread writes the copies, then commits (DCP's own `async_save` would run the
+    # same write in a thread of its own, after staging the copies again unless told otherwise).
+    def finish() -> Path:
+        _write(staged, writer, planner, group)
+        _commit(manifest, tmp, final, root, keep_last, rank, group)
+        return final
 
     future = _committer.submit(finish)
     with _pending_lock:
@@ -301,13 +283,7 @@ def _prepare(root: Path, tmp: Path) -> None:
 def _write(values: dict[str, torch.Tensor], writer: Any, planner: Any, group: Any) -> None:
     try:
         with single_process_quiet():
-            dcp.save(
-                values,
-                storage_writer=writer,
-                planner=planner,
-                process_group=group,
-                no_dist=group is None,
-            )
+            dcp_io.write(values, writer, planner, group)
     except FAILURES as error:  # DCP raised it on every rank
         raise CheckpointError(f"save: writing the pieces failed: {error}") from error
 
@@ -337,27 +313,6 @@ def _commit(
 def _stage(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Copies on the CPU that the training steps after the save cannot change."""
     return {key: value.detach().to("cpu", copy=True) for key, value in values.items()}
-
-
-class AlreadyStaged(AsyncStager):
-    """The `AsyncStager` of values `save` has copied already: DCP writes them as they are."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: Any) -> Any:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _result(future: Any) -> None:
-    # DCP's async_save returns a Future, or a response holding the upload's Future.
-    upload = getattr(future, "upload_completion", future)
-    upload.result()
 
 
 def _attempt(action: Any) -> str | None:
