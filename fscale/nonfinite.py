@@ -34,6 +34,7 @@ import torch
 
 from fscale import tree
 from fscale.distributed import collectives
+from fscale.readback import to_list
 
 if TYPE_CHECKING:
     from fscale.distributed.mesh import Mesh
@@ -168,7 +169,7 @@ def _exchange(
         flags[mesh.rank(axis)] = float(nonfinite)
     if used is not None:
         flags[size:] = torch.tensor(used, dtype=torch.float32)
-    counts = collectives.all_reduce(flags, axis, "sum", mesh=mesh).tolist()
+    counts = to_list(collectives.all_reduce(flags, axis, "sum", mesh=mesh))
     ranks = tuple(r for r in range(size) if counts[r] > 0)
     return ranks, None if used is None else tuple(c > 0 for c in counts[size:])
 

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from fscale.readback import to_list
+
 __all__ = ["RngState", "fold_in", "fold_in_all", "fold_in_seeds", "is_key", "key", "seed", "split"]
 
 _MASK64 = (1 << 64) - 1
@@ -52,7 +54,7 @@ def _words(k: torch.Tensor) -> tuple[int, int]:
                 else ""
             )
         )
-    hi, lo = (int(v) & _MASK64 for v in k.tolist())
+    hi, lo = (int(v) & _MASK64 for v in to_list(k))
     return hi, lo
 
 

@@ -31,6 +31,7 @@ from fscale import tracking
 from fscale.distributed.comm import Comm, all_gather_flat
 from fscale.distributed.ledger import record
 from fscale.distributed.watchdog import CollectiveMismatchError, Ticket, admit, wait
+from fscale.readback import to_list
 
 __all__ = [
     "CollectiveMismatchError",
@@ -118,7 +119,7 @@ def check_group(
     mine = _metadata(op, x, extra)
     rows = mine.new_empty((comm.size, mine.numel()))
     wait(all_gather_flat(rows.view(-1), mine, group=comm.group, async_op=True), ticket)
-    table = rows.tolist()
+    table = to_list(rows)
     if all(row == table[0] for row in table):
         return
     lines = [
@@ -153,7 +154,7 @@ def check_pair(comm: Comm, op: str, x: Tensor, peer: int, ticket: Ticket | None 
     for work in works:
         if work is not None:  # None: this rank is outside the group, so nothing was issued
             wait(work, ticket)
-    mine_row, their_row = mine.tolist(), theirs.tolist()
+    mine_row, their_row = to_list(mine), to_list(theirs)
     if {mine_row[0], their_row[0]} == {_OP_CODES["send"], _OP_CODES["recv"]} and (
         mine_row[1:] == their_row[1:]
     ):

@@ -29,6 +29,7 @@ from fscale.distributed.comm import Comm, check_tensor, resolve_comm
 from fscale.distributed.debug import check_group, debug_enabled
 from fscale.distributed.ledger import CommRecord, open_ledgers
 from fscale.distributed.mesh import Mesh
+from fscale.readback import to_list
 
 __all__ = ["all_to_all_uneven"]
 
@@ -83,7 +84,7 @@ class _AllToAllUneven(torch.autograd.Function):
 
 def _sizes(sizes: Any, name: str, comm: Comm) -> tuple[int, ...]:
     if isinstance(sizes, Tensor):
-        sizes = sizes.tolist()
+        sizes = to_list(sizes)
     if not isinstance(sizes, Sequence) or isinstance(sizes, str):
         raise TypeError(
             f"all_to_all_uneven: `{name}` must be a sequence of {comm.size} ints (one per rank "

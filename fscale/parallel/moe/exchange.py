@@ -33,6 +33,7 @@ from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.uneven import all_to_all_uneven
+from fscale.readback import to_list
 
 __all__ = [
     "Sizes",
@@ -71,9 +72,9 @@ def exchange_sizes(
     if mesh is not None and mesh.size(axis) > 1:
         row = collectives.all_gather(row, axis, mesh=mesh)
     rows = row.cpu().view(-1, counts.numel() + 2)
-    flags = rows[:, 1].tolist()
+    flags = to_list(rows[:, 1])
     return Sizes(
-        tuple(rows[:, 0].tolist()), rows[:, 2:], tuple(i for i, f in enumerate(flags) if f)
+        tuple(to_list(rows[:, 0])), rows[:, 2:], tuple(i for i, f in enumerate(flags) if f)
     )
 
 
@@ -136,11 +137,11 @@ def through_experts_dropless(
     mine = slice(me * local, (me + 1) * local)
     # (source rank, local expert) -> rows this rank receives.
     received_counts = sizes.counts[:, mine]
-    per_expert = received_counts.sum(0).tolist()
+    per_expert = to_list(received_counts.sum(0))
     if ranks == 1:  # already grouped by expert: no exchange, no regrouping
         return torch.cat(run_experts(expert_fn, experts, list(torch.split(rows, per_expert))))
-    send = sizes.counts[me].view(ranks, local).sum(1).tolist()
-    recv = received_counts.sum(1).tolist()
+    send = to_list(sizes.counts[me].view(ranks, local).sum(1))
+    recv = to_list(received_counts.sum(1))
     received = all_to_all_uneven(rows, axis, send, recv, mesh=mesh)
     order = _regroup(received_counts).to(rows.device)
     grouped = received.index_select(0, order)
