@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -56,6 +57,27 @@ EXPECTED_BREAKS = {
     # specs held across a break around them wrongly.
     "optim/base.py": 1,
 }
+
+
+@functools.cache
+def _dynamo_traces_optree() -> bool:
+    torch._dynamo.reset()
+    try:
+        torch.compile(tree.leaves, backend="eager", fullgraph=True)({"a": torch.ones(1)})
+    except torch._dynamo.exc.Unsupported:
+        return False
+    finally:
+        torch._dynamo.reset()
+    return True
+
+
+@pytest.fixture
+def optree_traced() -> None:
+    """Skip where Dynamo does not trace optree's flatten (torch 2.6 to 2.9 break the graph at
+    every call, and the step still equals the eager one): the graph-break accounting below is
+    that of a torch that does (2.13)."""
+    if not _dynamo_traces_optree():
+        pytest.skip(f"Dynamo in torch {torch.__version__} breaks the graph at optree's flatten")
 
 
 class _Net(nn.Module):
@@ -192,7 +214,7 @@ def _layout_inside_a_graph(params: dict) -> object:
     return bucket_layout.layout_of(params, 1 << 20, 2)[0]
 
 
-def test_bucket_layout_inside_a_graph_is_the_cached_one() -> None:
+def test_bucket_layout_inside_a_graph_is_the_cached_one(optree_traced: None) -> None:
     # Dynamo reads the cache: the graph holds no layout of its own (no meta tensors in it).
     params = {"w": torch.ones(3, 5), "b": torch.ones(7)}
     eager = bucket_layout.layout_of(params, 1 << 20, 2)[0]
@@ -232,7 +254,7 @@ def test_compiled_call_with_a_key_draws_the_eager_dropout_mask() -> None:
 # ----------------------------------------------------------------------------- graph breaks
 
 
-def test_loss_function_traces_without_a_graph_break() -> None:
+def test_loss_function_traces_without_a_graph_break(optree_traced: None) -> None:
     apply, params, buffers = fs.functionalize(_Net())
 
     def loss(params, buffers, x):
@@ -243,7 +265,7 @@ def test_loss_function_traces_without_a_graph_break() -> None:
     assert explanation.graph_break_count == 0, _breaks_by_file(explanation)
 
 
-def test_step_breaks_graphs_only_where_expected() -> None:
+def test_step_breaks_graphs_only_where_expected(optree_traced: None) -> None:
     # The breaks are the same with donate=False (measured); one trace keeps the suite fast.
     step, state = _step(donate=True)
     torch._dynamo.reset()
@@ -278,7 +300,7 @@ def _checks_purity(x: torch.Tensor, buffers: dict, before: list[int]) -> torch.T
     return x + 1
 
 
-def test_purity_check_ends_no_graph() -> None:
+def test_purity_check_ends_no_graph(optree_traced: None) -> None:
     buffers = {"c": torch.ones(1)}
     before = purity.versions(tree.leaves(buffers))
     assert _graph_breaks(_checks_purity, torch.ones(2), buffers, before) == 0
@@ -295,8 +317,9 @@ def _eval_call_that_writes(tensors: dict) -> torch.Tensor:
 def test_buffer_check_holds_inside_a_graph() -> None:
     torch._dynamo.reset()
     compiled = torch.compile(_eval_call_that_writes, backend="eager")
-    # The graph's assertion keeps the condition, not the message: it names the expression.
-    with pytest.raises(RuntimeError, match="Runtime assertion failed"):
+    # The graph's assertion keeps the condition, not the message: it names the expression. Before
+    # torch 2.13 the check runs outside the graph, with its own message.
+    with pytest.raises(RuntimeError, match=r"Runtime assertion failed|running"):
         compiled({"running": torch.zeros(2)})
 
 
@@ -437,7 +460,7 @@ SHARD_OPTIMIZER_BREAKS = {
 
 @pytest.mark.slow
 @COMPILE_RANKS
-def test_shard_optimizer_step_breaks_graphs_only_where_expected() -> None:
+def test_shard_optimizer_step_breaks_graphs_only_where_expected(optree_traced: None) -> None:
     sites = fs.testing.run_spmd(_zero_break_sites, 2, timeout=900.0)
     assert sites[0] == sites[1] == SHARD_OPTIMIZER_BREAKS, sites
 

@@ -24,6 +24,13 @@ from fscale.functional import slots as slots_lib
 
 __all__ = ["call", "capture", "check_not_modified", "versions"]
 
+# Whether Dynamo reads a version counter inside a graph as a value of each run (an unbacked
+# integer, torch 2.13), which makes the comparison a runtime assertion of the graph. The earlier
+# releases checked (2.6, 2.7, 2.9, 2.11) bake the value read while tracing into the graph as a
+# constant, so the comparison would always pass: there both reads run outside the graph (one
+# break each), on the real tensors, after the graph before them has written its inputs.
+_GRAPHS_READ_VERSIONS = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 13)
+
 
 def call(
     module: nn.Module,
@@ -77,7 +84,14 @@ def capture(
 
 def versions(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """Each tensor's version counter, to compare with `check_not_modified` after a call."""
+    if torch.compiler.is_compiling() and not _GRAPHS_READ_VERSIONS:
+        return _versions_outside_the_graph(tensors)
     return {name: tensor._version for name, tensor in tensors.items()}
+
+
+@torch.compiler.disable(recursive=True)
+def _versions_outside_the_graph(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    return versions(tensors)
 
 
 def check_not_modified(tensors: Mapping[str, torch.Tensor], before: Mapping[str, int]) -> None:
@@ -87,13 +101,17 @@ def check_not_modified(tensors: Mapping[str, torch.Tensor], before: Mapping[str,
     ...). Native kernels that update running statistics internally do not bump it, but those
     only do so in training mode, where the call works on clones.
 
-    Under ``torch.compile`` each comparison is an assertion of the graph (a branch on a
-    symbolic version counter would end it); it fails as a RuntimeError that names the compared
-    expression, not the buffer (the graph keeps the condition, not the message).
+    Under ``torch.compile`` on torch 2.13 and later, each comparison is an assertion of the
+    graph (a branch on a symbolic version counter would end it); it fails as a RuntimeError that
+    names the compared expression, not the buffer (the graph keeps the condition, not the
+    message). On earlier releases the check runs outside the graph and names the buffer.
 
     Raises:
         RuntimeError: naming every buffer that changed.
     """
+    if torch.compiler.is_compiling() and not _GRAPHS_READ_VERSIONS:
+        _check_outside_the_graph(tensors, before)
+        return
     if torch.compiler.is_compiling():
         # Symbolic version counters inside a graph: an assertion of the graph, not a branch.
         for name, tensor in tensors.items():
@@ -116,3 +134,10 @@ def _modified(names: list[str]) -> str:
         "buffers without copying; call apply with train=True for a module that "
         "updates its state, or make the module update it out of place."
     )
+
+
+@torch.compiler.disable(recursive=True)
+def _check_outside_the_graph(
+    tensors: Mapping[str, torch.Tensor], before: Mapping[str, int]
+) -> None:
+    check_not_modified(tensors, before)
