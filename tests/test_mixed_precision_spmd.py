@@ -263,6 +263,16 @@ def _ours_and_fsdp2():
     return ours, theirs, losses, their_losses
 
 
+# fscale's result here is the same bits under torch 2.7, 2.9 and 2.13; FSDP2's is not.
+_FSDP2_IS_THE_REFERENCE = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 9)
+
+
+@pytest.mark.skipif(
+    not _FSDP2_IS_THE_REFERENCE,
+    reason="torch FSDP2 before 2.9 is no reference on the CPU: 2.6's fails (torch.cpu.Stream has "
+    "no record_event) and 2.7's mixed-precision parameters differ from 2.9's and 2.13's by up "
+    "to 1.3e-3",
+)
 def test_fully_shard_matches_torch_fsdp2_mixed_precision():
     """Within rtol 1e-5 / atol 1e-6 after two Adam steps: the same casts (bf16 shards gathered,
     fp32 gradients reduce-scattered); FSDP2's reduce-scatter divides by N before or after the
