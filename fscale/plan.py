@@ -178,7 +178,9 @@ class Context:
     key: torch.Tensor | None = None
     param_maps: tuple[Callable[[PyTree], PyTree], ...] = ()
     reducer: Reducer | None = None
-    optimizer: OptimizerRole = PlainOptimizer()
+    # A factory, not a shared instance: Dynamo 2.11 cannot build a frozen dataclass whose
+    # default is an object of a user class (a graph break at every Context made in a step).
+    optimizer: OptimizerRole = dataclasses.field(default_factory=PlainOptimizer)
     accumulated: PyTree | None = None
     loss_weight: float = 1.0
     final: bool = True
