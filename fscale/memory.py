@@ -77,6 +77,10 @@ class LiveBytes:
         self._drop_dead()
         return sum(nbytes for _, nbytes in self._storages.values())
 
+    # Host bookkeeping through weak references to storages, which Dynamo cannot trace (2.13
+    # breaks the graph inside; 2.9 rebuilt a weak reference as the storage itself): under
+    # torch.compile each call is one call outside the graph.
+    @torch.compiler.disable(recursive=True)
     def track(self, tensor: torch.Tensor) -> None:
         """Count `tensor`'s storage until it is freed, and sample the peak.
 
@@ -92,6 +96,7 @@ class LiveBytes:
         self._storages.setdefault(id(storage), (weakref.ref(storage), storage.nbytes()))
         self.sample()
 
+    @torch.compiler.disable(recursive=True)
     def sample(self) -> None:
         """Update `peak` with the bytes alive now."""
         self.peak = max(self.peak, self.live)
