@@ -14,7 +14,6 @@ import collections
 import contextlib
 import functools
 import logging
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -400,14 +399,7 @@ def test_compiled_fully_shard_step_with_submodule_units_equals_the_eager_step() 
     assert difference <= 1e-6
 
 
-COMPILE_RANKS = pytest.mark.skipif(
-    os.environ.get("FSCALE_COMPILE_RANKS") != "1",
-    reason="compiles on every rank (minutes on two cores); set FSCALE_COMPILE_RANKS=1 to run",
-)
-
-
 @pytest.mark.slow
-@COMPILE_RANKS
 def test_data_parallel_step_traces_on_two_ranks() -> None:
     # Dynamo only (backend "eager"): the graphs, their breaks around the collectives and the
     # state rebuilt across them; inductor's code for the same graphs is the test below.
@@ -446,9 +438,11 @@ SHARD_OPTIMIZER_BREAKS = {
     # Required by torch: a reduce-scatter started on gloo from a gradient hook, and its wait,
     # each one call outside the graph (fscale/parallel/bucket_collectives.py).
     "parallel/reduce.py": 2,
-    # grad_bytes (as the local step) and the reducer's peak of gradient bytes, which tracks
-    # storages through weak references: UntypedStorage is not traceable.
-    "memory.py": 2,
+    # grad_bytes, as the local step.
+    "memory.py": 1,
+    # The bucket collector hands each buffer it allocates to the reducer's peak of gradient
+    # bytes (`LiveBytes.track`): weak references to storages, kept outside the graph.
+    "parallel/buckets.py": 1,
     # Mesh.size takes math.prod of a generator, which Dynamo does not trace (torch 2.13). The
     # break is kept: with it the reducer's session is made after a resumed graph, and Dynamo can
     # carry it across the later breaks; made inside one graph (math.prod of a list), Dynamo
@@ -459,8 +453,11 @@ SHARD_OPTIMIZER_BREAKS = {
 
 
 @pytest.mark.slow
-@COMPILE_RANKS
 def test_shard_optimizer_step_breaks_graphs_only_where_expected(optree_traced: None) -> None:
+    if tuple(map(int, torch.__version__.split(".")[:2])) < (2, 13):
+        # Measured under 2.11: six more sites, each a Dynamo limitation 2.13 no longer has
+        # (hashing a PyTreeSpec, dict.update on an instance's __dict__, deque.append).
+        pytest.skip("ZeRO's graph-break sites are those of torch 2.13 and later")
     sites = fs.testing.run_spmd(_zero_break_sites, 2, timeout=900.0)
     assert sites[0] == sites[1] == SHARD_OPTIMIZER_BREAKS, sites
 
@@ -468,7 +465,6 @@ def test_shard_optimizer_step_breaks_graphs_only_where_expected(optree_traced: N
 # Measured (2 gloo ranks, inductor): every plan equals the eager step to 1.5e-8 after two
 # steps; shard_optimizer with either donate and shard_grads.
 @pytest.mark.slow
-@COMPILE_RANKS
 @pytest.mark.parametrize(
     ("plan", "donate"),
     [
