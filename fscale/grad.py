@@ -54,14 +54,6 @@ class LossOutput(NamedTuple):
     means: StepMeans | None = None
 
 
-def _with(out: LossOutput, **changes: Any) -> LossOutput:
-    """``out._replace(**changes)``, built as a new tuple: Dynamo 2.9 fails an internal assertion
-    rebuilding a named tuple's `_replace` in the frame it resumes after a graph break."""
-    fields = {name: getattr(out, name) for name in LossOutput._fields}
-    fields.update(changes)
-    return LossOutput(**fields)
-
-
 # Metric names the step itself reports; a loss function's own metric must not replace them.
 RESERVED_METRICS = ("loss", "grad_bytes", "grad_peak_bytes", "skipped")
 
@@ -196,15 +188,15 @@ def value_and_grad(
     purity.check_not_written("params", params, leaves, before[0])
     purity.check_not_written("buffers", buffers, buffer_leaves, before[1])
     if not track_usage:
-        out = _with(out, used=None)
+        out = tree.with_fields(out, used=None)
     if session is not None:
         grads = session.finish(grads)
-        out = _with(out, metrics={**out.metrics, **session.metrics()})
+        out = tree.with_fields(out, metrics={**out.metrics, **session.metrics()})
     elif accumulated is not None:
         grads = tree.unflatten(treedef, [g + a for g, a in zip(tree.leaves(grads), accumulated)])
     if means is not None:
         means.returned_loss(out.loss)  # the detached loss is what the step's metrics hold
-    return _with(out, means=means), grads
+    return tree.with_fields(out, means=means), grads
 
 
 def _step_means(ctx: Context | None, grad_mode: str, session: Any) -> StepMeans | None:
@@ -288,7 +280,7 @@ def _value_and_grad_autograd(
         )
     grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(found, live)]
     used = tuple(g is not None for g in found)
-    return _with(out, loss=out.loss.detach(), used=used), tree.unflatten(treedef, grads)
+    return tree.with_fields(out, loss=out.loss.detach(), used=used), tree.unflatten(treedef, grads)
 
 
 def _value_and_grad_func(

@@ -113,13 +113,13 @@ class LossScalePlan(Plan):
             torch.tensor(self.init_scale, dtype=torch.float32),
             torch.zeros((), dtype=torch.int32),
         )
-        return state._replace(opt_state=scaler)
+        return tree.with_fields(state, opt_state=scaler)
 
     def gradients(self, step, state, batch, ctx):
         scaler = scaler_state(state.opt_state)
         grads, aux = self.inner.gradients(
             step,
-            state._replace(opt_state=scaler.inner),
+            tree.with_fields(state, opt_state=scaler.inner),
             batch,
             ctx.replace(loss_weight=ctx.loss_weight * float(scaler.scale)),
         )
@@ -137,7 +137,7 @@ class LossScalePlan(Plan):
             grads = unscale(grads, scaler.scale, in_place=step.donate)
         new_state, metrics = self.inner.apply_gradients(
             step,
-            state._replace(opt_state=scaler.inner),
+            tree.with_fields(state, opt_state=scaler.inner),
             grads,
             aux,
             ctx.replace(skip_update=found),
@@ -145,17 +145,19 @@ class LossScalePlan(Plan):
         scale, tracker = self._updated(scaler, found)
         new_scaler = LossScaleState(new_state.opt_state, scale, tracker)
         metrics = {**metrics, "loss_scale": float(scale), "skipped": torch.tensor(float(found))}
-        return new_state._replace(opt_state=new_scaler), metrics
+        return tree.with_fields(new_state, opt_state=new_scaler), metrics
 
     def consolidate(self, step, state):
         scaler = scaler_state(state.opt_state)
-        full = self.inner.consolidate(step, state._replace(opt_state=scaler.inner))
-        return full._replace(opt_state=scaler._replace(inner=full.opt_state))
+        full = self.inner.consolidate(step, tree.with_fields(state, opt_state=scaler.inner))
+        return tree.with_fields(full, opt_state=tree.with_fields(scaler, inner=full.opt_state))
 
     def shard_state(self, step, full_state):
         scaler = scaler_state(full_state.opt_state, "full_state.opt_state")
-        sharded = self.inner.shard_state(step, full_state._replace(opt_state=scaler.inner))
-        return sharded._replace(opt_state=scaler._replace(inner=sharded.opt_state))
+        sharded = self.inner.shard_state(step, tree.with_fields(full_state, opt_state=scaler.inner))
+        return tree.with_fields(
+            sharded, opt_state=tree.with_fields(scaler, inner=sharded.opt_state)
+        )
 
     def _nonfinite_anywhere(self, step: Step, grads: PyTree) -> bool:
         """Whether some rank of the step's mesh holds a non-finite gradient (one all-reduce)."""

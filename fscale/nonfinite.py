@@ -191,4 +191,4 @@ def raise_nonfinite(agreement: Agreement, step_count: int) -> None:
 
 def skipped_state(state: Any, buffers: PyTree) -> Any:
     """`state` after a skipped update: the forward's `buffers`, the step counter advanced."""
-    return state._replace(buffers=buffers, step=state.step + 1)
+    return tree.with_fields(state, buffers=buffers, step=state.step + 1)

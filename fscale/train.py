@@ -191,7 +191,7 @@ class Step:
         used = aux.used if skip_unused else None
         checking = self.on_nonfinite != "propagate"
         if not checking and (used is None or single):
-            return (aux if used is aux.used else aux._replace(used=used)), False
+            return (aux if used is aux.used else tree.with_fields(aux, used=used)), False
         found = nonfinite.has_nonfinite(grads) if checking else False
         # The verdict holds for every rank of the mesh (pipeline stages, tensor shards too): a
         # rank that updated while another skipped would leave the model inconsistent.
@@ -199,7 +199,7 @@ class Step:
         agreement = nonfinite.agree(found, used, mesh, axes, verdict_axes=everywhere)
         if agreement.nonfinite and self.on_nonfinite == "raise":
             nonfinite.raise_nonfinite(agreement, int(state.step))
-        return aux._replace(used=agreement.used), agreement.nonfinite
+        return tree.with_fields(aux, used=agreement.used), agreement.nonfinite
 
     def _check_configuration_agrees(self, mesh: Any, axis: str) -> None:
         """Every rank of `axis` runs the same optimizer (kind and hyper-parameters, as its
@@ -264,11 +264,13 @@ def _reduce_over_data_axes(
     if means is None or means.axes != tuple(axes):
         axis = spmd.axis_arg(axes)
         buffers = spmd.average_updated_buffers(state.buffers, new_state.buffers, mesh, axis)
-        return new_state._replace(buffers=buffers), spmd.reduce_metrics(metrics, mesh, axis)
+        return tree.with_fields(new_state, buffers=buffers), spmd.reduce_metrics(
+            metrics, mesh, axis
+        )
     buffers = step_means.mean_buffers(state.buffers, new_state.buffers, means)
     metrics = step_means.mean_metrics(metrics, means)
     means.finish()
-    return new_state._replace(buffers=buffers), metrics
+    return tree.with_fields(new_state, buffers=buffers), metrics
 
 
 def _key(key: Any) -> torch.Tensor:

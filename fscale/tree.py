@@ -8,7 +8,7 @@ leaves are tensors; `None` is an empty subtree. Flat buffers of many tensors are
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import optree
 
@@ -23,9 +23,11 @@ __all__ = [
     "same_structure",
     "structure",
     "unflatten",
+    "with_fields",
 ]
 
 PyTree = Any
+Record = TypeVar("Record", bound=tuple)
 
 # `None` is an empty subtree (as in JAX and optax), so a missing state or a frozen group can be
 # written as `None` without special cases.
@@ -111,3 +113,21 @@ def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree
     return optree.tree_map_with_path(
         lambda p, *xs: fn(path_str(p), *xs), tree, *rest, none_is_leaf=_NONE_IS_LEAF
     )
+
+
+def with_fields(record: Record, **changes: Any) -> Record:
+    """A copy of the named tuple `record` with some fields changed: ``record._replace(...)``.
+
+    Built by calling the class with every field, because Dynamo before torch 2.13 rebuilds the
+    result of `_replace` wrongly where a compiled step resumes after a graph break (2.11 passed
+    on an empty tuple, 2.9 failed an internal assertion). fscale's step code uses this instead.
+
+    Raises:
+        TypeError: a name in `changes` is not a field of `record`.
+    """
+    cls = type(record)
+    fields = cls._fields  # type: ignore[attr-defined]
+    unknown = [name for name in changes if name not in fields]
+    if unknown:
+        raise TypeError(f"with_fields: {cls.__name__} has no field(s) {sorted(unknown)}")
+    return cls(*[changes.get(name, value) for name, value in zip(fields, record)])

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import fscale as fs
 from fscale import tree
 from fscale.flat import FlatBuffer, Fragment, flat_copy
 
@@ -25,6 +26,40 @@ def test_helpers_follow_optree_order_and_name_paths():
 def test_map_over_mismatched_trees_names_both_structures():
     with pytest.raises(ValueError, match="different structure"):
         tree.map(torch.add, {"a": torch.ones(1)}, {"b": torch.ones(1)})
+
+
+def test_with_fields_equals_replace_and_names_an_unknown_field():
+    state = fs.TrainState({"w": torch.ones(2)}, {}, None, torch.zeros(()), torch.zeros(2))
+    changed = tree.with_fields(state, opt_state={"m": torch.zeros(2)}, step=torch.ones(()))
+    assert type(changed) is fs.TrainState
+    expected = state._replace(opt_state={"m": torch.zeros(2)}, step=torch.ones(()))
+    assert tree.structure(changed) == tree.structure(expected)
+    assert all(torch.equal(a, b) for a, b in zip(tree.leaves(changed), tree.leaves(expected)))
+    assert changed.params is state.params and state.opt_state is None  # a copy; no mutation
+    assert tree.with_fields(state) == state
+    with pytest.raises(TypeError, match=r"TrainState has no field\(s\) \['steps'\]"):
+        tree.with_fields(state, steps=torch.ones(()))
+
+
+def test_with_fields_survives_a_graph_break_in_a_compiled_function():
+    # The result crosses a graph break into the next call: Dynamo before torch 2.13 rebuilt
+    # `_replace`'s result there as an empty tuple.
+    state = fs.TrainState({"w": torch.ones(2)}, {}, None, torch.zeros(()), torch.zeros(2))
+
+    @torch.compiler.disable
+    def outside(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    def inner(state: fs.TrainState) -> torch.Tensor:
+        return state.params["w"] * state.step
+
+    def outer(state: fs.TrainState) -> torch.Tensor:
+        changed = tree.with_fields(state, step=state.step + 2)
+        outside(changed.step)
+        return inner(changed)
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(outer, backend="eager")(state), torch.full((2,), 2.0))
 
 
 def test_unflatten_checks_the_leaf_count():

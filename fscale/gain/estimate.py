@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from fscale import tree
+
 __all__ = [
     "GainStats",
     "default_smoothing",
@@ -88,7 +90,8 @@ def estimate(local_sqr: float, total_sqr: float, samples: int, scale: float) -> 
 def update(stats: GainStats, grad_sqr: float, grad_var: float, smoothing: float) -> GainStats:
     """`stats` after one step's estimates, averaged with factor `smoothing`."""
     keep, take = smoothing, 1.0 - smoothing
-    return stats._replace(
+    return tree.with_fields(
+        stats,
         grad_sqr=_scalar(keep * float(stats.grad_sqr) + take * grad_sqr),
         grad_var=_scalar(keep * float(stats.grad_var) + take * grad_var),
         unbias=_scalar(keep * float(stats.unbias) + take),
@@ -110,6 +113,6 @@ def rescale(stats: GainStats, scale: float) -> GainStats:
     old = float(stats.scale)
     if old == scale:
         return stats
-    return stats._replace(
-        grad_var=_scalar(float(stats.grad_var) * old / scale), scale=_scalar(scale)
+    return tree.with_fields(
+        stats, grad_var=_scalar(float(stats.grad_var) * old / scale), scale=_scalar(scale)
     )

@@ -111,7 +111,7 @@ class _ObservedUnit:
                 self._count()
             return call.run(self.tally.observe_named(params), state, args, kwargs)
 
-        return self.inner.call(call._replace(run=run))
+        return self.inner.call(tree.with_fields(call, run=run))
 
     def _count(self) -> None:
         calls = self.tally.unit_calls

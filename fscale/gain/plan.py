@@ -109,12 +109,12 @@ class AdaScalePlan(Plan):
     def init(self, step, params, buffers, key, ctx):
         state = self.inner.init(step, params, buffers, key, ctx)
         stats = est.init_stats(self.scale)
-        return state._replace(opt_state=AdaScaleState(state.opt_state, stats))
+        return tree.with_fields(state, opt_state=AdaScaleState(state.opt_state, stats))
 
     def gradients(self, step, state, batch, ctx):
         _check_outermost(ctx)
         opt_state = _adascale_state(state.opt_state)
-        inner_state = state._replace(opt_state=opt_state.inner)
+        inner_state = tree.with_fields(state, opt_state=opt_state.inner)
         weights = None
         if self.adam is not None:
             weights = adam_weights(inner_state, self.adam.beta2, self.adam.eps, self.adam.warmup)
@@ -126,7 +126,7 @@ class AdaScalePlan(Plan):
             total = _squared_norm(grads, weights)
             local = tally.local_sqr(total.device) * float(self.micro_batches**2)
             norms = self._complete(local, total)
-        return grads, aux._replace(carry={**aux.carry, _CARRY: norms})
+        return grads, tree.with_fields(aux, carry={**aux.carry, _CARRY: norms})
 
     def apply_gradients(self, step, state, grads, aux, ctx):
         opt_state = _adascale_state(state.opt_state)
@@ -137,8 +137,8 @@ class AdaScalePlan(Plan):
                 "gradients returned"
             )
         local_sqr, total_sqr = (float(v) for v in aux.carry[_CARRY])
-        inner_aux = aux._replace(carry={k: v for k, v in aux.carry.items() if k != _CARRY})
-        inner_state = state._replace(opt_state=opt_state.inner)
+        inner_aux = tree.with_fields(aux, carry={k: v for k, v in aux.carry.items() if k != _CARRY})
+        inner_state = tree.with_fields(state, opt_state=opt_state.inner)
         if ctx.skip_update:
             new_state, metrics = self.inner.apply_gradients(
                 step, inner_state, grads, inner_aux, ctx
@@ -155,7 +155,7 @@ class AdaScalePlan(Plan):
             old = [leaf.detach().clone() for leaf in old]
         new_state, metrics = self.inner.apply_gradients(step, inner_state, grads, inner_aux, ctx)
         _scale_update(old, tree.leaves(new_state.params), factor, step.donate)
-        stats = stats._replace(progress=stats.progress + gain)
+        stats = tree.with_fields(stats, progress=stats.progress + gain)
         return self._finish(new_state, metrics, stats, gain)
 
     def _finish(
@@ -172,20 +172,20 @@ class AdaScalePlan(Plan):
             "gain": torch.tensor(gain, dtype=torch.float64),
             "progress": stats.progress.clone(),
         }
-        return state._replace(opt_state=AdaScaleState(state.opt_state, stats)), metrics
+        return tree.with_fields(state, opt_state=AdaScaleState(state.opt_state, stats)), metrics
 
     def consolidate(self, step, state):
         opt_state = _adascale_state(state.opt_state)
-        full = self.inner.consolidate(step, state._replace(opt_state=opt_state.inner))
-        return full._replace(opt_state=AdaScaleState(full.opt_state, opt_state.stats))
+        full = self.inner.consolidate(step, tree.with_fields(state, opt_state=opt_state.inner))
+        return tree.with_fields(full, opt_state=AdaScaleState(full.opt_state, opt_state.stats))
 
     def shard_state(self, step, full_state):
         stats = est.init_stats(self.scale)
         if isinstance(full_state.opt_state, AdaScaleState):
             stats = full_state.opt_state.stats
-            full_state = full_state._replace(opt_state=full_state.opt_state.inner)
+            full_state = tree.with_fields(full_state, opt_state=full_state.opt_state.inner)
         state = self.inner.shard_state(step, full_state)
-        return state._replace(opt_state=AdaScaleState(state.opt_state, stats))
+        return tree.with_fields(state, opt_state=AdaScaleState(state.opt_state, stats))
 
     # ---- statistics ----------------------------------------------------------------------
 

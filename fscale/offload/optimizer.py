@@ -291,4 +291,4 @@ def offload_optimizer(
             OffloadState(inner_state, tree.unflatten(treedef, new_master_leaves)),
         )
 
-    return optimizer._replace(init=init, update=update, apply=apply)
+    return tree.with_fields(optimizer, init=init, update=update, apply=apply)

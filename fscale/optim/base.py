@@ -87,7 +87,7 @@ def described(factory: F) -> F:
                 parts.extend(f"{k}={_describe(v)}" for k, v in value.items())
             else:
                 parts.append(f"{name}={_describe(value)}")
-        return optimizer._replace(description=f"{factory.__name__}({', '.join(parts)})")
+        return tree.with_fields(optimizer, description=f"{factory.__name__}({', '.join(parts)})")
 
     return make  # type: ignore[return-value]
 
@@ -149,7 +149,7 @@ def resolve_sharding(
         )
     # A shape given as a tuple is accepted: everything downstream calls `shape.numel()`.
     fragments = [
-        f if isinstance(f.shape, torch.Size) else f._replace(shape=torch.Size(f.shape))
+        f if isinstance(f.shape, torch.Size) else tree.with_fields(f, shape=torch.Size(f.shape))
         for f in fragments
     ]
     for i, (frag, leaf) in enumerate(zip(fragments, leaves)):

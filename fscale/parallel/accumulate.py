@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from fscale import random as fsrandom
+from fscale import tree
 from fscale.data import split_batch
 from fscale.parallel import layers
 from fscale.plan import GradAux, Plan
@@ -72,7 +73,7 @@ class AccumulatePlan(Plan):
                 final=ctx.final and index == count - 1,
             )
             total, aux = self.inner.gradients(
-                step, state._replace(buffers=buffers), micro, micro_ctx
+                step, tree.with_fields(state, buffers=buffers), micro, micro_ctx
             )
             buffers = aux.buffers
             used = _either(used, aux.used) if index else aux.used
@@ -85,8 +86,8 @@ class AccumulatePlan(Plan):
         for name, values in scalars.items():
             if len(values) == count:  # reported by every slice: the mean over the batch
                 metrics[name] = _mean(values, weight)
-        return total, aux._replace(
-            loss=_mean(losses, weight), buffers=buffers, metrics=metrics, used=used
+        return total, tree.with_fields(
+            aux, loss=_mean(losses, weight), buffers=buffers, metrics=metrics, used=used
         )
 
 

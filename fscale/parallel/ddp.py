@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+from fscale import tree
 from fscale.distributed.mesh import Mesh
 from fscale.parallel import layers
 from fscale.parallel.reduce import ReduceHook, add_mean_axis, bucket_infos
@@ -121,30 +122,30 @@ class DataParallelPlan(Plan):
         out: dict[str, Any] = {}
         grads, aux = self.inner.gradients(
             step,
-            state._replace(opt_state=opt_state.inner),
+            tree.with_fields(state, opt_state=opt_state.inner),
             batch,
             self.context(ctx, opt_state.hook, out),
         )
         # Under accumulation the hook runs on the last micro-batch only; a step whose
         # reduction never ran keeps the states it had.
         carry = {**aux.carry, self._carry_key: out.get("states", opt_state.hook)}
-        return grads, aux._replace(carry=carry)
+        return grads, tree.with_fields(aux, carry=carry)
 
     def apply_gradients(self, step, state, grads, aux, ctx):
         if not self._stateful:
             return self.inner.apply_gradients(step, state, grads, aux, self.context(ctx))
         opt_state = _hook_state(state.opt_state)
         new_state, metrics = self.inner.apply_gradients(
-            step, state._replace(opt_state=opt_state.inner), grads, aux, self.context(ctx)
+            step, tree.with_fields(state, opt_state=opt_state.inner), grads, aux, self.context(ctx)
         )
         hook = aux.carry.get(self._carry_key, opt_state.hook)
-        return new_state._replace(opt_state=HookState(new_state.opt_state, hook)), metrics
+        return tree.with_fields(new_state, opt_state=HookState(new_state.opt_state, hook)), metrics
 
     def consolidate(self, step, state):
         if self._stateful:
             # The full state is what a step without the hook takes: the hook's state (error
             # feedback, warm starts) starts afresh after resharding.
-            state = state._replace(opt_state=_hook_state(state.opt_state).inner)
+            state = tree.with_fields(state, opt_state=_hook_state(state.opt_state).inner)
         return self.inner.consolidate(step, state)
 
     def shard_state(self, step, full_state):
@@ -158,7 +159,7 @@ class DataParallelPlan(Plan):
     def _with_hook_state(self, state: TrainState) -> TrainState:
         infos = bucket_infos(state.params, self.bucket_bytes, self.mesh, (self.axis,))
         hook_states = tuple(self.hook.init(info) for info in infos)  # type: ignore[union-attr]
-        return state._replace(opt_state=HookState(state.opt_state, hook_states))
+        return tree.with_fields(state, opt_state=HookState(state.opt_state, hook_states))
 
 
 def _hook_state(opt_state: Any) -> HookState:

@@ -109,7 +109,7 @@ class _MappedUnit:
         def run(params, state, args, kwargs):
             return call.run(self._mapped(params), state, args, kwargs)
 
-        return self.unit.call(call._replace(run=run))
+        return self.unit.call(tree.with_fields(call, run=run))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -173,14 +173,16 @@ class ExpertParallelPlan(Plan):
     def consolidate(self, step, state):
         state = self.inner.consolidate(self._step(step), state)
         names, locals_ = self.expert_shapes(state.params)
-        return state._replace(
+        return tree.with_fields(
+            state,
             params=self._map_experts(state.params, names, locals_, self._gather),
             opt_state=self._map_experts(state.opt_state, names, locals_, self._gather),
         )
 
     def shard_state(self, step, full_state):
         names, fulls = self.expert_shapes(full_state.params)
-        state = full_state._replace(
+        state = tree.with_fields(
+            full_state,
             params=self._map_experts(full_state.params, names, fulls, self._slice),
             opt_state=self._map_experts(full_state.opt_state, names, fulls, self._slice),
         )

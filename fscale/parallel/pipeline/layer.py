@@ -184,7 +184,8 @@ class PipelinePlan(Plan):
                 params[stage] = rank_params[position]
                 buffers[stage] = rank_buffers[position]
         opt_state = self._merge_opt_state([(g[0], g[1], g[3]) for g in gathered])
-        return local_full._replace(
+        return tree.with_fields(
+            local_full,
             params=self.stages.merge(params),
             buffers=self.stages.merge(buffers),
             opt_state=opt_state,
@@ -240,8 +241,10 @@ class PipelinePlan(Plan):
         """A state of the flat dict as one of the local stages' pieces."""
         items, outer = _param_shaped(state.opt_state, tree.structure(state.params))
         opt_state = [self._from_flat(v) if shaped else v for shaped, v in items]
-        return state._replace(
-            params=self._from_flat(state.params), opt_state=optree.tree_unflatten(outer, opt_state)
+        return tree.with_fields(
+            state,
+            params=self._from_flat(state.params),
+            opt_state=optree.tree_unflatten(outer, opt_state),
         )
 
     def _flat_state(self, state: TrainState) -> TrainState:
@@ -249,7 +252,9 @@ class PipelinePlan(Plan):
         items, outer = _param_shaped(state.opt_state, tree.structure(state.params))
         params = self._to_flat(state.params)
         opt_state = [self._to_flat(v) if shaped else v for shaped, v in items]
-        return state._replace(params=params, opt_state=optree.tree_unflatten(outer, opt_state))
+        return tree.with_fields(
+            state, params=params, opt_state=optree.tree_unflatten(outer, opt_state)
+        )
 
     def _local_pieces(self, params: PyTree, buffers: PyTree) -> tuple[tuple, tuple]:
         stage_params = self.stages.split(params, "params", "pipeline")
