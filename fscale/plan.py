@@ -197,6 +197,14 @@ class Context:
         if unknown:
             raise TypeError(f"Context.replace: no field(s) {sorted(unknown)}")
         new = object.__new__(Context)
+        if torch.compiler.is_compiling():
+            # Dynamo before torch 2.13 cannot trace `__dict__.update` (a graph break at every
+            # Context made in a step); it traces `object.__setattr__`, which costs a microsecond
+            # more per call when run eagerly.
+            fields = self.__dict__
+            for name in _CONTEXT_FIELDS:
+                object.__setattr__(new, name, changes[name] if name in changes else fields[name])
+            return new
         new.__dict__.update(self.__dict__)
         new.__dict__.update(changes)
         return new

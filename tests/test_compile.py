@@ -454,10 +454,6 @@ SHARD_OPTIMIZER_BREAKS = {
 
 @pytest.mark.slow
 def test_shard_optimizer_step_breaks_graphs_only_where_expected(optree_traced: None) -> None:
-    if tuple(map(int, torch.__version__.split(".")[:2])) < (2, 13):
-        # Measured under 2.11: six more sites, each a Dynamo limitation 2.13 no longer has
-        # (hashing a PyTreeSpec, dict.update on an instance's __dict__, deque.append).
-        pytest.skip("ZeRO's graph-break sites are those of torch 2.13 and later")
     sites = fs.testing.run_spmd(_zero_break_sites, 2, timeout=900.0)
     assert sites[0] == sites[1] == SHARD_OPTIMIZER_BREAKS, sites
 

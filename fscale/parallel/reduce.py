@@ -47,7 +47,6 @@ is the hook's state for that bucket, kept in the TrainState by `data_parallel`
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -340,7 +339,7 @@ class _ScatterSession:
         self.live = LiveBytes()
         self.initial: list[torch.Tensor] | None = None
         self.shards: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
-        self.in_flight: collections.deque = collections.deque()
+        self.in_flight: list[tuple[int, Any]] = []  # Dynamo < 2.13 cannot trace deque.append
         self.collector: GradBuckets | None = None
         self.folded: torch.Tensor | None = None
         self.num_folded = 0
@@ -391,7 +390,9 @@ class _ScatterSession:
         return pending
 
     def _start_and_release(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
-        self.in_flight.append((bucket.index, self._reduce_start(bucket, flat_grad)))
+        # Started first: Dynamo before 2.13 cannot call a builtin method bound across a break.
+        pending = self._reduce_start(bucket, flat_grad)
+        self.in_flight.append((bucket.index, pending))
         self.collector.release(bucket.index)  # type: ignore[union-attr]
         del flat_grad
         self.live.sample()
@@ -399,7 +400,7 @@ class _ScatterSession:
 
     def _settle(self, keep: int) -> None:
         while len(self.in_flight) > keep:
-            index, pending = self.in_flight.popleft()
+            index, pending = self.in_flight.pop(0)
             shard = pending.wait()
             if self.num_folded and index == len(self.shards) - 1:
                 assert isinstance(pending, BucketPending)  # `folds_trailing` held
@@ -417,7 +418,8 @@ class _ScatterSession:
                 for bucket in self.layout.buckets:
                     full = self.collector.bucket_data(bucket.index)
                     assert full is not None  # flushed: every bucket has its buffer
-                    self.in_flight.append((bucket.index, self._reduce_start(bucket, full)))
+                    pending = self._reduce_start(bucket, full)  # as in `_start_and_release`
+                    self.in_flight.append((bucket.index, pending))
                     # Only the collective may hold the full bucket now, so it is freed as
                     # soon as the reduce-scatter is done with it.
                     del full

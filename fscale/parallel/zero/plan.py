@@ -29,7 +29,7 @@ from fscale.parallel.bucket_collectives import all_gather_bucket_start
 from fscale.parallel.bucket_layout import BucketLayout, layout_of
 from fscale.parallel.opt_state import StateMap, StateSpec, check_state, plan_state_init, state_spec
 from fscale.parallel.reduce import MAX_IN_FLIGHT, add_scatter_axis
-from fscale.plan import Context, Plan, TrainState
+from fscale.plan import Context, Plan
 from fscale.state_agreement import check_same_values
 
 __all__ = ["ShardedOptState", "ShardedOptimizerPlan", "ZeroOptimizer"]
@@ -38,6 +38,31 @@ PyTree = Any
 
 # Optimizer state specs a plan keeps (one per model and optimizer it has run).
 _MAX_CACHED_SPECS = 8
+
+
+class _SpecCache:
+    """This rank's expected optimizer-state spec per (layout, treedef, optimizer), so that
+    checking a state every step does not run the init each time.
+
+    The keys are held, not their ids, so an entry cannot be mistaken for a new object at a
+    reused address; they are compared one by one (at most `_MAX_CACHED_SPECS`) rather than
+    hashed: Dynamo before torch 2.13 cannot hash a treedef, and a dict keyed by one, reachable
+    from a step, broke the graph wherever the step was passed to a call.
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[BucketLayout, Any, Any, StateSpec]] = []
+
+    def get(self, layout: BucketLayout, treedef: Any, optimizer: Any) -> StateSpec | None:
+        for held_layout, held_treedef, held_optimizer, spec in self._entries:
+            if held_layout is layout and held_optimizer is optimizer and held_treedef == treedef:
+                return spec
+        return None
+
+    def put(self, layout: BucketLayout, treedef: Any, optimizer: Any, spec: StateSpec) -> None:
+        if len(self._entries) >= _MAX_CACHED_SPECS:
+            self._entries.pop(0)
+        self._entries.append((layout, treedef, optimizer, spec))
 
 
 class ShardedOptState(NamedTuple):
@@ -149,11 +174,9 @@ class ShardedOptimizerPlan(Plan):
     axis: str
     bucket_bytes: int
     shard_grads: bool
-    # The optimizer state's expected spec on this rank, kept so that checking a state every step
-    # does not run the init each time: ``{(layout, treedef): (optimizer, spec)}``. The layout
-    # and optimizer are held, not their ids, so a cached entry cannot be mistaken for a new
-    # object at a reused address.
-    _rank_specs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    _rank_specs: _SpecCache = dataclasses.field(
+        default_factory=_SpecCache, compare=False, repr=False
+    )
 
     @property
     def name(self) -> str:
@@ -204,29 +227,30 @@ class ShardedOptimizerPlan(Plan):
         state = self.inner.init(
             step, params, buffers, key, self.context(ctx).replace(optimizer=role)
         )
-        return state._replace(
-            opt_state=ShardedOptState(state.opt_state, torch.tensor(self._size, dtype=torch.int64))
+        return tree.with_fields(
+            state,
+            opt_state=ShardedOptState(state.opt_state, torch.tensor(self._size, dtype=torch.int64)),
         )
 
     def gradients(self, step, state, batch, ctx):
-        self._check_opt_state(step, state)
+        self._check_opt_state(step, state.params, state.opt_state)
         return self.inner.gradients(
-            step, state._replace(opt_state=state.opt_state.shard), batch, self.context(ctx)
+            step, tree.with_fields(state, opt_state=state.opt_state.shard), batch, self.context(ctx)
         )
 
     def apply_gradients(self, step, state, grads, aux, ctx):
-        layout = self._check_opt_state(step, state)
+        layout = self._check_opt_state(step, state.params, state.opt_state)
         opt_state = state.opt_state
         role = ZeroOptimizer(self.mesh, self.axis, layout)
         new_state, metrics = self.inner.apply_gradients(
             step,
-            state._replace(opt_state=opt_state.shard),
+            tree.with_fields(state, opt_state=opt_state.shard),
             grads,
             aux,
             self.context(ctx).replace(optimizer=role),
         )
-        return new_state._replace(
-            opt_state=ShardedOptState(new_state.opt_state, opt_state.num_shards)
+        return tree.with_fields(
+            new_state, opt_state=ShardedOptState(new_state.opt_state, opt_state.num_shards)
         ), metrics
 
     # ---- checks --------------------------------------------------------------------------
@@ -235,10 +259,10 @@ class ShardedOptimizerPlan(Plan):
     # count's value (a host read ends a graph anyway) and keys its spec cache by the params'
     # treedef, which must be optree's own, not Dynamo's stand-in for it.
     @torch.compiler.disable(recursive=True)
-    def _check_opt_state(self, step: Any, state: TrainState) -> BucketLayout:
-        """Check that `state.opt_state` is this step's sharded state; the params' layout."""
-        layout, treedef = self._layout(state.params)
-        self._check_opt_state_on(step, state.opt_state, layout, treedef)
+    def _check_opt_state(self, step: Any, params: PyTree, opt_state: Any) -> BucketLayout:
+        """Check that `opt_state` is this step's sharded state for `params`; their layout."""
+        layout, treedef = self._layout(params)
+        self._check_opt_state_on(step, opt_state, layout, treedef)
         return layout
 
     def _check_opt_state_on(
@@ -269,13 +293,10 @@ class ShardedOptimizerPlan(Plan):
 
     def _rank_spec(self, step: Any, layout: BucketLayout, treedef: Any) -> StateSpec:
         """`_state_spec` for this rank, computed once per optimizer, layout and tree."""
-        cached = self._rank_specs.get((layout, treedef))
-        if cached is not None and cached[0] is step.optimizer:
-            return cached[1]
-        spec = self._state_spec(step, layout, treedef, self._rank)
-        if len(self._rank_specs) >= _MAX_CACHED_SPECS:
-            self._rank_specs.clear()
-        self._rank_specs[(layout, treedef)] = (step.optimizer, spec)
+        spec = self._rank_specs.get(layout, treedef, step.optimizer)
+        if spec is None:
+            spec = self._state_spec(step, layout, treedef, self._rank)
+            self._rank_specs.put(layout, treedef, step.optimizer, spec)
         return spec
 
     # ---- state in and out ----------------------------------------------------------------
@@ -289,7 +310,7 @@ class ShardedOptimizerPlan(Plan):
             self._rank,
             lambda t: collectives.all_gather(t, self.axis, mesh=self.mesh),
         )
-        return self.inner.consolidate(step, state._replace(opt_state=full))
+        return self.inner.consolidate(step, tree.with_fields(state, opt_state=full))
 
     def shard_state(self, step, full_state):
         if isinstance(full_state.opt_state, ShardedOptState):
@@ -309,7 +330,8 @@ class ShardedOptimizerPlan(Plan):
             "it is not the full state of this step's optimizer on these params",
         )
         flats = layout.pack(tree.leaves(full_state.params))
-        return full_state._replace(
+        return tree.with_fields(
+            full_state,
             params=tree.unflatten(treedef, layout.leaf_views(flats)),
             opt_state=ShardedOptState(
                 state_map.shard(full_state.opt_state, self._rank),
