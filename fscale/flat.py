@@ -168,9 +168,10 @@ class FlatBuffer:
         if data.requires_grad and len(self.shapes) > 1:
             pieces = data.split_with_sizes(self._pieces()[0])
             return [pieces[i].view(shape) for i, shape in zip(self._pieces()[1], self.shapes)]
-        if not data.requires_grad and data.stride() == (1,):
+        if not data.requires_grad and data.stride() == (1,) and not torch.compiler.is_compiling():
             # One as_strided per tensor: a third of the time of a slice and a view (a step
-            # takes these views of every bucket, every step).
+            # takes these views of every bucket, every step). Not in a graph: Dynamo cannot
+            # trace `storage_offset`, and traced slices cost nothing at run time.
             base = data.storage_offset()
             return [
                 data.as_strided(shape, strides, base + offset)
@@ -227,7 +228,9 @@ class FlatBuffer:
     def _fragment_layout(self, index: int) -> tuple[list[Fragment], list[tuple[int, int]]]:
         """`fragments(index)`, and where each lies in the shard: (begin, numel). Computed once
         per shard index: a ZeRO step takes these views of every bucket, every step."""
-        cache = self.__dict__.setdefault("_fragments_cache", {})
+        cache = self.__dict__.get("_fragments_cache")  # not setdefault: Dynamo < 2.13
+        if cache is None:
+            cache = self.__dict__["_fragments_cache"] = {}
         cached = cache.get(index)
         if cached is None:
             lo = index * self.shard_size
@@ -244,7 +247,11 @@ class FlatBuffer:
     def fragment_views(self, index: int, shard_data: torch.Tensor) -> list[torch.Tensor]:
         """1-D views into `shard_data` (a shard-sized tensor) for each tensor's fragment."""
         spans = self._fragment_layout(index)[1]
-        if not shard_data.requires_grad and shard_data.stride() == (1,):
+        if (
+            not shard_data.requires_grad
+            and shard_data.stride() == (1,)
+            and not torch.compiler.is_compiling()  # as in `views`
+        ):
             base = shard_data.storage_offset()
             return [shard_data.as_strided((n,), (1,), base + begin) for begin, n in spans]
         return [shard_data[begin : begin + n] for begin, n in spans]

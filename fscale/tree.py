@@ -130,4 +130,5 @@ def with_fields(record: Record, **changes: Any) -> Record:
     unknown = [name for name in changes if name not in fields]
     if unknown:
         raise TypeError(f"with_fields: {cls.__name__} has no field(s) {sorted(unknown)}")
-    return cls(*[changes.get(name, value) for name, value in zip(fields, record)])
+    # By name, not by zipping: Dynamo cannot step a zip in a frame it resumes.
+    return cls(*[changes[name] if name in changes else getattr(record, name) for name in fields])

@@ -169,6 +169,9 @@ def check_pair(comm: Comm, op: str, x: Tensor, peer: int, ticket: Ticket | None 
     )
 
 
+# Under torch.compile this runs outside the graph, as one call: the store, the debug check's
+# collective and the ledger are host work, each of which would end a graph of its own.
+@torch.compiler.disable(recursive=True)
 def issue(comm: Comm, op: str, x: Tensor, numel: int, extra: int = 0) -> Ticket:
     """Before a group collective on `x`: its count, the debug check when on, the ledger record.
 

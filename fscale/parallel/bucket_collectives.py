@@ -140,6 +140,8 @@ def _comm(flat: torch.Tensor, axis: str, mesh: Mesh, caller: str) -> Comm:
     return resolve_comm(axis, mesh, caller)
 
 
+# Under torch.compile this runs outside the graph, as one call, as `reduce_scatter_bucket_start`.
+@torch.compiler.disable(recursive=True)
 def all_reduce_bucket_start(
     flat: torch.Tensor, axis: str, mesh: Mesh, *, trailing: int = 0, divided: bool = False
 ) -> BucketPending:

@@ -64,7 +64,7 @@ from fscale.parallel.bucket_collectives import (
     folds_trailing,
     reduce_scatter_bucket_start,
 )
-from fscale.parallel.bucket_layout import BucketLayout, layout_of
+from fscale.parallel.bucket_layout import layout_of
 from fscale.parallel.buckets import GradBuckets
 
 __all__ = [
@@ -247,6 +247,8 @@ class _AllReduceSession:
         axis, mesh = _axis(self.axes), self.reducer.mesh
         return tree.map(lambda p: collectives.replicate(p, axis, "mean", mesh=mesh), live)
 
+    # Outside the graph: Dynamo cannot rebuild the hooks' bound methods at a later break.
+    @torch.compiler.disable(recursive=True)
     def hooks(self) -> list[Any]:
         if self.func:
             return [None] * len(self.leaves)
@@ -332,10 +334,8 @@ class _ScatterSession:
         self.axis: str = reducer.scatter_axis
         self.func = grad_mode == "func"
         self.params = params
-        self.layout: BucketLayout
-        self.layout, self.treedef = layout_of(
-            params, reducer.bucket_bytes, reducer.mesh.size(self.axis)
-        )
+        shards = reducer.mesh.size(self.axis)
+        self.layout, self.treedef = layout_of(params, reducer.bucket_bytes, shards)
         self.live = LiveBytes()
         self.initial: list[torch.Tensor] | None = None
         self.shards: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
