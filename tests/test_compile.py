@@ -435,12 +435,17 @@ SHARD_OPTIMIZER_BREAKS = {
     # Required by torch: ZeRO's update (`ZeroOptimizer.apply`, called here) runs outside the
     # graph as one call: the optimizer's fused kernels, then the all-gathers on gloo.
     "plan.py": 1,
-    # Required by torch: a reduce-scatter started on gloo from a gradient hook, and its wait,
-    # each one call outside the graph (fscale/parallel/bucket_collectives.py).
+    # On purpose, as data_parallel's: the reducer's gradient hooks are made outside the graph
+    # in one call, and run eagerly (autograd calls them once per leaf: compiled, each leaf's
+    # shape was a recompilation). Then the live leaves' call and torch.autograd.grad.
+    "grad.py": 3,
+    # Required by torch: the last bucket's reduce-scatter, which the collector starts after
+    # backward, on gloo in one call outside the graph (fscale/parallel/bucket_collectives.py),
+    # and the reducer's peak of gradient bytes sampled then (`LiveBytes.sample`).
     "parallel/reduce.py": 2,
     # grad_bytes, as the local step.
     "memory.py": 1,
-    # The bucket collector hands each buffer it allocates to the reducer's peak of gradient
+    # The bucket collector hands the last bucket's buffer to the reducer's peak of gradient
     # bytes (`LiveBytes.track`): weak references to storages, kept outside the graph.
     "parallel/buckets.py": 1,
     # Mesh.size takes math.prod of a generator, which Dynamo does not trace (torch 2.13). The
@@ -459,7 +464,8 @@ DATA_PARALLEL_BREAKS = {
     # On purpose: the reducer's gradient hooks are made outside the graph in one call
     # (`_AllReduceSession.hooks`): they hold the bucket collector, a bound method of which
     # Dynamo cannot rebuild at a later break ("no bytecode reconstruction"); made inside, the
-    # rest of value_and_grad ran eagerly. Then, as the local step: the live leaves' call and
+    # rest of value_and_grad ran eagerly. The hooks themselves run eagerly (see ZeRO's, above).
+    # Then, as the local step: the live leaves' call and
     # torch.autograd.grad, after which Dynamo cannot step the iterator over the gradients it
     # returned and runs the rest of `_value_and_grad_autograd` eagerly.
     "grad.py": 3,

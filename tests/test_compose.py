@@ -327,6 +327,19 @@ def test_built_ins_compose_with_a_user_plan(order):
         assert_trees_close(params, ref_params, **N4)
 
 
+def test_data_layers_refuse_a_reducer_of_another_kind():
+    # A plan that reduces its own way puts its own reducer in the context; data_parallel and
+    # shard_optimizer extend only theirs, and say so before any collective.
+    from fscale.parallel.reduce import add_mean_axis, add_scatter_axis
+
+    mesh = fs.Mesh(dp=1)
+    message = "reducer is a object; data_parallel and shard_optimizer extend only a GradReducer"
+    with pytest.raises(TypeError, match=message):
+        add_mean_axis(object(), mesh, "dp", 1024)
+    with pytest.raises(TypeError, match=message):
+        add_scatter_axis(object(), mesh, "dp", 1024, shard_grads=True)
+
+
 # ----------------------------------------------------------------------------- reduction hooks
 
 

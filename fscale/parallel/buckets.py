@@ -184,6 +184,9 @@ class GradBuckets:
     def _make_hook(self, bucket_index: int, slot: int) -> Callable[[torch.Tensor], torch.Tensor]:
         placement = self.buckets[bucket_index].layout.placements[slot]
 
+        # Eager even inside a compiled step: autograd calls the hook once per leaf, and Dynamo
+        # would compile it anew for every leaf shape, then check its guards on each call.
+        @torch.compiler.disable(recursive=True)
         def hook(grad: torch.Tensor) -> torch.Tensor:
             return self._deliver(bucket_index, slot, grad, placement)
 

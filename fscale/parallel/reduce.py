@@ -154,9 +154,8 @@ class GradReducer:
 def _ours(reducer: Any) -> GradReducer | None:
     if reducer is not None and not isinstance(reducer, GradReducer):
         raise TypeError(
-            f"the context's reducer is a {type(reducer).__name__}; the data-parallel layers "
-            "extend only a GradReducer (a plan that reduces its own way must not be wrapped in "
-            "data_parallel or shard_optimizer)"
+            f"the context's reducer is a {type(reducer).__name__}; data_parallel and "
+            "shard_optimizer extend only a GradReducer: wrap no plan that reduces its own way"
         )
     return reducer
 
@@ -362,6 +361,7 @@ class _ScatterSession:
     def prepare(self, live: PyTree) -> PyTree:
         return live
 
+    @torch.compiler.disable(recursive=True)  # as `_AllReduceSession.hooks`
     def hooks(self) -> list[Any]:
         if self.func:
             return [None] * self.layout.num_leaves
