@@ -491,8 +491,9 @@ FULLY_SHARD_BREAKS = {
     "distributed/sharding.py": 4,
     # Required by torch: the wait on gloo's work.
     "distributed/watchdog.py": 1,
-    # The unit's call: Dynamo cannot rebuild the bound method `ShardedUnit.views` it holds
-    # across the gather's breaks and runs the call eagerly.
+    # The map that gathers the root unit's parameters before the forward: its units and
+    # gatherer are made in the graph, and Dynamo cannot rebuild their bound methods across the
+    # gather's breaks, so it runs that call eagerly (the forward itself is compiled).
     "parallel/fsdp/plan.py": 1,
     # The update packs the new parameters back into the shard: comparing data pointers.
     "parallel/fsdp/units.py": 1,
