@@ -196,15 +196,12 @@ class Context:
         unknown = [name for name in changes if name not in _CONTEXT_FIELDS]
         if unknown:
             raise TypeError(f"Context.replace: no field(s) {sorted(unknown)}")
-        new = object.__new__(Context)
         if torch.compiler.is_compiling():
             # Dynamo before torch 2.13 cannot trace `__dict__.update` (a graph break at every
-            # Context made in a step); it traces `object.__setattr__`, which costs a microsecond
-            # more per call when run eagerly.
-            fields = self.__dict__
-            for name in _CONTEXT_FIELDS:
-                object.__setattr__(new, name, changes[name] if name in changes else fields[name])
-            return new
+            # Context made in a step), and 2.6 fails guarding `object.__setattr__` on a new
+            # instance; all trace the dataclass's own replace.
+            return dataclasses.replace(self, **changes)
+        new = object.__new__(Context)
         new.__dict__.update(self.__dict__)
         new.__dict__.update(changes)
         return new
