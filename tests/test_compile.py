@@ -491,9 +491,9 @@ FULLY_SHARD_BREAKS = {
     "distributed/sharding.py": 4,
     # Required by torch: the wait on gloo's work.
     "distributed/watchdog.py": 1,
-    # The map that gathers the root unit's parameters before the forward: its units and
-    # gatherer are made in the graph, and Dynamo cannot rebuild their bound methods across the
-    # gather's breaks, so it runs that call eagerly (the forward itself is compiled).
+    # On purpose: the map that gathers the units' parameters makes its units and gatherer
+    # outside the graph, in one call: made in the graph, Dynamo could not rebuild their bound
+    # methods across the gathers' breaks and ran the map's call eagerly.
     "parallel/fsdp/plan.py": 1,
     # The update packs the new parameters back into the shard: comparing data pointers.
     "parallel/fsdp/units.py": 1,

@@ -85,6 +85,18 @@ class GatherAtUse:
         self.gatherers: list[Gatherer] = []
 
     def __call__(self, live: Shards) -> UnitParams:
+        units, gatherer = self._units(live)
+        self.gatherers.append(gatherer)
+        eager: dict[str, torch.Tensor] = {}
+        root = next((u for u in units if u.name == ROOT), None)
+        if root is not None:
+            eager = root.views(gatherer.now(root, root.shard))
+        return UnitParams(eager, [u for u in units if u.name != ROOT])
+
+    # Outside the graph, as one call: Dynamo cannot rebuild the methods of objects made in the
+    # graph across the gathers' breaks, and would run this map's call eagerly.
+    @torch.compiler.disable(recursive=True)
+    def _units(self, live: Shards) -> tuple[list[ShardedUnit], Gatherer]:
         layouts = self.plan.layout.units
         units = [ShardedUnit(layout, live[layout.name], self.reshard) for layout in layouts]
         if self.plan.reshard_after_forward == "except_last":
@@ -99,12 +111,7 @@ class GatherAtUse:
             gatherer = Gatherer(self.plan, units, policy.param_dtype, policy.reduce_dtype)
         for unit in units:
             unit.gatherer = gatherer
-        self.gatherers.append(gatherer)
-        eager: dict[str, torch.Tensor] = {}
-        root = next((u for u in units if u.name == ROOT), None)
-        if root is not None:
-            eager = root.views(gatherer.now(root, root.shard))
-        return UnitParams(eager, [u for u in units if u.name != ROOT])
+        return units, gatherer
 
     def after_forward(self) -> None:
         for gatherer in self.gatherers:
