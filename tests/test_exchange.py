@@ -300,9 +300,9 @@ def test_the_gradient_peak_counts_what_an_exchange_receives(world):
         run_spmd(_zero_grad_peak, world, True), run_spmd(_zero_grad_peak, world, False)
     ):
         # The bucket, and beside it the other ranks' parts of this rank's shard it receives (one
-        # of which becomes the shard); over two ranks the loss rides in the bucket too (4 bytes
-        # in it, 4 received). An all-reduce in the bucket holds less.
-        riding = 8 if world == 2 else 0
+        # of which becomes the shard); the loss rides in the bucket too (4 bytes in it, 4 received
+        # from each other rank). An all-reduce in the bucket holds less.
+        riding = 4 * world
         assert exchanged == bucket + bucket * (world - 1) // world + riding
         assert all_reduced < exchanged
 

@@ -31,13 +31,12 @@ axes)``); a session that can appends them to its last bucket (`GradBuckets.fold`
 collective averages them, and `Step.apply_gradients` uses those means for the metrics and
 buffers that still hold the values folded: no collective of their own. It can on the autograd
 path without a reduction hook (under accumulation only the last micro-batch's buffers are
-offered: the loss is known at the end), over one axis of two ranks that is all the step's
-metric axes: the all-reduce's, or the scatter axis where the reduce-scatter can send them to
-every rank beside the bucket's parts (gloo, `bucket_collectives.folds_trailing`), when the last
-bucket has the values' dtype and device. With two ranks every element's sum has two terms,
-equal in any order, so gradients and means are bit for bit what separate collectives give; with
-more, the ring's segments follow the buffer's length and a longer bucket would add the gradients
-in another order. The folded bytes are part of the last bucket (``grad_bytes`` counts them).
+offered: the loss is known at the end), over one axis that is all the step's metric axes: the
+all-reduce's, or the scatter axis where the reduce-scatter can send them to every rank beside
+the bucket's parts (gloo, `bucket_collectives.folds_trailing`), when the last bucket has the
+values' dtype and device. Over two ranks the bits are those of separate collectives; over more,
+the longer bucket may add some of its gradients in another order (`fscale.step_means` says why
+and what it buys). The folded bytes are part of the last bucket (``grad_bytes`` counts them).
 
 A reduction hook ``hook(flat_grad, bucket, state) -> (Pending, new_state)`` replaces the
 bucket's all-reduce (gradient compression in the overlapped path, as DDP's comm hooks). `state`
@@ -230,7 +229,7 @@ class _AllReduceSession:
         module docstring); whether it will."""
         if self.collector is None or self.reducer.hook is not None or len(self.axes) != 1:
             return False
-        if tuple(axes) != self.axes or not _fits(values, self.buckets[-1], self.reducer.mesh, axes):
+        if tuple(axes) != self.axes or not _fits(values, self.buckets[-1], axes):
             return False
         self.collector.fold(values)
         self.num_folded = values.numel()
@@ -317,11 +316,11 @@ class _AllReduceSession:
         return {}
 
 
-def _fits(values: torch.Tensor, bucket: Bucket, mesh: Mesh, axes: tuple[str, ...]) -> bool:
-    """Whether `values` can ride in `bucket`'s collective over `axes`, bit-exactly."""
+def _fits(values: torch.Tensor, bucket: Bucket, axes: tuple[str, ...]) -> bool:
+    """Whether `values` can ride in `bucket`'s collective over `axes`."""
     layout = bucket.layout
     same_kind = values.dtype == layout.dtype and values.device == layout.device
-    return same_kind and len(axes) == 1 and mesh.size(axes[0]) == 2
+    return same_kind and len(axes) == 1
 
 
 class _ScatterSession:
@@ -347,7 +346,7 @@ class _ScatterSession:
         """As `_AllReduceSession.fold`, over the scatter axis alone."""
         if self.collector is None or tuple(axes) != (self.axis,):
             return False
-        if not _fits(values, self.layout.buckets[-1], self.reducer.mesh, axes):
+        if not _fits(values, self.layout.buckets[-1], axes):
             return False
         if not folds_trailing(self.axis, self.reducer.mesh):
             return False
