@@ -442,7 +442,7 @@ SHARD_OPTIMIZER_BREAKS = {
     # Required by torch: the last bucket's reduce-scatter, which the collector starts after
     # backward, on gloo in one call outside the graph (fscale/parallel/bucket_collectives.py),
     # and the reducer's peak of gradient bytes sampled then (`LiveBytes.sample`).
-    "parallel/reduce.py": 2,
+    "parallel/reduce_sessions.py": 2,
     # grad_bytes, as the local step.
     "memory.py": 1,
     # The bucket collector hands the last bucket's buffer to the reducer's peak of gradient
@@ -462,7 +462,7 @@ SHARD_OPTIMIZER_BREAKS = {
 DATA_PARALLEL_BREAKS = {
     **EXPECTED_BREAKS,
     # On purpose: the reducer's gradient hooks are made outside the graph in one call
-    # (`_AllReduceSession.hooks`): they hold the bucket collector, a bound method of which
+    # (`AllReduceSession.hooks`): they hold the bucket collector, a bound method of which
     # Dynamo cannot rebuild at a later break ("no bytecode reconstruction"); made inside, the
     # rest of value_and_grad ran eagerly. The hooks themselves run eagerly (see ZeRO's, above).
     # Then, as the local step: the live leaves' call and
@@ -475,7 +475,7 @@ DATA_PARALLEL_BREAKS = {
     "tree.py": 2,
     # Required by torch: the bucket's all-reduce on gloo, started from its gradient hook in one
     # call outside the graph (`all_reduce_bucket_start`, with the watchdog's bookkeeping).
-    "parallel/reduce.py": 1,
+    "parallel/reduce_sessions.py": 1,
     # Mesh.size in the step's agreement on unused parameters (as ZeRO's, above).
     "distributed/mesh.py": 1,
 }
