@@ -111,11 +111,14 @@ def test_accumulated_metrics_are_averaged_at_the_end(world):
     ):
         for name in ("grad_bytes", "grad_peak_bytes"):  # as above: the riding buffers count
             metrics.pop(name, None), late_metrics.pop(name, None)
-        assert_trees_equal(metrics, late_metrics)  # the loss: averaged at the end in both
         if world == 2:
             assert_trees_equal(state, late_state)
-        else:  # the riding buffers lengthen the last bucket (see the test above)
+            assert_trees_equal(metrics, late_metrics)  # the loss: averaged at the end in both
+        else:
+            # The riding buffers lengthen the last bucket (see the test above): the first
+            # step's update differs in the last bits, and so may the second step's loss.
             assert_trees_close(state, late_state, rtol=1e-5, atol=1e-8)
+            assert_trees_close(metrics, late_metrics, rtol=1e-6, atol=0.0)
         assert ledger[-1] == ("all_reduce", 2)
         assert ledger.count(("all_reduce", floating)) == 1
 
