@@ -7,9 +7,9 @@ and `Step.apply_gradients` waits for them instead of issuing collectives of its 
 update: they travel while the backward pass computes.
 
 - Where the reducer can take them (one data axis: ``session.fold``, see
-  `fscale.parallel.reduce`), the scalars ride in the last gradient bucket's collective, and the
-  buffers of their dtype (float32) after them, in the same one fold: a model with BatchNorm
-  then issues no collective of its own for its means.
+  `fscale.parallel.reduce_sessions`), the scalars ride in the last gradient bucket's
+  collective, and the buffers of their dtype (float32) after them, in the same one fold: a
+  model with BatchNorm then issues no collective of its own for its means.
 - Otherwise the scalars get a collective of their own, and the buffers one per dtype, all
   begun after the forward (the scalars' first).
 

@@ -16,9 +16,10 @@ parameters). That is the price of a pure step, not a copy the step could avoid; 
 ``donate=True`` when the old state is not needed again.
 
 Traffic per rank per step: one all-reduce of Ψ elements, 2·Ψ·(N−1)/N under the ring model, plus
-the mean of the scalar metrics and of the floating-point buffers, if any (the loss, the scalar
-metrics and the float32 buffers ride at the end of the last bucket, in no collective of their
-own; buffers of other floating dtypes get a small all-reduce each, see `fscale.step_means`).
+the mean of the scalar metrics and of the floating-point buffers, if any (over one data axis
+without a reduction hook, the loss, the scalar metrics and the buffers of the bucket's dtype
+ride at the end of the last bucket, in no collective of their own; otherwise, and for buffers of
+other dtypes, a small all-reduce each: see `fscale.step_means`).
 
 Composition: the layer adds its axis to the step's gradient reducer (`fscale.parallel.reduce`),
 so it reduces the gradients of whatever the wrapped plan holds: full parameters, ZeRO's buckets
