@@ -33,9 +33,9 @@ Communication per rank per step, with Ψ the padded size of all buckets (the sum
 shard): a reduce-scatter and an all-gather of Ψ elements, 2·Ψ·(N−1)/N elements under the ring
 model, the same as data parallelism's one all-reduce; plus the mean of the scalar metrics and,
 if the loss returns floating-point buffers (BatchNorm statistics), of those, averaged as under
-`data_parallel` (on gloo over two ranks inside the last bucket's collective, float32 buffers
-included, see `fscale.step_means`; else an all-reduce each). Never an all-reduce followed by a
-broadcast.
+`data_parallel` (on gloo, over ZeRO's axis alone, inside the last bucket's collective, float32
+buffers included, see `fscale.step_means`; else an all-reduce each). Never an all-reduce
+followed by a broadcast.
 
 Gradients:
 
