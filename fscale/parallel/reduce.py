@@ -34,8 +34,8 @@ from fscale.parallel.reduce_sessions import (
     AllReduceSession,
     BucketInfo,
     ScatterSession,
-    assign,
     bucket_info,
+    reducer_buckets,
 )
 
 __all__ = [
@@ -133,5 +133,5 @@ def bucket_infos(
     params: PyTree, reducer_bucket_bytes: int, mesh: Mesh, axes: tuple[str, ...]
 ) -> list[BucketInfo]:
     """The buckets a data-parallel reducer forms over `params` (for a hook's `init`)."""
-    buckets = assign(tree.leaves(params), params, reducer_bucket_bytes)
+    buckets = reducer_buckets(tree.leaves(params), params, reducer_bucket_bytes)
     return [bucket_info(bucket, mesh, axes) for bucket in buckets]

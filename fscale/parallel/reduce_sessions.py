@@ -64,8 +64,8 @@ __all__ = [
     "AllReduceSession",
     "BucketInfo",
     "ScatterSession",
-    "assign",
     "bucket_info",
+    "reducer_buckets",
 ]
 
 PyTree = Any
@@ -103,7 +103,7 @@ def _all_reduce_start(
     return pending
 
 
-def assign(leaves: list[torch.Tensor], params: PyTree, bucket_bytes: int) -> list[Bucket]:
+def reducer_buckets(leaves: list[torch.Tensor], params: PyTree, bucket_bytes: int) -> list[Bucket]:
     """The buckets of `leaves` (the leaves of `params`): reverse order of use, a small first."""
     order = forward_order(params)
     return assign_buckets(leaves, bucket_bytes, order=order, first_bucket_bytes=FIRST_BUCKET_BYTES)
@@ -115,33 +115,49 @@ def bucket_info(bucket: Bucket, mesh: Mesh, axes: tuple[str, ...]) -> BucketInfo
     return BucketInfo(bucket.index, layout.numel, layout.dtype, layout.device, mesh, axes)
 
 
-class AllReduceSession:
-    """Buckets of full gradients, each all-reduced (mean) or hooked as soon as it is complete."""
+class _Session:
+    """What both sessions share: micro-batches' carried gradients (`seed`) and the values that
+    ride in the last bucket (`fold`, `folded`)."""
 
     def __init__(self, reducer: GradReducer, params: PyTree, grad_mode: str) -> None:
         self.reducer = reducer
-        self.axes = reducer.all_reduce_axes
-        self.leaves, self.treedef = tree.flatten(params)
+        self.params = params
         self.func = grad_mode == "func"
         self.initial: list[torch.Tensor] | None = None
+        self.collector: GradBuckets | None = None
+        self.folded: torch.Tensor | None = None  # the riding values' means, once reduced
+        self.num_folded = 0
+
+    def seed(self, initial: Sequence[torch.Tensor] | None) -> None:
+        self.initial = None if initial is None else list(initial)
+
+    def _fold_into(self, values: torch.Tensor, last: Bucket) -> bool:
+        """Append `values` to the `last` bucket where they can ride in its collective (its
+        dtype and device; the caller checked the axes), before backward fills it."""
+        layout = last.layout
+        if self.collector is None or values.dtype != layout.dtype or values.device != layout.device:
+            return False
+        self.collector.fold(values)
+        self.num_folded = values.numel()
+        return True
+
+
+class AllReduceSession(_Session):
+    """Buckets of full gradients, each all-reduced (mean) or hooked as soon as it is complete."""
+
+    def __init__(self, reducer: GradReducer, params: PyTree, grad_mode: str) -> None:
+        super().__init__(reducer, params, grad_mode)
+        self.axes = reducer.all_reduce_axes
+        self.leaves, self.treedef = tree.flatten(params)
         self.in_flight: dict[int, collectives.Pending | BucketPending] = {}
         self.new_states: dict[int, Any] = {}
-        self.collector: GradBuckets | None = None
-        self.folded: torch.Tensor | None = None
-        self.num_folded = 0
-        self.params = params
 
     def fold(self, values: torch.Tensor, axes: tuple[str, ...]) -> bool:
         """Average `values` over `axes` with the last bucket, where this session can (see the
         module docstring); whether it will."""
-        if self.collector is None or self.reducer.hook is not None or len(self.axes) != 1:
+        if self.reducer.hook is not None or len(self.axes) != 1 or tuple(axes) != self.axes:
             return False
-        if tuple(axes) != self.axes:
-            return False
-        return _fold(self, values, self.buckets[-1])
-
-    def seed(self, initial: Sequence[torch.Tensor] | None) -> None:
-        self.initial = None if initial is None else list(initial)
+        return self.collector is not None and self._fold_into(values, self.buckets[-1])
 
     def prepare(self, live: PyTree) -> PyTree:
         if not self.func or self.initial is not None:
@@ -155,7 +171,7 @@ class AllReduceSession:
     def hooks(self) -> list[Any]:
         if self.func:
             return [None] * len(self.leaves)
-        self.buckets = assign(self.leaves, self.params, self.reducer.bucket_bytes)
+        self.buckets = reducer_buckets(self.leaves, self.params, self.reducer.bucket_bytes)
         # Each hook copies its gradient into the bucket and hands autograd a stride-0 zero, so
         # once a bucket's reduction has started the only copy is the one being reduced.
         plain = self.reducer.hook is None and self.initial is None
@@ -221,46 +237,24 @@ class AllReduceSession:
         return {}
 
 
-def _fold(session: Any, values: torch.Tensor, bucket: Bucket) -> bool:
-    """Append `values` to `bucket`, the session's last, where they can ride in its collective:
-    the bucket's dtype and device (the axes were checked by the session)."""
-    layout = bucket.layout
-    if values.dtype != layout.dtype or values.device != layout.device:
-        return False
-    session.collector.fold(values)
-    session.num_folded = values.numel()
-    return True
-
-
-class ScatterSession:
+class ScatterSession(_Session):
     """ZeRO's buckets: reduce-scattered (mean) over the scatter axis, then all-reduced."""
 
     def __init__(self, reducer: GradReducer, params: PyTree, grad_mode: str) -> None:
         assert reducer.scatter_axis is not None  # `GradReducer.session` chose this session
-        self.reducer = reducer
+        super().__init__(reducer, params, grad_mode)
         self.axis: str = reducer.scatter_axis
-        self.func = grad_mode == "func"
-        self.params = params
         shards = reducer.mesh.size(self.axis)
         self.layout, self.treedef = layout_of(params, reducer.bucket_bytes, shards)
         self.live = LiveBytes()
-        self.initial: list[torch.Tensor] | None = None
         self.shards: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
         self.in_flight: list[tuple[int, Any]] = []  # Dynamo < 2.13 cannot trace deque.append
-        self.collector: GradBuckets | None = None
-        self.folded: torch.Tensor | None = None
-        self.num_folded = 0
 
     def fold(self, values: torch.Tensor, axes: tuple[str, ...]) -> bool:
         """As `AllReduceSession.fold`, over the scatter axis alone."""
-        if self.collector is None or tuple(axes) != (self.axis,):
+        if tuple(axes) != (self.axis,) or not folds_trailing(self.axis, self.reducer.mesh):
             return False
-        if not folds_trailing(self.axis, self.reducer.mesh):
-            return False
-        return _fold(self, values, self.layout.buckets[-1])
-
-    def seed(self, initial: Sequence[torch.Tensor] | None) -> None:
-        self.initial = None if initial is None else list(initial)
+        return self._fold_into(values, self.layout.buckets[-1])
 
     def prepare(self, live: PyTree) -> PyTree:
         return live
