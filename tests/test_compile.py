@@ -97,14 +97,16 @@ class _Net(nn.Module):
         return self.out(torch.relu(self.norm(self.inp(x))))
 
 
-def _step(donate: bool) -> tuple[fs.Step, fs.TrainState]:
+def _step(donate: bool, compile_loss: bool = False) -> tuple[fs.Step, fs.TrainState]:
+    """The step of `_Net` with AdamW; `compile_loss`: its loss function under torch.compile."""
     apply, params, buffers = fs.functionalize(_Net())
 
     def loss_fn(params, buffers, batch, key):
         out, new_buffers = apply(params, buffers, batch[0], key=key)
         return torch.nn.functional.mse_loss(out, batch[1]), new_buffers
 
-    step = fs.train_step(loss_fn, fs.optim.adamw(1e-2), donate=donate)
+    loss = torch.compile(loss_fn) if compile_loss else loss_fn
+    step = fs.train_step(loss, fs.optim.adamw(1e-2), donate=donate)
     params = {name: p.clone() for name, p in params.items()}
     return step, step.init(params, {name: b.clone() for name, b in buffers.items()})
 
@@ -338,6 +340,19 @@ def test_compiled_local_step_equals_the_eager_step(donate: bool) -> None:
         fs.testing.assert_trees_close(compiled_state, eager_state, rtol=1e-5, atol=1e-6)
 
 
+def test_step_of_a_compiled_loss_function_equals_the_eager_step() -> None:
+    # The fast way to compile (bench/compile.py): the model's forward, backward and loss in one
+    # graph each way, fscale's step around them eager, as torch.compile(module) in a torch loop.
+    torch._dynamo.reset()
+    step, eager_state = _step(donate=True)
+    compiled, compiled_state = _step(donate=True, compile_loss=True)
+    for index in range(2):
+        eager_state, eager_metrics = step(eager_state, _batch(index))
+        compiled_state, compiled_metrics = compiled(compiled_state, _batch(index))
+        assert eager_metrics.keys() == compiled_metrics.keys()
+        fs.testing.assert_trees_close(compiled_state, eager_state, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- several ranks
 
 
@@ -353,17 +368,21 @@ PLANS = {
 }
 
 
-def _compiled_against_eager(plan: str, donate: bool, backend: str = "inductor") -> float:
-    """Two steps of `plan` on this rank's half of each batch, eager and compiled; max |diff|."""
+def _compiled_against_eager(
+    plan: str, donate: bool, backend: str = "inductor", what: str = "step"
+) -> float:
+    """Two steps of `plan` on this rank's half of each batch, eager and with `what` compiled
+    (the whole step, or only its loss function); max |diff|."""
     rank = torch.distributed.get_rank()
     mesh = fs.Mesh(dp=torch.distributed.get_world_size())
     torch._dynamo.reset()  # the pool's ranks live on: nothing compiled by an earlier test
     results = []
     for compile_it in (False, True):
-        step, state = _step(donate)
+        step, state = _step(donate, compile_loss=compile_it and what == "loss_fn")
         step = PLANS[plan](step, mesh)
         state = step.init(state.params, state.buffers)
-        run = torch.compile(step, backend=backend) if compile_it else step
+        whole = compile_it and what == "step"
+        run = torch.compile(step, backend=backend) if whole else step
         for index in range(2):
             inputs, targets = _batch(index)
             state, _ = run(state, (inputs.chunk(2)[rank], targets.chunk(2)[rank]))
@@ -534,4 +553,13 @@ def test_multi_rank_step_breaks_graphs_only_where_expected(
 )
 def test_compiled_multi_rank_step_equals_the_eager_step(plan: str, donate: bool) -> None:
     differences = fs.testing.run_spmd(_compiled_against_eager, 2, plan, donate, timeout=900.0)
+    assert max(differences) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["data_parallel", "shard_optimizer", "fully_shard"])
+def test_multi_rank_step_of_a_compiled_loss_function_equals_the_eager_step(plan: str) -> None:
+    differences = fs.testing.run_spmd(
+        _compiled_against_eager, 2, plan, True, "inductor", "loss_fn", timeout=900.0
+    )
     assert max(differences) <= 1e-6
