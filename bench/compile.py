@@ -14,16 +14,21 @@ the same batches. Variants, each with AdamW (lr 1e-3):
 * ``fscale eager``: ``fscale.train_step(loss_fn, fscale.optim.adamw(lr), donate=True)`` (2
   ranks: under ``fscale.data_parallel``);
 * ``fscale compiled``: ``torch.compile`` of that step;
-* on several ranks with ``--plans shard_optimizer``: ``fscale ZeRO-2 eager`` and
-  ``fscale ZeRO-2 compiled``, the same step under ``fscale.shard_optimizer`` instead of
-  ``data_parallel`` (gradients reduce-scattered during backward, optimizer state sharded).
+* ``fscale compiled loss_fn``: the eager step of ``torch.compile(loss_fn)``: the forward, the
+  loss and their backward compiled, fscale's step around them eager (as ``torch compiled``
+  compiles the module and runs the loop around it eagerly);
+* on several ranks with ``--plans shard_optimizer``: ``fscale ZeRO-2 eager``,
+  ``fscale ZeRO-2 compiled`` and ``fscale ZeRO-2 compiled loss_fn``, the same steps under
+  ``fscale.shard_optimizer`` instead of ``data_parallel`` (gradients reduce-scattered during
+  backward, optimizer state sharded).
 
-Compile time is reported apart from the step time: it is the first call's duration minus the
-variant's steady-state median. Steady-state steps run interleaved round by round
-(`_util.interleave`); the table gives medians with the interquartile range and the ratio of
-medians to ``torch eager``; ``equal`` says whether the final parameters equal the eager variant
-of the same library bit for bit (``max |diff|`` otherwise). Two ranks run on local gloo processes
-(`fscale.launch`), each timing every variant. Writes ``bench/results/compile.json``.
+Compile time is reported apart from the step time: it is the time to build the variant and
+run its first step, minus the variant's steady-state median. Steady-state steps run interleaved
+round by round (`_util.interleave`); the table gives medians with the interquartile range and
+the ratio of medians to ``torch eager``; ``equal`` says whether the final parameters equal the
+eager variant of the same library bit for bit (``max |diff|`` otherwise). Two ranks run on local
+gloo processes (`fscale.launch`), each timing every variant. Writes
+``bench/results/compile.json``.
 """
 
 from __future__ import annotations
@@ -98,23 +103,33 @@ class TorchVariant:
 
 PLANS = {"data_parallel": fs.data_parallel, "shard_optimizer": fs.shard_optimizer}
 LABELS = {"data_parallel": "fscale", "shard_optimizer": "fscale ZeRO-2"}
+FSCALE_COMPILED = {None: "eager", "step": "compiled", "loss_fn": "compiled loss_fn"}
+"""What each fscale variant compiles, and the label's suffix."""
+
+
+def _eager_of(label: str) -> str:
+    """The eager variant a compiled one is compared with (itself for an eager one)."""
+    return label.replace(" compiled loss_fn", " eager").replace(" compiled", " eager")
 
 
 class FscaleVariant:
     """fscale.train_step over the functionalized module (`plan` on several ranks)."""
 
-    def __init__(self, build, batch, loss, *, compiled: bool, plan: str = "data_parallel") -> None:
+    def __init__(
+        self, build, batch, loss, *, compiled: str | None, plan: str = "data_parallel"
+    ) -> None:
         apply, params, buffers = fs.functionalize(build())
 
         def loss_fn(params, buffers, batch, key):
             out, new_buffers = apply(params, buffers, batch[0], key=key)
             return loss(out, batch[1]), new_buffers
 
-        step = fs.train_step(loss_fn, fs.optim.adamw(LEARNING_RATE), donate=True)
+        compiled_loss = torch.compile(loss_fn) if compiled == "loss_fn" else loss_fn
+        step = fs.train_step(compiled_loss, fs.optim.adamw(LEARNING_RATE), donate=True)
         if dist.is_initialized() and dist.get_world_size() > 1:
             step = PLANS[plan](step, fs.Mesh(dp=dist.get_world_size()))
         self.state = step.init(params, buffers)
-        self.step = torch.compile(step) if compiled else step
+        self.step = torch.compile(step) if compiled == "step" else step
         self.batch, self.calls = batch, 0
 
     def __call__(self) -> None:
@@ -146,12 +161,16 @@ def run_model(name: str, quick: bool, steps: int, warmup: int, plans: list[str])
         ("torch compiled", TorchVariant, {"compiled": True}),
     ]
     for plan in plans if several else ["data_parallel"]:
-        for compiled in (False, True):
-            label = f"{LABELS[plan]} {'compiled' if compiled else 'eager'}"
+        for compiled, suffix in FSCALE_COMPILED.items():
+            label = f"{LABELS[plan]} {suffix}"
             variant_kinds.append((label, FscaleVariant, {"compiled": compiled, "plan": plan}))
     for label, kind, options in variant_kinds:
-        variant = kind(build, batch, loss, **options)
+        # Dynamo caches compiled code per code object: without a reset, a variant could run
+        # code another one compiled (the loss function's frames) and report no compile time.
+        # The variants compiled before recompile in the untimed warm-up rounds.
+        torch._dynamo.reset()
         start = time.perf_counter()
+        variant = kind(build, batch, loss, **options)  # `init` calls a compiled loss_fn once
         variant()  # compiles the compiled variants
         first_call[label] = time.perf_counter() - start
         variants[label] = variant
@@ -162,7 +181,7 @@ def run_model(name: str, quick: bool, steps: int, warmup: int, plans: list[str])
     reference = stats["torch eager"].median
     rows = []
     for label, summary in stats.items():
-        eager = variants[label.replace("compiled", "eager")]
+        eager = variants[_eager_of(label)]
         diffs = [
             (a.double() - b.double()).abs().max().item()
             for a, b in zip(variants[label].params(), eager.params())
@@ -210,7 +229,7 @@ def main() -> None:
         if world == 1:
             per_model = _rank_main(args.models, args.quick, args.steps, args.warmup, args.plans)
         else:
-            # Each rank compiles two variants per plan and torch's: minutes on a small machine.
+            # Each rank compiles three variants per plan and torch's: minutes on a small machine.
             per_model = fs.launch(
                 _rank_main,
                 world,
