@@ -97,9 +97,15 @@ class _Net(nn.Module):
         return self.out(torch.relu(self.norm(self.inp(x))))
 
 
-def _step(donate: bool, compile_loss: bool = False) -> tuple[fs.Step, fs.TrainState]:
-    """The step of `_Net` with AdamW; `compile_loss`: its loss function under torch.compile."""
-    apply, params, buffers = fs.functionalize(_Net())
+def _step(
+    donate: bool, compile_loss: bool = False, remat: bool = False
+) -> tuple[fs.Step, fs.TrainState]:
+    """The step of `_Net` with AdamW; `compile_loss`: its loss function under torch.compile;
+    `remat`: the norm and the output layer recomputed in backward (`fscale.checkpoint`)."""
+    net = _Net()
+    if remat:
+        net.norm, net.out = fs.checkpoint(net.norm), fs.checkpoint(net.out)
+    apply, params, buffers = fs.functionalize(net)
 
     def loss_fn(params, buffers, batch, key):
         out, new_buffers = apply(params, buffers, batch[0], key=key)
@@ -340,12 +346,17 @@ def test_compiled_local_step_equals_the_eager_step(donate: bool) -> None:
         fs.testing.assert_trees_close(compiled_state, eager_state, rtol=1e-5, atol=1e-6)
 
 
-def test_step_of_a_compiled_loss_function_equals_the_eager_step() -> None:
+@pytest.mark.parametrize("composed", ["alone", "accumulate", "remat"])
+def test_step_of_a_compiled_loss_function_equals_the_eager_step(composed: str) -> None:
     # The fast way to compile (bench/compile.py): the model's forward, backward and loss in one
-    # graph each way, fscale's step around them eager, as torch.compile(module) in a torch loop.
+    # graph each way, fscale's step around them eager, as torch.compile(module) in a torch loop;
+    # with micro-batches, or layers recomputed in backward, inside the compiled loss function.
     torch._dynamo.reset()
-    step, eager_state = _step(donate=True)
-    compiled, compiled_state = _step(donate=True, compile_loss=True)
+    remat = composed == "remat"
+    step, eager_state = _step(donate=True, remat=remat)
+    compiled, compiled_state = _step(donate=True, compile_loss=True, remat=remat)
+    if composed == "accumulate":
+        step, compiled = fs.accumulate(step, 2), fs.accumulate(compiled, 2)
     for index in range(2):
         eager_state, eager_metrics = step(eager_state, _batch(index))
         compiled_state, compiled_metrics = compiled(compiled_state, _batch(index))

@@ -201,6 +201,9 @@ class _Call:
             out_tensors = tuple(t.detach() for t in out_tensors)
         return out_tensors
 
+    # Host bookkeeping (storage sizes): under torch.compile it runs outside the graph as one call;
+    # traced, Dynamo compiled its inner function anew for every saved tensor.
+    @torch.compiler.disable(recursive=True)
     def _count_saved(self, tensors: tuple[torch.Tensor, ...]) -> None:
         if self.options.offload:
             offload_set = set(range(self._module_state, len(tensors))) | set(self.mutated)
@@ -401,7 +404,9 @@ def checkpoint_call(
             raise TypeError(
                 f"checkpoint_call: `state[{i}]` must be a tensor, got {type(value).__name__}"
             )
-    buffer_indexes = frozenset(mutable)
+    # int(): under torch.compile an index computed next to a 0-d integer buffer (BatchNorm's
+    # num_batches_tracked) can arrive symbolic, and a frozenset of symbols fails to trace.
+    buffer_indexes = frozenset(int(i) for i in mutable)
     outside = [i for i in buffer_indexes if not (isinstance(i, int) and 0 <= i < len(state))]
     if outside:
         raise ValueError(
