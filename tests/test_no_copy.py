@@ -183,3 +183,23 @@ def test_release_refuses_unknown_names():
     apply, _, _ = fs.functionalize(CASE.module())
     with pytest.raises(ValueError, match=r"release: `names` \['nope'\]"):
         apply.release(["nope"])
+
+
+def test_a_handed_out_tensor_freed_after_the_registry_global_is_gone_raises_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # At interpreter exit a module's globals are cleared while tensors a compiled graph still
+    # holds are freed later: their callbacks must not look the registry up by its global name.
+    from fscale.functional import ownership
+
+    _, params, _ = fs.functionalize(torch.nn.Linear(2, 2))
+    weight = params["weight"]
+    ident, registry = id(weight), ownership._OWNERS
+    assert ident in registry
+    unraisable: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    monkeypatch.setattr(ownership, "_OWNERS", None)
+    del weight, params
+    gc.collect()
+    assert unraisable == []
+    assert ident not in registry

@@ -57,7 +57,11 @@ def record(owner: Any, tensors: Mapping[str, torch.Tensor]) -> None:
     owner_ref = weakref.ref(owner)
     for name, tensor in tensors.items():
         ident = id(tensor)
-        tensor_ref = weakref.ref(tensor, lambda _, ident=ident: _OWNERS.pop(ident, None))
+        # The registry is bound to the callback: a tensor that outlives the module's globals
+        # (held by a compiled graph until the interpreter exits) still finds it.
+        tensor_ref = weakref.ref(
+            tensor, lambda _, ident=ident, owners=_OWNERS: owners.pop(ident, None)
+        )
         _OWNERS[ident] = (tensor_ref, owner_ref, name)
 
 
