@@ -258,6 +258,29 @@ def test_compiled_call_with_a_key_draws_the_eager_dropout_mask() -> None:
     assert not torch.equal(compiled(params, x, fs.random.key(8)), call(params, x, key))
 
 
+@pytest.mark.parametrize("fallback_random", [False, True])
+def test_under_inductor_the_key_fixes_the_dropout_mask(fallback_random: bool) -> None:
+    # Inductor draws random ops with its own generator, seeded from torch's (which the call
+    # seeds from the key): the same key gives the same mask and another key another, but the
+    # mask equals the eager call's only with inductor's fallback_random (README, torch.compile).
+    torch.manual_seed(0)
+    apply, params, buffers = fs.functionalize(nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5)))
+    x = torch.ones(3, 4)
+
+    def call(params, x, key):
+        return apply(params, buffers, x, key=key)[0]
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fallback_random=fallback_random):
+        compiled = torch.compile(call)
+        first, again = compiled(params, x, fs.random.key(7)), compiled(params, x, fs.random.key(7))
+        other = compiled(params, x, fs.random.key(8))
+    torch._dynamo.reset()
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert torch.equal(first, call(params, x, fs.random.key(7))) == fallback_random
+
+
 # ----------------------------------------------------------------------------- graph breaks
 
 
