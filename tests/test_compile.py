@@ -374,8 +374,13 @@ def test_step_of_a_compiled_loss_function_equals_the_eager_step(composed: str) -
     # The fast way to compile (bench/compile.py): the model's forward, backward and loss in one
     # graph each way, fscale's step around them eager, as torch.compile(module) in a torch loop;
     # with micro-batches, or layers recomputed in backward, inside the compiled loss function.
-    torch._dynamo.reset()
     remat = composed == "remat"
+    if remat and torch.__version__ < "2.11":
+        pytest.skip(
+            "Dynamo before torch 2.11 fails to resume a frame inside fscale.checkpoint's call of "
+            "a module with buffers (TypeError: 'tuple' object is not callable, under 2.6)"
+        )
+    torch._dynamo.reset()
     step, eager_state = _step(donate=True, remat=remat)
     compiled, compiled_state = _step(donate=True, compile_loss=True, remat=remat)
     if composed == "accumulate":
@@ -596,4 +601,50 @@ def test_multi_rank_step_of_a_compiled_loss_function_equals_the_eager_step(plan:
     differences = fs.testing.run_spmd(
         _compiled_against_eager, 2, plan, True, "inductor", "loss_fn", timeout=900.0
     )
+    assert max(differences) <= 1e-6
+
+
+def _stages(compiled: bool) -> nn.Sequential:
+    """What the pipeline cuts: a Sequential of five layers, each compiled or not."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)]
+    return nn.Sequential(*[torch.compile(layer) if compiled else layer for layer in layers])
+
+
+def _pipelined_compiled_against_eager(schedule: str) -> float:
+    """Two steps of a 2-stage pipeline whose micro-batches but the last are recomputed in
+    backward, with stage layers eager and compiled; max |diff| of the parameters."""
+    torch._dynamo.reset()
+    mesh = fs.Mesh(pp=2)
+    results = []
+    for compiled in (False, True):
+        stages = _stages(compiled)
+        step = fs.pipeline(
+            stages,
+            torch.nn.functional.mse_loss,
+            fs.optim.adamw(1e-2),
+            mesh,
+            micro_batches=4,
+            schedule=schedule,
+            balance=[3, 2],
+            checkpoint="except_last",
+        )
+        _, params, buffers = fs.functionalize(stages)
+        state = step.init(params, buffers)
+        for index in range(2):
+            generator = torch.Generator().manual_seed(index)
+            batch = torch.randn(8, 8, generator=generator), torch.randn(8, 4, generator=generator)
+            state, _ = step(state, batch)
+        results.append(tree.leaves(fs.consolidate(step, state).params))
+    return max((a - b).abs().max().item() for a, b in zip(*results))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_of_compiled_layers_recomputed_in_backward_equals_the_eager_one(
+    schedule: str,
+) -> None:
+    # The recompute stops early through a retained graph, which a compiled layer's backward
+    # (AOTAutograd, with buffers it donates) refuses; the call is then recomputed whole.
+    differences = fs.testing.run_spmd(_pipelined_compiled_against_eager, 2, schedule, timeout=900.0)
     assert max(differences) <= 1e-6

@@ -614,8 +614,9 @@ def test_checkpoint_call_refuses_bad_arguments():
         checkpoint_call(fn, (x,), [1])
     with pytest.raises(TypeError, match=r"`state\[1\]` must be a tensor"):
         checkpoint_call(fn, (x,), state=[x, 1.0])
-    with pytest.raises(ValueError, match="`mutable` must hold indexes into `state`"):
-        checkpoint_call(fn, (x,), state=[x], mutable=[1])
+    for mutable in ([1], [0.0], ["0"], [True]):  # out of range, or not an int
+        with pytest.raises(ValueError, match="`mutable` must hold indexes into `state`"):
+            checkpoint_call(fn, (x,), state=[x], mutable=mutable)
     with pytest.raises(TypeError, match="`offload` must be True or False"):
         checkpoint_call(fn, (x,), offload=1)
     with pytest.raises(TypeError, match="`policy` must be None or a SavePolicy"):

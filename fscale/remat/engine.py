@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -320,10 +321,36 @@ class _Remat(torch.autograd.Function):
         if torch.is_grad_enabled():
             grads = higher_order_grads(call, values, needs, pairs)
         elif call.graph is not None:
-            grads = call.graph.grads(call.rerun_to_stop, values, pairs, needs)
+            try:
+                grads = call.graph.grads(call.rerun_to_stop, values, pairs, needs)
+            except RuntimeError as error:
+                if not _refuses_retained_graph(error):
+                    raise
+                # A compiled function inside fn (AOTAutograd's backward, with buffers it
+                # reuses) cannot run through the graph that early stop retains: recompute fn
+                # whole instead, as without early stop.
+                call.graph = None
+                grads = first_order_grads(call, values, needs, pairs)
         else:
             grads = first_order_grads(call, values, needs, pairs)
         return (None, *grads)
+
+
+def _index(value: Any) -> int | None:
+    """`value` as an index (an int, or a symbolic one under torch.compile), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _refuses_retained_graph(error: RuntimeError) -> bool:
+    """Whether `error` is AOTAutograd's refusal to run a compiled backward whose buffers it
+    donates with ``retain_graph=True``."""
+    message = str(error)
+    return "donated buffer" in message and "retain_graph" in message
 
 
 def checkpoint_call(
@@ -404,15 +431,16 @@ def checkpoint_call(
             raise TypeError(
                 f"checkpoint_call: `state[{i}]` must be a tensor, got {type(value).__name__}"
             )
-    # int(): under torch.compile an index computed next to a 0-d integer buffer (BatchNorm's
-    # num_batches_tracked) can arrive symbolic, and a frozenset of symbols fails to trace.
-    buffer_indexes = frozenset(int(i) for i in mutable)
-    outside = [i for i in buffer_indexes if not (isinstance(i, int) and 0 <= i < len(state))]
+    given = list(mutable)
+    outside = [i for i in given if _index(i) is None or not 0 <= i < len(state)]
     if outside:
         raise ValueError(
             f"checkpoint_call: `mutable` must hold indexes into `state` (0..{len(state) - 1}), "
             f"got {sorted(outside, key=repr)}"
         )
+    # Plain ints: under torch.compile an index computed next to a 0-d integer buffer
+    # (BatchNorm's num_batches_tracked) can arrive symbolic, which a set cannot hold.
+    buffer_indexes = frozenset([operator.index(i) for i in given])
     if not isinstance(offload, bool):
         raise TypeError(f"checkpoint_call: `offload` must be True or False, got {offload!r}")
     if not isinstance(early_stop, bool):

@@ -59,7 +59,9 @@ class _CheckpointedModule(nn.Module):
             args,
             kwargs,
             state=state,
-            mutable=range(num_parameters, len(state)),
+            # Listed from the positions, not as a range: under torch.compile the count can be
+            # symbolic (next to BatchNorm's 0-d integer buffer), and a range of it fails to trace.
+            mutable=[i for i in range(len(state)) if i >= num_parameters],
             offload=self._checkpoint_options.offload,
             policy=self._checkpoint_options.policy,
         )
