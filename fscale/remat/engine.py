@@ -38,8 +38,8 @@ import torch
 
 from fscale import tree
 from fscale.offload import transfer
-from fscale.random import RngState
 from fscale.remat.early_stop import EarlyStopGraph, eligible
+from fscale.remat.execution import ExecutionState
 from fscale.remat.fresh_graph import first_order_grads, higher_order_grads
 from fscale.remat.mutation import Watch, describe_argument
 from fscale.remat.policy import (
@@ -60,32 +60,6 @@ def _map_tensors(fn: Callable[[Any], Any], values: Any) -> Any:
     return tree.map(
         lambda v: fn(v) if isinstance(v, (torch.Tensor, transfer.Parked)) else v, values
     )
-
-
-@dataclasses.dataclass
-class _ExecutionState:
-    """What makes the recompute draw the same random numbers and use the same precision."""
-
-    rng: RngState
-    autocast: dict[str, tuple[bool, torch.dtype]]
-
-    @classmethod
-    def capture(cls, tensors: list[torch.Tensor]) -> _ExecutionState:
-        rng = RngState.capture(tensors)
-        device_types = ["cpu"] + (["cuda"] if rng.cuda else [])
-        return cls(
-            rng=rng,
-            autocast={
-                t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in device_types
-            },
-        )
-
-    @contextlib.contextmanager
-    def restored(self) -> Iterator[None]:
-        with self.rng.restored(), contextlib.ExitStack() as stack:
-            for device_type, (enabled, dtype) in self.autocast.items():
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-            yield
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +99,7 @@ class _Call:
         self.kept: list[Any] = []
         self.mutated: frozenset[int] = frozenset()
         self.replay: KeptOutputs = {}
-        self.execution: _ExecutionState | None = None
+        self.execution: ExecutionState | None = None
         self.out_treedef: Any = None
         self.out_leaves: list[Any] = []
         self.out_positions: list[int] = []
@@ -146,7 +120,7 @@ class _Call:
     # forward ---------------------------------------------------------------------------
 
     def forward(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        self.execution = _ExecutionState.capture(list(tensors))
+        self.execution = ExecutionState.capture(list(tensors))
         self.kept = [None] * len(tensors)
         offload = self.options.offload
         for i, t in enumerate(tensors):
