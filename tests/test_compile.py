@@ -640,11 +640,13 @@ def _pipelined_compiled_against_eager(schedule: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
 def test_pipeline_of_compiled_layers_recomputed_in_backward_equals_the_eager_one(
     schedule: str,
 ) -> None:
-    # The recompute stops early through a retained graph, which a compiled layer's backward
-    # (AOTAutograd, with buffers it donates) refuses; the call is then recomputed whole.
+    # A recompute that stops early runs backward through a retained graph, which a compiled
+    # layer's backward (AOTAutograd, with buffers it donates) refuses, and a rerun outside the
+    # compiled forward's conditions saves other tensors (zero_bubble): a call with compiled
+    # code is recomputed whole instead.
     differences = fs.testing.run_spmd(_pipelined_compiled_against_eager, 2, schedule, timeout=900.0)
     assert max(differences) <= 1e-6

@@ -246,6 +246,26 @@ def test_a_finished_call_leaves_no_graph_behind():
     assert not [o for o in gc.get_objects() if type(o) is EarlyStopGraph]
 
 
+def test_the_recorded_graph_tells_whether_it_runs_compiled_code():
+    # A call whose graph holds a compiled function's backward is recomputed whole (engine);
+    # tests/test_compile.py trains compiled pipeline stages that way.
+    from fscale.remat.early_stop import EarlyStopGraph
+
+    w = _f64(4, 4, seed=1)
+
+    def fn(tensors):
+        return (torch.relu(tensors[0] @ tensors[1]) @ tensors[1]).sum()
+
+    torch._dynamo.reset()
+    found = []
+    for run in (fn, torch.compile(fn, backend="aot_eager")):
+        graph = EarlyStopGraph()
+        graph.outputs = [graph.build(run, [_f64(3, 4, seed=2), w])]
+        found.append(graph.runs_compiled_code())
+    torch._dynamo.reset()
+    assert found == [False, True]
+
+
 def test_without_early_stop_the_recompute_runs_to_the_end():
     x, w1, w2 = _f64(4, 4, seed=1), _f64(4, 4, seed=2), _f64(4, 4, seed=3)
     y = checkpoint_call(

@@ -80,6 +80,23 @@ class EarlyStopGraph:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return run(self.leaves)
 
+    def runs_compiled_code(self) -> bool:
+        """Whether the recorded graph holds the backward of a compiled function
+        (``torch.compile``, AOTAutograd), which early stop cannot serve: it refuses to run
+        through a retained graph when it reuses its saved buffers, and a recompute run outside
+        the compiled forward's conditions may save other tensors."""
+        seen: set[Any] = set()
+        pending = [t.grad_fn for t in self.outputs]
+        while pending:
+            node = pending.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if "CompiledFunction" in node.name():
+                return True
+            pending.extend(next_node for next_node, _ in node.next_functions)
+        return False
+
     def grads(
         self,
         rerun: Callable[[list[torch.Tensor]], Any],

@@ -174,6 +174,8 @@ class _Call:
             # The graph's own outputs stay here for backward; the Function hands out aliases.
             self.graph.outputs = list(out_tensors)
             out_tensors = tuple(t.detach() for t in out_tensors)
+            if self.graph.runs_compiled_code():
+                self.graph = None  # backward recomputes fn whole, as without early stop
         return out_tensors
 
     # Host bookkeeping (storage sizes): under torch.compile it runs outside the graph as one call;
@@ -295,16 +297,7 @@ class _Remat(torch.autograd.Function):
         if torch.is_grad_enabled():
             grads = higher_order_grads(call, values, needs, pairs)
         elif call.graph is not None:
-            try:
-                grads = call.graph.grads(call.rerun_to_stop, values, pairs, needs)
-            except RuntimeError as error:
-                if not _refuses_retained_graph(error):
-                    raise
-                # A compiled function inside fn (AOTAutograd's backward, with buffers it
-                # reuses) cannot run through the graph that early stop retains: recompute fn
-                # whole instead, as without early stop.
-                call.graph = None
-                grads = first_order_grads(call, values, needs, pairs)
+            grads = call.graph.grads(call.rerun_to_stop, values, pairs, needs)
         else:
             grads = first_order_grads(call, values, needs, pairs)
         return (None, *grads)
@@ -318,13 +311,6 @@ def _index(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
-
-
-def _refuses_retained_graph(error: RuntimeError) -> bool:
-    """Whether `error` is AOTAutograd's refusal to run a compiled backward whose buffers it
-    donates with ``retain_graph=True``."""
-    message = str(error)
-    return "donated buffer" in message and "retain_graph" in message
 
 
 def checkpoint_call(
