@@ -8,10 +8,11 @@ saved-tensor hooks raise inside `torch.func` grad transforms. A new-style Functi
 checkpoints and higher-order gradients. Its backward has two branches:
 
 * grad mode off (first-order `autograd.grad`, a `vjp_fn` called without a graph): when the
-  forward ran outside torch.func and torch.compile (`fscale.remat.early_stop`), it recorded
-  fn's graph with positions in place of its saved tensors; backward runs through that graph
-  and reruns fn only until it has rebuilt the last tensor backward reads. Otherwise detach the
-  saved inputs, run fn again under `enable_grad` and call `torch.autograd.grad` on that graph;
+  forward ran outside torch.func and torch.compile (`fscale.remat.early_stop`), recorded
+  fn's graph with positions in place of its saved tensors, and that graph holds no compiled
+  function's backward, backward runs through it and reruns fn only until it has rebuilt the
+  last tensor backward reads. Otherwise detach the saved inputs, run fn again under
+  `enable_grad` and call `torch.autograd.grad` on that graph;
 * grad mode on (`torch.func.grad`, `create_graph=True`): take `torch.func.grad` of
   ``<fn(inputs), grad_outputs>`` with respect to the saved inputs *as tracked by the outer
   transform*, so the gradient it returns is itself differentiable (grad of grad is exact).
