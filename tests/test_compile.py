@@ -244,25 +244,16 @@ def test_seed_generators_draw_as_seeded_by_and_restore_the_ambient_ones() -> Non
     assert torch.equal(torch.rand(3), ambient)
 
 
-def test_compiled_call_with_a_key_draws_the_eager_dropout_mask() -> None:
-    torch.manual_seed(0)
-    apply, params, buffers = fs.functionalize(nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5)))
-    key, x = fs.random.key(7), torch.ones(3, 4)
-
-    def call(params, x, key):
-        return apply(params, buffers, x, key=key)[0]
-
-    torch._dynamo.reset()
-    compiled = torch.compile(call, backend="eager")  # inductor draws with its own generator
-    assert torch.equal(compiled(params, x, key), call(params, x, key))
-    assert not torch.equal(compiled(params, x, fs.random.key(8)), call(params, x, key))
-
-
-@pytest.mark.parametrize("fallback_random", [False, True])
-def test_under_inductor_the_key_fixes_the_dropout_mask(fallback_random: bool) -> None:
-    # Inductor draws random ops with its own generator, seeded from torch's (which the call
-    # seeds from the key): the same key gives the same mask and another key another, but the
-    # mask equals the eager call's only with inductor's fallback_random (README, torch.compile).
+@pytest.mark.parametrize(
+    ("backend", "fallback_random", "draws_the_eager_mask"),
+    [("eager", False, True), ("inductor", False, False), ("inductor", True, True)],
+)
+def test_under_inductor_the_key_fixes_the_dropout_mask(
+    backend: str, fallback_random: bool, draws_the_eager_mask: bool
+) -> None:
+    # The call seeds torch's generators from the key. Dynamo alone draws with them, as the
+    # eager call does; inductor draws with a generator of its own seeded from torch's: the key
+    # still fixes the mask, which equals the eager call's only with fallback_random (README).
     torch.manual_seed(0)
     apply, params, buffers = fs.functionalize(nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5)))
     x = torch.ones(3, 4)
@@ -272,13 +263,13 @@ def test_under_inductor_the_key_fixes_the_dropout_mask(fallback_random: bool) ->
 
     torch._dynamo.reset()
     with torch._inductor.config.patch(fallback_random=fallback_random):
-        compiled = torch.compile(call)
+        compiled = torch.compile(call, backend=backend)
         first, again = compiled(params, x, fs.random.key(7)), compiled(params, x, fs.random.key(7))
         other = compiled(params, x, fs.random.key(8))
     torch._dynamo.reset()
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
-    assert torch.equal(first, call(params, x, fs.random.key(7))) == fallback_random
+    assert torch.equal(first, call(params, x, fs.random.key(7))) == draws_the_eager_mask
 
 
 # ----------------------------------------------------------------------------- graph breaks

@@ -392,16 +392,17 @@ def checkpoint_call(
             raise TypeError(
                 f"checkpoint_call: `state[{i}]` must be a tensor, got {type(value).__name__}"
             )
+    # Plain ints: under torch.compile an index computed next to a 0-d integer buffer
+    # (BatchNorm's num_batches_tracked) can arrive symbolic, which a set cannot hold.
     given = list(mutable)
-    outside = [i for i in given if _index(i) is None or not 0 <= i < len(state)]
+    indexes = [_index(i) for i in given]
+    outside = [g for g, i in zip(given, indexes) if i is None or not 0 <= i < len(state)]
     if outside:
         raise ValueError(
             f"checkpoint_call: `mutable` must hold indexes into `state` (0..{len(state) - 1}), "
             f"got {sorted(outside, key=repr)}"
         )
-    # Plain ints: under torch.compile an index computed next to a 0-d integer buffer
-    # (BatchNorm's num_batches_tracked) can arrive symbolic, which a set cannot hold.
-    buffer_indexes = frozenset([operator.index(i) for i in given])
+    buffer_indexes = frozenset([i for i in indexes if i is not None])  # all of them, checked
     if not isinstance(offload, bool):
         raise TypeError(f"checkpoint_call: `offload` must be True or False, got {offload!r}")
     if not isinstance(early_stop, bool):
