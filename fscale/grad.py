@@ -179,7 +179,7 @@ def value_and_grad(
     else:
         hooks = list(grad_hooks) if grad_hooks is not None else [None] * len(leaves)
         if session is not None:
-            hooks = _chain_hooks(hooks, session.hooks())
+            hooks = _chain_hooks(hooks, session.hooks(compiling=torch.compiler.is_compiling()))
         out, grads = _value_and_grad_autograd(call_loss, leaves, treedef, hooks, weight)
     for fn in maps:
         finish = getattr(fn, "after_backward", None)

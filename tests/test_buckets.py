@@ -57,12 +57,13 @@ def test_forward_order_follows_dict_insertion_order():
     assert forward_order(params) == [3, 0, 1, 2]
 
 
-def test_grad_buckets_write_into_flat_buffers_and_report_complete_buckets():
+@pytest.mark.parametrize("compiling", [False, True])
+def test_grad_buckets_write_into_flat_buffers_and_report_complete_buckets(compiling):
     leaves = [torch.ones(2, 2), torch.ones(3), torch.ones(1)]
     buckets = assign_buckets(leaves, bucket_bytes=16)  # [2, 1] then [0]
     ready = []
     collector = GradBuckets(buckets, 3, lambda b, data: ready.append((b.index, data.clone())))
-    hooks = collector.hooks()
+    hooks = collector.hooks(compiling=compiling)
     returned = hooks[2](torch.full((1,), 5.0))
     assert ready == [] and torch.equal(returned, torch.full((1,), 5.0))
     hooks[1](torch.arange(3.0))
@@ -71,6 +72,19 @@ def test_grad_buckets_write_into_flat_buffers_and_report_complete_buckets():
     assert ready[1][0] == 1 and torch.equal(ready[1][1], torch.full((4,), 7.0))
     collector.flush()  # nothing pending: no second delivery
     assert len(ready) == 2
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+def test_hooks_made_for_a_compiled_step_keep_dynamo_out(compiling):
+    # Autograd calls the hooks of a compiled step where Dynamo would trace them (once per leaf
+    # shape); those made for an eager step are plain calls, with no guard to pay.
+    collector = GradBuckets(assign_buckets([torch.ones(2, 2)], 100), 1, lambda b, d: None)
+    hook = collector.hooks(compiling=compiling)[0]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda g: hook(g * 2))(torch.ones(2, 2))
+    skipped = [r for r in explained.break_reasons if "disable" in r.reason]
+    assert len(skipped) == (1 if compiling else 0)
+    assert torch.equal(collector.bucket_data(0), torch.full((4,), 2.0))
 
 
 def test_flush_zeroes_leaves_that_got_no_gradient():

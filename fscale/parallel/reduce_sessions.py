@@ -168,7 +168,7 @@ class AllReduceSession(_Session):
 
     # Outside the graph: Dynamo cannot rebuild the hooks' bound methods at a later break.
     @torch.compiler.disable(recursive=True)
-    def hooks(self) -> list[Any]:
+    def hooks(self, *, compiling: bool = False) -> list[Any]:
         if self.func:
             return [None] * len(self.leaves)
         self.buckets = reducer_buckets(self.leaves, self.params, self.reducer.bucket_bytes)
@@ -186,7 +186,7 @@ class AllReduceSession(_Session):
             # the sum) nor under accumulation (the sum with the earlier micro-batches first).
             divide_by=self.reducer.mesh.size(self.axes[0]) if plain else 1,
         )
-        return self.collector.hooks()
+        return self.collector.hooks(compiling=compiling)
 
     def _start(self, bucket: Bucket, flat_grad: torch.Tensor) -> None:
         reducer, divided = self.reducer, self.collector.divide_by != 1  # type: ignore[union-attr]
@@ -260,7 +260,7 @@ class ScatterSession(_Session):
         return live
 
     @torch.compiler.disable(recursive=True)  # as `AllReduceSession.hooks`
-    def hooks(self) -> list[Any]:
+    def hooks(self, *, compiling: bool = False) -> list[Any]:
         if self.func:
             return [None] * self.layout.num_leaves
         on_ready = self._start_and_release if self.reducer.shard_grads else _keep
@@ -275,7 +275,7 @@ class ScatterSession(_Session):
             on_allocate=self.live.track,
             late_bytes=FIRST_BUCKET_BYTES,
         )
-        return self.collector.hooks()
+        return self.collector.hooks(compiling=compiling)
 
     def _reduce_start(
         self, bucket: Bucket, flat_grad: torch.Tensor
