@@ -26,14 +26,14 @@ def _local(case, step_index, rank, world):
     return fs.data.split_batch(case.batch(BATCH, seed=step_index), rank, world)
 
 
-def _train_fscale_and_ddp(case, opt, steps, bucket_mb=25.0):
+def _train_fscale_and_ddp(case, opt, steps, bucket_mb=25.0, overlap=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = fs.Mesh(dp=world)
     module = case.module()
     reference = copy.deepcopy(module)
     apply, params, buffers = fs.functionalize(module)
     step = fs.train_step(case.loss_fn(apply), opt.fscale())
-    step = fs.data_parallel(step, mesh, bucket_mb=bucket_mb)
+    step = fs.data_parallel(step, mesh, bucket_mb=bucket_mb, overlap=overlap)
     state = step.init(params, buffers)
     with warnings.catch_warnings():  # the flag is deprecated in favour of one without this meaning
         warnings.simplefilter("ignore", FutureWarning)
@@ -195,7 +195,7 @@ def test_the_loss_travels_with_the_gradients_and_is_exact(strategy):
         )
 
 
-def _first_bucket_reduced_before_backward_ends():
+def _first_bucket_reduced_before_backward_ends(overlap):
     rank, world = dist.get_rank(), dist.get_world_size()
     case = fst.ModelCase("mlp", width=64, depth=3)
     apply, params, buffers = fs.functionalize(case.module())
@@ -210,16 +210,43 @@ def _first_bucket_reduced_before_backward_ends():
         return case.loss_fn(apply)(p, b, batch, key)
 
     mesh = fs.Mesh(dp=world)
-    step = fs.data_parallel(fs.train_step(loss_fn, fs.optim.sgd(0.1)), mesh, bucket_mb=0.01)
+    step = fs.data_parallel(
+        fs.train_step(loss_fn, fs.optim.sgd(0.1)), mesh, bucket_mb=0.01, overlap=overlap
+    )
     state = step.init(params, buffers)
     with fs.distributed.comm_ledger() as ledger:
-        step(state, _local(case, 0, rank, world))
-    return seen_when_first_layer_grad_computed[0]
+        _, metrics = step(state, _local(case, 0, rank, world))
+    return seen_when_first_layer_grad_computed[0], len(ledger.records), float(metrics["loss"])
 
 
-def test_buckets_start_reducing_during_backward():
-    started_before_last_gradient = run_spmd(_first_bucket_reduced_before_backward_ends, 2)
-    assert all(n >= 1 for n in started_before_last_gradient)
+@pytest.mark.parametrize("overlap", [True, False, None])
+def test_buckets_start_reducing_during_backward_unless_overlap_is_off(overlap):
+    # None decides by device: these CPU parameters reduce after backward.
+    seen = run_spmd(_first_bucket_reduced_before_backward_ends, 2, overlap)
+    started_during_backward = [before_last_gradient for before_last_gradient, _, _ in seen]
+    assert all(n >= 1 if overlap else n == 0 for n in started_during_backward)
+    assert all(records > 1 for _, records, _ in seen)  # several buckets either way
+
+
+def _overlap_on_and_off_train_alike():
+    case = fst.ModelCase("gpt", width=16, depth=2)
+    opt = fst.OptimizerCase("adam", (("lr", 1e-2),))
+    return [
+        _train_fscale_and_ddp(case, opt, STEPS, bucket_mb=1 / 1024, overlap=overlap)
+        for overlap in (True, False)
+    ]
+
+
+def test_all_reduce_during_or_after_backward_equals_torch_ddp_bit_for_bit():
+    for (on, ddp, _), (off, _, _) in run_spmd(_overlap_on_and_off_train_alike, 2):
+        assert_trees_equal(on, ddp)
+        assert_trees_equal(off, ddp)
+
+
+def test_overlap_must_be_a_bool_or_none():
+    step = fs.train_step(lambda p, b, batch, key: p["w"].sum(), fs.optim.sgd(0.1))
+    with pytest.raises(TypeError, match="overlap"):
+        fs.data_parallel(step, fs.Mesh(dp=1), overlap="auto")
 
 
 def _small_buckets_against_torch_ddp(kind):
@@ -230,12 +257,12 @@ def _small_buckets_against_torch_ddp(kind):
     deliver = GradBuckets._deliver
 
     def counted(self, *args):
-        hooked.append(self.late)
+        hooked.append(self.late_from)
         return deliver(self, *args)
 
     GradBuckets._deliver = counted  # type: ignore[method-assign]
     try:
-        ours, theirs, _ = _train_fscale_and_ddp(case, opt, STEPS, bucket_mb=1 / 1024)
+        ours, theirs, _ = _train_fscale_and_ddp(case, opt, STEPS, bucket_mb=1 / 1024, overlap=True)
     finally:
         GradBuckets._deliver = deliver  # type: ignore[method-assign]
     _, params, _ = fs.functionalize(case.module())

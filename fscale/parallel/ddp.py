@@ -81,6 +81,7 @@ class DataParallelPlan(Plan):
     axis: str
     bucket_bytes: int
     hook: ReduceHook | None = None
+    overlap: bool | None = None
 
     @property
     def name(self) -> str:
@@ -107,7 +108,14 @@ class DataParallelPlan(Plan):
         self, ctx: Context, hook_states: Any = None, hook_out: dict[str, Any] | None = None
     ) -> Context:
         reducer = add_mean_axis(
-            ctx.reducer, self.mesh, self.axis, self.bucket_bytes, self.hook, hook_states, hook_out
+            ctx.reducer,
+            self.mesh,
+            self.axis,
+            self.bucket_bytes,
+            self.hook,
+            hook_states,
+            hook_out,
+            self.overlap,
         )
         return ctx.replace(reducer=reducer)
 
@@ -183,6 +191,7 @@ def data_parallel(
     *,
     bucket_mb: float = 25.0,
     reduce_hook: ReduceHook | None = None,
+    overlap: bool | None = None,
 ) -> Step:
     """DDP: replicate over `axis`, average gradients with a bucketed all-reduce.
 
@@ -198,6 +207,14 @@ def data_parallel(
             of each bucket's all-reduce (mean); ``hook.init(bucket) -> state``, if present,
             makes each bucket's state, kept in ``state.opt_state`` (a `HookState`). See
             `fscale.parallel.reduce` and ``examples/powersgd.py``.
+        overlap: start each bucket's all-reduce during backward, as soon as the bucket is
+            complete (True), or every bucket's after backward (False). None (the default):
+            during backward where the parameters are on an accelerator, after it where they
+            are on the CPU. On the CPU the all-reduce is work for the same cores that compute
+            backward, so overlapping it gains nothing there, while each leaf's gradient hook is
+            a Python call inside backward (measured: `bench/ddp.py`, README "When the
+            all-reduce starts"); across hosts, where a CPU step waits on the network, pass True.
+            The buckets, and so the results, are the same either way.
 
     Returns:
         A Step whose metrics (the loss and any scalar extras) are means over the axis, equal on
@@ -212,6 +229,10 @@ def data_parallel(
     layers.check_step(step, "data_parallel")
     layers.check_axis_free(step, mesh, axis, "data_parallel")
     bucket_bytes = layers.bucket_bytes(bucket_mb, "data_parallel")
+    if overlap is not None and not isinstance(overlap, bool):
+        raise TypeError(
+            f"data_parallel: `overlap` must be True, False or None (by device), got {overlap!r}"
+        )
     if reduce_hook is not None:
         if not callable(reduce_hook):
             raise TypeError(
@@ -248,4 +269,5 @@ def data_parallel(
             f"data_parallel: the step's {hooked.describe()} reduces each bucket over its own axis "
             "alone with its hook; use a single data_parallel layer when it has a hook"
         )
-    return step.replace(plan=DataParallelPlan(step.plan, mesh, axis, bucket_bytes, reduce_hook))
+    plan = DataParallelPlan(step.plan, mesh, axis, bucket_bytes, reduce_hook, overlap)
+    return step.replace(plan=plan)

@@ -20,7 +20,7 @@ is the hook's state for that bucket, kept in the TrainState by `data_parallel`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -67,6 +67,10 @@ class GradReducer:
         hook: a reduction hook replacing each bucket's all-reduce, or None.
         hook_states: the hook's per-bucket states for this step.
         hook_out: where the session leaves the hook's new states (one dict per step call).
+        overlap: start each bucket's all-reduce during backward (True), or all of them after
+            it (False); None: during backward unless the gradients are on the CPU (see
+            `fscale.data_parallel`). ZeRO's reduce-scatters always start during backward
+            (ZeRO-2 frees each bucket's gradients there).
     """
 
     mesh: Mesh
@@ -77,6 +81,13 @@ class GradReducer:
     hook: ReduceHook | None = None
     hook_states: tuple[Any, ...] | None = None
     hook_out: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
+    overlap: bool | None = None
+
+    def overlaps(self, devices: Iterable[torch.device]) -> bool:
+        """Whether buckets of gradients on `devices` start reducing during backward."""
+        if self.overlap is not None:
+            return self.overlap
+        return any(device.type != "cpu" for device in devices)
 
     @property
     def all_reduce_axes(self) -> tuple[str, ...]:
@@ -106,14 +117,19 @@ def add_mean_axis(
     hook: ReduceHook | None = None,
     hook_states: Any = None,
     hook_out: dict[str, Any] | None = None,
+    overlap: bool | None = None,
 ) -> GradReducer:
     """`reducer` (or a new one) that also averages over `axis`."""
     reducer = _ours(reducer)
     if reducer is None:
-        return GradReducer(mesh, (axis,), None, bucket_bytes, True, hook, hook_states, hook_out)
+        return GradReducer(
+            mesh, (axis,), None, bucket_bytes, True, hook, hook_states, hook_out, overlap
+        )
     changes: dict[str, Any] = {"mean_axes": (*reducer.mean_axes, axis)}
     if hook is not None:
         changes.update(hook=hook, hook_states=hook_states, hook_out=hook_out)
+    if overlap is not None:
+        changes.update(overlap=overlap)
     return dataclasses.replace(reducer, **changes)
 
 

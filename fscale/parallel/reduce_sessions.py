@@ -185,6 +185,7 @@ class AllReduceSession(_Session):
             # The mean's first division in the copy into the bucket: not for a hook (it takes
             # the sum) nor under accumulation (the sum with the earlier micro-batches first).
             divide_by=self.reducer.mesh.size(self.axes[0]) if plain else 1,
+            overlap=self.reducer.overlaps(leaf.device for leaf in self.leaves),
         )
         return self.collector.hooks(compiling=compiling)
 
