@@ -11,7 +11,10 @@ processes, round by round (`_util.interleave`, a barrier before every step), the
   ``step()``;
 * ``fscale donate=False`` / ``fscale donate=True``:
   ``fscale.data_parallel(fscale.train_step(loss_fn, fscale.optim.adamw(lr), donate=...), mesh)``
-  over ``fscale.functionalize(GPT(cfg))``;
+  over ``fscale.functionalize(GPT(cfg))`` (on these CPU ranks its all-reduces start after
+  backward);
+* ``fscale donate=True overlap=True``: the same with ``overlap=True``, each bucket's all-reduce
+  started during backward as torch DDP's are;
 * ``fscale ZeRO-2 donate=True``: ``fscale.shard_optimizer`` (gradients reduce-scattered during
   backward, optimizer state sharded) instead of ``data_parallel``.
 
@@ -148,6 +151,7 @@ class FscaleVariant:
         donate: bool,
         zero: bool = False,
         kind: str = "gpt",
+        overlap: bool | None = None,
     ) -> None:
         apply, params, buffers = fs.functionalize(build_model(kind, cfg))
         kwargs = forward_kwargs(kind)
@@ -157,7 +161,11 @@ class FscaleVariant:
             return lm_loss(logits_of(output), batch.targets), new_buffers
 
         step = fs.train_step(loss_fn, fs.optim.adamw(LEARNING_RATE), donate=donate)
-        self.step = (fs.shard_optimizer if zero else fs.data_parallel)(step, mesh)
+        self.step = (
+            fs.shard_optimizer(step, mesh)
+            if zero
+            else fs.data_parallel(step, mesh, overlap=overlap)
+        )
         self.state = self.step.init(params, buffers)
         self.batches = batches
         self.losses: list[torch.Tensor] = []
@@ -250,6 +258,9 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
         variants: dict[str, Any] = {REFERENCE: DDPVariant(cfg, batches, kind)}
     variants["fscale donate=False"] = FscaleVariant(cfg, batches, mesh, donate=False, kind=kind)
     variants["fscale donate=True"] = FscaleVariant(cfg, batches, mesh, donate=True, kind=kind)
+    variants["fscale donate=True overlap=True"] = FscaleVariant(
+        cfg, batches, mesh, donate=True, kind=kind, overlap=True
+    )
     variants["fscale ZeRO-2 donate=True"] = FscaleVariant(
         cfg, batches, mesh, donate=True, zero=True, kind=kind
     )

@@ -103,10 +103,16 @@ def _all_reduce_start(
     return pending
 
 
-def reducer_buckets(leaves: list[torch.Tensor], params: PyTree, bucket_bytes: int) -> list[Bucket]:
-    """The buckets of `leaves` (the leaves of `params`): reverse order of use, a small first."""
+def reducer_buckets(
+    leaves: list[torch.Tensor],
+    params: PyTree,
+    bucket_bytes: int,
+    first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+) -> list[Bucket]:
+    """The buckets of `leaves` (the leaves of `params`): reverse order of use, a small first
+    (its reduction starts early in backward)."""
     order = forward_order(params)
-    return assign_buckets(leaves, bucket_bytes, order=order, first_bucket_bytes=FIRST_BUCKET_BYTES)
+    return assign_buckets(leaves, bucket_bytes, order=order, first_bucket_bytes=first_bucket_bytes)
 
 
 def bucket_info(bucket: Bucket, mesh: Mesh, axes: tuple[str, ...]) -> BucketInfo:
@@ -171,7 +177,14 @@ class AllReduceSession(_Session):
     def hooks(self, *, compiling: bool = False) -> list[Any]:
         if self.func:
             return [None] * len(self.leaves)
-        self.buckets = reducer_buckets(self.leaves, self.params, self.reducer.bucket_bytes)
+        overlap = self.reducer.overlaps(leaf.device for leaf in self.leaves)
+        # Reduced after backward, the buckets need no small first one to start early: fewer
+        # collectives (the first's own latency, on a small model the whole model in one). A
+        # hook's buckets stay those its `init` was told of.
+        first = FIRST_BUCKET_BYTES if overlap or self.reducer.hook is not None else None
+        self.buckets = reducer_buckets(
+            self.leaves, self.params, self.reducer.bucket_bytes, first or self.reducer.bucket_bytes
+        )
         # Each hook copies its gradient into the bucket and hands autograd a stride-0 zero, so
         # once a bucket's reduction has started the only copy is the one being reduced.
         plain = self.reducer.hook is None and self.initial is None
@@ -185,7 +198,7 @@ class AllReduceSession(_Session):
             # The mean's first division in the copy into the bucket: not for a hook (it takes
             # the sum) nor under accumulation (the sum with the earlier micro-batches first).
             divide_by=self.reducer.mesh.size(self.axes[0]) if plain else 1,
-            overlap=self.reducer.overlaps(leaf.device for leaf in self.leaves),
+            overlap=overlap,
         )
         return self.collector.hooks(compiling=compiling)
 
