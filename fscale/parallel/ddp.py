@@ -2,10 +2,12 @@
 
 Forward collective: none (`replicate` — parameters are used as they are on every rank).
 Backward collective: the dual of `replicate`, an all-reduce (mean) of the gradients, bucketed:
-leaves are packed into buckets of `bucket_mb` in reverse order, each bucket's gradients are
-written straight into its flat buffer as autograd produces them, and the bucket's all-reduce is
-started the moment its last gradient arrives, so it runs while backward computes the next
-bucket. The step waits for all buckets only before the optimizer update.
+leaves are packed into buckets of `bucket_mb` in reverse order. With ``overlap`` (the default
+where the parameters are on an accelerator) hooks take each gradient as autograd produces it,
+and a bucket's all-reduce is started the moment its last gradient arrives, so it runs while
+backward computes the next bucket; without (the default on the CPU, where the collective would
+compete with backward for the same cores) every bucket is built and started after backward.
+The step waits for all buckets only before the optimizer update.
 
 Memory per rank: full parameters, full gradients (once: in the bucket buffers, which are
 averaged in place and which the gradients are views of), full optimizer state. With
@@ -74,7 +76,8 @@ class HookState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class DataParallelPlan(Plan):
-    """Replicate over `axis`: gradients averaged over it by a bucketed, overlapped all-reduce."""
+    """Replicate over `axis`: gradients averaged over it by a bucketed all-reduce (during
+    backward where `overlap` resolves to True, after it otherwise)."""
 
     inner: Plan
     mesh: Mesh

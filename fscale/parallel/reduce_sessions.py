@@ -6,7 +6,8 @@ gradient: `AllReduceSession` for full gradients, `ScatterSession` for ZeRO's sha
 Autograd path. Leaves are packed into buckets (`fscale.parallel.buckets`: reverse order of use,
 a small first bucket as torch DDP); each leaf's gradient is copied into its bucket by a hook the
 moment it is final (the last bucket's, when no larger than the first, in one go after backward:
-`GradBuckets.flush`), and a bucket's collective starts as soon as it is complete:
+`GradBuckets.flush`; every bucket's, without a small first one, when the reducer does not
+overlap: `GradReducer.overlap`), and a bucket's collective starts as soon as it is complete:
 
 - all-reduce (mean) over the axes, in the bucket itself (`fscale.parallel.bucket_collectives`),
   or the user's reduction hook on the bucket's flat gradient;
