@@ -325,3 +325,35 @@ def test_divide_by_divides_each_element_once_in_the_copy(path, fold):
         GradBuckets([bucket], 3, lambda b, d: None, initial=grads, divide_by=2)
     with pytest.raises(ValueError, match="`divide_by` must be a positive int"):
         GradBuckets([bucket], 3, lambda b, d: None, divide_by=0)
+
+
+@pytest.mark.parametrize("zero_whole", [False, True])
+def test_without_overlap_no_hooks_run_and_flush_builds_every_bucket_in_order(zero_whole):
+    leaves = [torch.ones(2), torch.ones(3), torch.ones(1)]
+    buckets = assign_buckets(leaves, bucket_bytes=16, num_shards=2)  # [2, 1] then [0]
+    ready = []
+    collector = GradBuckets(
+        buckets,
+        3,
+        lambda b, data: ready.append((b.index, data.tolist())),
+        keep_grads=False,
+        zero_whole=zero_whole,
+        divide_by=2,
+        overlap=False,
+    )
+    assert collector.hooks() == [None, None, None]
+    with pytest.raises(ValueError, match="pass the gradients autograd returned"):
+        GradBuckets(buckets, 3, lambda b, d: None, overlap=False).flush()
+    # Leaf 1 got no gradient (unused): zeros in its place; every value divided by 2.
+    collector.flush([torch.full((2,), 4.0), None, torch.full((1,), 6.0)])
+    assert ready == [(0, [3.0, 0.0, 0.0, 0.0]), (1, [2.0, 2.0])]
+
+
+def test_a_held_gradient_of_another_dtype_is_converted_into_its_bucket():
+    (bucket,) = assign_buckets([torch.ones(2), torch.ones(1)], bucket_bytes=100)
+    ready = []
+    collector = GradBuckets([bucket], 2, lambda b, d: ready.append(d.clone()), keep_grads=False)
+    hooks = collector.hooks()
+    hooks[0](torch.full((2,), 1.5, dtype=torch.float64))
+    hooks[1](torch.full((1,), 2.5))
+    assert ready[0].dtype == torch.float32 and ready[0].tolist() == [2.5, 1.5, 1.5]
