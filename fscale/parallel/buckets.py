@@ -12,8 +12,7 @@ the bucket has arrived. Autograd runs a leaf's hook as soon as that leaf's gradi
 which is what makes the overlap possible. Where autograd need not get the bucket's contents back
 (``keep_grads=False``), a hook only holds the gradient, and the bucket's flat buffer is built
 when its last gradient arrives, in one concatenation (divided by ``divide_by`` when a mean asks
-for it; the gradients then live only there): one kernel per bucket instead of a copy per leaf,
-which on the CPU took half as much time as the leaf-by-leaf copies, done inside backward.
+for it; the gradients then live only there): one kernel per bucket instead of a copy per leaf.
 
 `GradBuckets.fold` appends a few scalars (the step's loss and metrics) after the last bucket's
 elements in its buffer, so that the bucket's collective reduces them too and the step needs no
@@ -205,7 +204,7 @@ class GradBuckets:
     def hooks(
         self, *, compiling: bool = False
     ) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
-        """One hook per leaf (None for leaves in no bucket and for those of the late bucket,
+        """One hook per leaf (None for leaves in no bucket and for those of the late buckets,
         which `flush` writes).
 
         `compiling`: the step that registers them is being compiled (pass
@@ -394,8 +393,8 @@ class GradBuckets:
                     target.copy_(self.initial[bucket.leaf_indices[slot]].reshape(-1))
 
     def bucket_data(self, bucket_index: int) -> torch.Tensor | None:
-        """The flat gradient buffer of a bucket (None before its first gradient or after
-        `release`)."""
+        """The flat gradient buffer of a bucket (None before it exists, at its first gradient
+        or, where they are held, its last, and after `release`)."""
         return self._data[bucket_index]
 
     def release(self, bucket_index: int) -> None:

@@ -10,7 +10,9 @@ compete with backward for the same cores) every bucket is built and started afte
 The step waits for all buckets only before the optimizer update.
 
 Memory per rank: full parameters, full gradients (once: in the bucket buffers, which are
-averaged in place and which the gradients are views of), full optimizer state. With
+averaged in place and which the gradients are views of; without overlap, autograd's gradients
+and the buckets built from them are both held for a moment at the end of backward), full
+optimizer state. With
 ``donate=False`` the update writes new parameter and optimizer-state buffers while the caller
 still holds the old state, so the step's peak holds both: Ψ·(4 + the optimizer's state bytes per
 element) more than a donated step (Adam in float32: 12 bytes per parameter, 89 MB for 7.4M

@@ -182,12 +182,13 @@ class AllReduceSession(_Session):
         # Reduced after backward, the buckets need no small first one to start early: fewer
         # collectives (the first's own latency, on a small model the whole model in one). A
         # hook's buckets stay those its `init` was told of.
-        first = FIRST_BUCKET_BYTES if overlap or self.reducer.hook is not None else None
-        self.buckets = reducer_buckets(
-            self.leaves, self.params, self.reducer.bucket_bytes, first or self.reducer.bucket_bytes
-        )
-        # Each hook copies its gradient into the bucket and hands autograd a stride-0 zero, so
-        # once a bucket's reduction has started the only copy is the one being reduced.
+        keep_first = overlap or self.reducer.hook is not None
+        bucket_bytes = self.reducer.bucket_bytes
+        first = FIRST_BUCKET_BYTES if keep_first else bucket_bytes
+        self.buckets = reducer_buckets(self.leaves, self.params, bucket_bytes, first)
+        # Each hook holds its gradient until the bucket is complete and hands autograd a
+        # stride-0 zero, so once a bucket's reduction has started the only copy is the one
+        # being reduced.
         plain = self.reducer.hook is None and self.initial is None
         self.collector = GradBuckets(
             self.buckets,
