@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel
 
 import fscale as fs
+from fscale.distributed import hosts
 from fscale.parallel.buckets import GradBuckets, assign_buckets, forward_order
 from fscale.testing import RankError, assert_trees_close, assert_trees_equal, run_spmd
 from fscale.testing import strategies as fst
@@ -226,6 +227,24 @@ def test_buckets_start_reducing_during_backward_unless_overlap_is_off(overlap):
     started_during_backward = [before_last_gradient for before_last_gradient, _, _ in seen]
     assert all(n >= 1 if overlap else n == 0 for n in started_during_backward)
     assert all(records > 1 for _, records, _ in seen)  # several buckets either way
+
+
+def _first_bucket_with_ranks_on_two_hosts():
+    rank = dist.get_rank()
+    original = hosts.host_id
+    hosts._ONE_HOST.clear()
+    hosts.host_id = lambda: f"host:{rank}"
+    try:
+        return _first_bucket_reduced_before_backward_ends(None)
+    finally:
+        hosts.host_id = original
+        hosts._ONE_HOST.clear()
+
+
+def test_by_default_an_axis_across_hosts_reduces_during_backward():
+    # The CPU default waits for backward only where the axis's ranks share the host's cores.
+    seen = run_spmd(_first_bucket_with_ranks_on_two_hosts, 2)
+    assert all(before_last_gradient >= 1 for before_last_gradient, _, _ in seen)
 
 
 def _overlap_on_and_off_train_alike():

@@ -3,10 +3,11 @@
 Forward collective: none (`replicate` — parameters are used as they are on every rank).
 Backward collective: the dual of `replicate`, an all-reduce (mean) of the gradients, bucketed:
 leaves are packed into buckets of `bucket_mb` in reverse order. With ``overlap`` (the default
-where the parameters are on an accelerator) hooks take each gradient as autograd produces it,
-and a bucket's all-reduce is started the moment its last gradient arrives, so it runs while
-backward computes the next bucket; without (the default on the CPU, where the collective would
-compete with backward for the same cores) every bucket is built and started after backward.
+on an accelerator or across hosts) hooks take each gradient as autograd produces it, and a
+bucket's all-reduce is started the moment its last gradient arrives, so it runs while backward
+computes the next bucket; without (the default for CPU ranks on one host, where the collective
+would compete with backward for the same cores) every bucket is built and started after
+backward.
 The step waits for all buckets only before the optimizer update.
 
 Memory per rank: full parameters, full gradients (once: in the bucket buffers, which are
@@ -55,6 +56,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from fscale import tree
+from fscale.distributed.hosts import on_one_host
 from fscale.distributed.mesh import Mesh
 from fscale.parallel import layers
 from fscale.parallel.reduce import ReduceHook, add_mean_axis, bucket_infos
@@ -126,6 +128,10 @@ class DataParallelPlan(Plan):
 
     def init(self, step, params, buffers, key, ctx):
         state = self.inner.init(step, params, buffers, key, self.context(ctx))
+        if self.overlap is None:
+            # Init is collective already: learn here whether the axis crosses hosts (the
+            # default `overlap` asks), so that no step has to.
+            on_one_host(self.mesh, self.axis)
         return self._with_hook_state(state) if self._stateful else state
 
     def gradients(self, step, state, batch, ctx):
@@ -214,12 +220,14 @@ def data_parallel(
             `fscale.parallel.reduce` and ``examples/powersgd.py``.
         overlap: start each bucket's all-reduce during backward, as soon as the bucket is
             complete (True), or every bucket's after backward (False). None (the default):
-            during backward where the parameters are on an accelerator, after it where they
-            are on the CPU. On the CPU the all-reduce is work for the same cores that compute
-            backward, so overlapping it gains nothing there, while each leaf's gradient hook is
-            a Python call inside backward (measured: `bench/ddp.py`, README "When the
-            all-reduce starts"); across hosts, where a CPU step waits on the network, pass True.
-            The buckets, and so the results, are the same either way.
+            during backward where the parameters are on an accelerator or the axis crosses
+            hosts, after it where they are on the CPU and every rank of the axis is on one
+            host. There the all-reduce is work for the same cores that compute backward, so
+            overlapping it gains nothing, while each leaf's gradient hook is a Python call
+            inside backward (measured: `bench/ddp.py`, README "When the all-reduce starts").
+            Across hosts a CPU step waits on the network, which overlap hides. Without overlap
+            there is no small first bucket (nothing starts early), so a model's gradients take
+            fewer, larger all-reduces.
 
     Returns:
         A Step whose metrics (the loss and any scalar extras) are means over the axis, equal on

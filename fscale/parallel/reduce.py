@@ -27,6 +27,7 @@ import torch
 
 from fscale import tree
 from fscale.distributed import collectives
+from fscale.distributed.hosts import on_one_host
 from fscale.distributed.mesh import Mesh
 from fscale.parallel.reduce_sessions import (
     FIRST_BUCKET_BYTES,
@@ -68,9 +69,9 @@ class GradReducer:
         hook_states: the hook's per-bucket states for this step.
         hook_out: where the session leaves the hook's new states (one dict per step call).
         overlap: start each bucket's all-reduce during backward (True), or all of them after
-            it (False); None: during backward unless the gradients are on the CPU (see
-            `fscale.data_parallel`). ZeRO's reduce-scatters always start during backward
-            (ZeRO-2 frees each bucket's gradients there).
+            it (False); None: during backward unless the gradients are on the CPU and every
+            rank of the axes on one host (see `fscale.data_parallel`). ZeRO's reduce-scatters
+            always start during backward (ZeRO-2 frees each bucket's gradients there).
     """
 
     mesh: Mesh
@@ -84,10 +85,14 @@ class GradReducer:
     overlap: bool | None = None
 
     def overlaps(self, devices: Iterable[torch.device]) -> bool:
-        """Whether buckets of gradients on `devices` start reducing during backward."""
+        """Whether buckets of gradients on `devices` start reducing during backward: as
+        `overlap` says, else on an accelerator, or where an axis crosses hosts (the first call
+        is then a collective over the axes: `fscale.distributed.hosts`)."""
         if self.overlap is not None:
             return self.overlap
-        return any(device.type != "cpu" for device in devices)
+        if any(device.type != "cpu" for device in devices):
+            return True
+        return not all(on_one_host(self.mesh, axis) for axis in self.all_reduce_axes)
 
     @property
     def all_reduce_axes(self) -> tuple[str, ...]:
