@@ -66,7 +66,7 @@ parameters; plus one all-reduce
 of the scalar metrics (and of the floating-point buffers, if any). Under `data_parallel` over
 another axis of R ranks
 (HSDP; ``replicate_axis=`` is sugar for it) each unit's gradient shard is also all-reduced (mean)
-over that axis, bucketed and overlapped: 2·(Ψ_u/N)·(R−1)/R.
+over that axis, bucketed (overlapped as `data_parallel`'s ``overlap`` says): 2·(Ψ_u/N)·(R−1)/R.
 
 The optimizer runs on the shards: each parameter's fragment in this rank's shard is one leaf
 (``{name: 1-D fragment}``), and a `fscale.optim.Sharding` built from the units' fragments lets
