@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 import fscale as fs
 from fscale.parallel import consolidate, shard_optimizer, shard_state
 from fscale.parallel.bucket_assign import assign_buckets, forward_order
+from fscale.parallel.buckets import GradBuckets
+from fscale.parallel.reduce import GradReducer
 from fscale.testing import assert_trees_close, assert_trees_equal, run_spmd
 from fscale.testing import strategies as fst
 from fscale.testing.probes import on_gradient
@@ -613,3 +615,35 @@ def _init_calls(steps):
 def test_the_state_check_runs_the_optimizers_init_once_not_every_step():
     # One init for the state, one (on meta tensors) for the spec the state is checked against.
     assert run_spmd(_init_calls, 2, 4) == [2, 2]
+
+
+def _zero1_with_and_without_hooks():
+    case = fst.ModelCase("gpt", width=16, depth=2)
+    opt = fst.OptimizerCase("adam", (("lr", 1e-2),)).fscale()
+    delivered = []
+    deliver = GradBuckets._deliver
+
+    def counted(self, *args):
+        delivered.append(1)
+        return deliver(self, *args)
+
+    runs = []
+    GradBuckets._deliver = counted  # type: ignore[method-assign]
+    try:
+        for forced in (False, True):
+            overlaps = GradReducer.overlaps
+            if forced:  # as on an accelerator, where the hooks keep one copy of each gradient
+                GradReducer.overlaps = lambda self, devices: True  # type: ignore[method-assign]
+            try:
+                runs.append((_run(case, opt, _zero(False, 1 / 1024)), len(delivered)))
+            finally:
+                GradReducer.overlaps = overlaps  # type: ignore[method-assign]
+    finally:
+        GradBuckets._deliver = deliver  # type: ignore[method-assign]
+    return runs
+
+
+def test_zero1_builds_its_buckets_after_backward_on_cpu_and_equals_the_hooked_run():
+    for (after, hooks_after), (hooked, hooks_total) in run_spmd(_zero1_with_and_without_hooks, 2):
+        assert hooks_after == 0 and hooks_total > 0
+        assert_trees_equal(after, hooked)

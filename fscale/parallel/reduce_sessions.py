@@ -279,7 +279,13 @@ class ScatterSession(_Session):
     def hooks(self, *, compiling: bool = False) -> list[Any]:
         if self.func:
             return [None] * self.layout.num_leaves
-        on_ready = self._start_and_release if self.reducer.shard_grads else _keep
+        shard_grads = self.reducer.shard_grads
+        on_ready = self._start_and_release if shard_grads else _keep
+        # ZeRO-1 reduces after backward anyway: its hooks only keep each gradient in one copy,
+        # worth their Python calls where the reducer would overlap (an accelerator), not on
+        # CPU ranks of one host, whose buckets are then built after backward.
+        devices = (b.layout.device for b in self.layout.buckets)
+        overlap = shard_grads or self.reducer.overlaps(devices)
         # Zeroed whole: the aligned layout leaves gaps between leaves.
         self.collector = GradBuckets(
             self.layout.buckets,
@@ -290,6 +296,7 @@ class ScatterSession(_Session):
             zero_whole=True,
             on_allocate=self.live.track,
             late_bytes=FIRST_BUCKET_BYTES,
+            overlap=overlap,
         )
         return self.collector.hooks(compiling=compiling)
 
