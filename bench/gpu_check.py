@@ -23,7 +23,10 @@ What it exercises (each prints one line; the script exits non-zero if a check fa
 6. `data_parallel` under `fscale.launch` with NCCL on one GPU, and `data_parallel`,
    `shard_optimizer` and `fully_shard` compiled against eager there (skipped with
    `--device cpu`).
-7. The test-suite cases that skip without CUDA (`pytest -k cuda tests/test_offload.py
+7. `data_parallel`'s ``overlap`` on 2 gloo ranks sharing the device: the default starts the
+   all-reduces during backward on CUDA (its gradient hooks run) and after it on the CPU (none
+   run), and ``overlap=None``, ``True`` and ``False`` train to the same parameters bit for bit.
+8. The test-suite cases that skip without CUDA (`pytest -k cuda tests/test_offload.py
    tests/test_random.py`).
 
 Equality checks run under ``torch.use_deterministic_algorithms(True)``, in this process and in
@@ -58,6 +61,7 @@ import torch
 
 import fscale as fs
 from fscale import models
+from fscale.parallel.buckets import GradBuckets
 
 FAILURES: list[str] = []
 
@@ -316,6 +320,55 @@ def _compiled_or_error(device: torch.device, plan) -> tuple[float, float] | str:
         return f"{type(error).__name__}: {error}"
 
 
+def _overlap_rank(device_type: str) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """Per `overlap` (None, True, False): how many gradient hooks ran, and the params after 3
+    data_parallel steps on this rank's share of the device."""
+    torch.use_deterministic_algorithms(True)
+    device = (
+        torch.device(device_type, torch.cuda.current_device())
+        if device_type == "cuda"
+        else torch.device("cpu")
+    )
+    delivered = []
+    deliver = GradBuckets._deliver
+
+    def counted(self, *args):
+        delivered.append(1)
+        return deliver(self, *args)
+
+    GradBuckets._deliver = counted
+    results = []
+    try:
+        for overlap in (None, True, False):
+            before = len(delivered)
+            step, state, tokens = _small_lm_step(device, True, fs.optim.adamw(1e-3))
+            mesh = fs.Mesh(dp=torch.distributed.get_world_size())
+            step = fs.data_parallel(step, mesh, bucket_mb=0.25, overlap=overlap)
+            state = step.init(state.params, state.buffers)
+            rank = torch.distributed.get_rank()
+            local = tokens[rank * 2 : rank * 2 + 2]
+            for _ in range(3):
+                state, _ = step(state, local)
+            results.append((len(delivered) - before, {k: v.cpu() for k, v in state.params.items()}))
+    finally:
+        GradBuckets._deliver = deliver
+    return results
+
+
+def check_data_parallel_overlap(device: torch.device) -> None:
+    (default, on, off) = fs.launch(_overlap_rank, 2, device.type, backend="gloo")[0]
+    hooks_by_default = default[0] > 0
+    check(
+        f"data_parallel's default overlap on {device.type}",
+        hooks_by_default == (device.type != "cpu") and on[0] > 0 and off[0] == 0,
+        f"hooks run: default {default[0]}, overlap=True {on[0]}, overlap=False {off[0]}",
+    )
+    same = all(
+        torch.equal(default[1][k], on[1][k]) and torch.equal(on[1][k], off[1][k]) for k in on[1]
+    )
+    check("data_parallel with overlap None / True / False: params equal bit for bit", same)
+
+
 def _check_nccl(device: torch.device) -> None:
     losses = fs.launch(_dp_rank, 1, backend="nccl")
     check("data_parallel under NCCL", all(x == x for x in losses), f"loss {losses[0]:.3f}")
@@ -360,7 +413,13 @@ def main() -> int:
     # over several key blocks, for one) accumulate with atomics, so two runs of one computation
     # differ in their last bits unless torch picks its deterministic kernels.
     torch.use_deterministic_algorithms(True)
-    for run_check in (check_remat, check_offload_optimizer, check_bf16_step, check_mixed_precision):
+    for run_check in (
+        check_remat,
+        check_offload_optimizer,
+        check_bf16_step,
+        check_mixed_precision,
+        check_data_parallel_overlap,
+    ):
         _guarded(run_check, device)
     if not args.skip_compile:
         _guarded(check_compile, device)

@@ -163,12 +163,11 @@ class GradBuckets:
         self._data: list[torch.Tensor | None] = [None] * len(self.buckets)
         # Per bucket, the gradients held until it is complete (None where they are written
         # into the buffer as they arrive: a hook that returns a view of it, or a sum to add).
-        self._held: list[list[torch.Tensor | None] | None] = [
-            [None] * len(b.leaf_indices)
-            if initial is None and (not keep_grads or b.index >= self.late_from)
-            else None
-            for b in self.buckets
-        ]
+        self._held: list[list[torch.Tensor | None] | None] = []
+        for b in self.buckets:
+            slots: list[torch.Tensor | None] = [None] * len(b.leaf_indices)
+            holds = initial is None and (not keep_grads or b.index >= self.late_from)
+            self._held.append(slots if holds else None)
         self._delivered = [[False] * len(b.leaf_indices) for b in self.buckets]
         self._pending = [len(b.leaf_indices) for b in self.buckets]
         self._next_ready = 0  # buckets before this one have been handed to `on_ready`
