@@ -44,6 +44,7 @@ def on_one_host(mesh: Mesh, axis: str) -> bool:
         return True
     known = _ONE_HOST.get(group)
     if known is None:
+        # The gather itself, not `fscale.spmd.all_gather_objects`: spmd sits above this package.
         names: list[Any] = [None] * mesh.size(axis)
         dist.all_gather_object(names, host_id(), group=group)
         known = _ONE_HOST[group] = len(set(names)) == 1

@@ -161,8 +161,9 @@ class GradBuckets:
             for slot, leaf in enumerate(bucket.leaf_indices):
                 self._where[leaf] = (bucket.index, slot)
         self._data: list[torch.Tensor | None] = [None] * len(self.buckets)
-        # Per bucket, the gradients held until it is complete (None where they are written
-        # into the buffer as they arrive: a hook that returns a view of it, or a sum to add).
+        # Per bucket, the gradients held until it is complete; None where they are written
+        # into the buffer as they arrive (a hook that returns a view of it, or a sum to add)
+        # and, once `_build` has made its buffer, for a bucket whose gradients were held.
         self._held: list[list[torch.Tensor | None] | None] = []
         for b in self.buckets:
             slots: list[torch.Tensor | None] = [None] * len(b.leaf_indices)
