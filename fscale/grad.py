@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from fscale import purity, tree
+from fscale.remat.early_stop import keeping_last
 from fscale.step_means import StepMeans
 
 if TYPE_CHECKING:
@@ -261,7 +262,8 @@ def _value_and_grad_autograd(
     hooks: list[Any],
     weight: float,
 ) -> tuple[LossOutput, PyTree]:
-    with torch.enable_grad():
+    # The forward's last checkpointed call keeps what its backward reads (`fscale.remat`).
+    with torch.enable_grad(), keeping_last():
         live = _live_leaves(leaves, hooks)
         out = call_loss(tree.unflatten(treedef, live))
         if not out.loss.requires_grad:

@@ -14,19 +14,38 @@ same bits; the rerun skips what comes after the last saved tensor.
 Saved-tensor hooks raise inside `torch.func` transforms and do not trace under
 `torch.compile`, so the engine takes this path only outside them, in first-order backward,
 without offload or a save policy (`eligible`).
+
+The last call of a forward need not be recomputed at all. Backward begins with it, so the
+recompute would rebuild its saved tensors at once, at the point where the forward left them.
+Inside `keep_last` (a train step's forward and backward run inside one) the most recent
+top-level call keeps the tensors its forward saved, and releases them when the next one begins;
+the call still alive at backward is differentiated through what its forward saved, the same
+tensors and the same bits. What it costs: that call's saved tensors are held from its forward
+on, beside whatever the forward computes after it (an LM head's logits), where the recompute
+would have made them after that part's backward freed its own. A kept tensor changed in place
+after the call (its version moved) is dropped and the call recomputed, as without keeping.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from fscale.remat.fresh_graph import grads_through
 
-__all__ = ["EarlyStopGraph", "eligible"]
+__all__ = [
+    "EarlyStopGraph",
+    "eligible",
+    "keep_last",
+    "keeping_last",
+    "not_top_level",
+    "release_kept",
+]
 
 
 def eligible() -> bool:
@@ -41,6 +60,88 @@ def eligible() -> bool:
 
 class _StopRecomputeError(Exception):
     """Raised inside the rerun once every saved position is filled."""
+
+
+class _Scope:
+    """One `keep_last` block: whether it keeps, and the graph keeping now (weakly held)."""
+
+    def __init__(self, enabled: bool | None) -> None:
+        self.enabled = enabled
+        self.keeping: weakref.ref[EarlyStopGraph] | None = None
+
+    def release(self) -> None:
+        graph = None if self.keeping is None else self.keeping()
+        if graph is not None:
+            graph.release()
+        self.keeping = None
+
+
+class _ThreadScopes(threading.local):
+    def __init__(self) -> None:
+        self.scopes: list[_Scope] = []
+        self.building = 0  # forwards of checkpointed calls running now (nested ones count)
+
+
+_SCOPES = _ThreadScopes()
+
+
+@contextlib.contextmanager
+def keep_last(enabled: bool = True) -> Iterator[None]:
+    """Whether the last checkpointed call of a forward keeps what backward needs (see the
+    module docstring). A train step keeps it by default; ``with keep_last(False):`` around the
+    step makes every checkpointed call recompute, each holding only its inputs."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"keep_last: `enabled` must be True or False, got {enabled!r}")
+    with _scope(enabled):
+        yield
+
+
+def keeping_last() -> contextlib.AbstractContextManager[None]:
+    """The block of one forward and its backward (a train step's gradient phase): the last
+    checkpointed call keeps its saved tensors, unless an enclosing `keep_last(False)` says not;
+    whatever is still kept is released when the block ends. Nothing under torch.compile, where
+    no checkpointed call takes this path."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _scope(None)
+
+
+@contextlib.contextmanager
+def _scope(enabled: bool | None) -> Iterator[None]:
+    scope = _Scope(enabled)
+    _SCOPES.scopes.append(scope)
+    try:
+        yield
+    finally:
+        _SCOPES.scopes.pop()
+        scope.release()
+
+
+@contextlib.contextmanager
+def not_top_level() -> Iterator[None]:
+    """Checkpointed calls begun inside (within another's forward or recompute) never keep."""
+    _SCOPES.building += 1
+    try:
+        yield
+    finally:
+        _SCOPES.building -= 1
+
+
+def release_kept() -> bool:
+    """A checkpointed call begins: unless it runs inside another's forward or recompute, the
+    call kept before it (in any enclosing scope) is recomputed after all, since only the
+    forward's last call keeps. Whether the call beginning is a top-level one."""
+    if _SCOPES.building:
+        return False
+    for scope in _SCOPES.scopes:
+        scope.release()
+    return True
+
+
+def _keeps() -> bool:
+    """Whether to keep: as the innermost scope that decides says (a train step's scope leaves
+    it to an enclosing `keep_last`; none: keep)."""
+    return next((s.enabled for s in reversed(_SCOPES.scopes) if s.enabled is not None), True)
 
 
 class EarlyStopGraph:
@@ -59,6 +160,10 @@ class EarlyStopGraph:
         self._filled = 0
         self._rerun: Callable[[list[torch.Tensor]], Any] | None = None
         self._values: list[torch.Tensor] = []
+        # Under `keep_last`: what the forward saved, by position, with each tensor's version
+        # then; None when this call does not keep (or no longer does).
+        self._held: dict[int, tuple[torch.Tensor, int]] | None = None
+        self._read: set[int] = set()  # positions backward has read
 
     def build(
         self, run: Callable[[list[torch.Tensor]], Any], tensors: Sequence[torch.Tensor]
@@ -77,8 +182,19 @@ class EarlyStopGraph:
         def unpack(position: int) -> torch.Tensor:
             return _alive(this)._unpack(position)
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        if release_kept() and _SCOPES.scopes and _keeps():
+            self._held = {}
+            _SCOPES.scopes[-1].keeping = this
+        with (
+            not_top_level(),
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+        ):
             return run(self.leaves)
+
+    def release(self) -> None:
+        """Drop what the forward saved: backward recomputes this call (see `keep_last`)."""
+        self._held = None
 
     def runs_compiled_code(self) -> bool:
         """Whether the recorded graph holds the backward of a compiled function
@@ -107,6 +223,7 @@ class EarlyStopGraph:
         """The gradients w.r.t. the inputs `needs` marks, given output gradients `pairs`
         ((output index, gradient)); `rerun(inputs)` runs the function again on `values`."""
         self._rerun, self._values = rerun, values
+        self._read = set()
         try:
             # Retained: the graph holds positions, not tensors, so keeping it costs nothing,
             # and a backward of the outer graph with retain_graph may come through again.
@@ -120,11 +237,21 @@ class EarlyStopGraph:
         position = self._saved
         self._saved += 1
         self._specs.append((tensor.shape, tensor.dtype))
+        if self._held is not None:
+            # Detached: the tensor may be an output whose node holds this very entry.
+            self._held[position] = (tensor.detach(), tensor._version)
         return position
 
     def _unpack(self, position: int) -> torch.Tensor:
+        held = None if self._held is None else self._held.pop(position, None)
+        if held is not None and held[0]._version == held[1]:
+            self._read.add(position)
+            return held[0]
+        if held is not None:
+            self._held = None  # changed in place since: recompute the call instead
         if position not in self._kept:
             self._fill()
+        self._read.add(position)
         # Released once read: what backward has used need not outlive its node (a second
         # backward with retain_graph reruns the function again).
         return self._kept.pop(position)
@@ -142,6 +269,7 @@ class EarlyStopGraph:
         ]
         try:
             with (
+                not_top_level(),
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(self._pack_kept, _refuse_unpack),
             ):
@@ -154,6 +282,9 @@ class EarlyStopGraph:
                 f"where the forward saved {self._saved}; the checkpointed function must run "
                 "the same operations both times"
             )
+        # A rerun after backward read some kept tensors fills their positions again: drop them.
+        for position in self._read:
+            self._kept.pop(position, None)
 
     def _pack_kept(self, tensor: torch.Tensor) -> None:
         if self._filled >= self._saved:

@@ -39,7 +39,7 @@ import torch
 
 from fscale import tree
 from fscale.offload import transfer
-from fscale.remat.early_stop import EarlyStopGraph, eligible
+from fscale.remat.early_stop import EarlyStopGraph, eligible, not_top_level, release_kept
 from fscale.remat.execution import ExecutionState
 from fscale.remat.fresh_graph import first_order_grads, higher_order_grads
 from fscale.remat.mutation import Watch, describe_argument
@@ -135,12 +135,15 @@ class _Call:
         if self.early_stop:
             self.graph = EarlyStopGraph()
             out = self.graph.build(self.run, tensors)
-        elif policy is None:
-            out = self.run(tensors)
         else:
-            with recording(policy) as recorder:
-                out = self.run(tensors)
-            self.replay = recorder.finish()
+            release_kept()  # only a forward's last call keeps (`fscale.remat.early_stop`)
+            with not_top_level():
+                if policy is None:
+                    out = self.run(tensors)
+                else:
+                    with recording(policy) as recorder:
+                        out = self.run(tensors)
+                    self.replay = recorder.finish()
         watch.check("checkpoint")  # a change the recompute would make a second time
 
         # A buffer fn updated in place (BatchNorm's running stats) is kept as it was before the
@@ -244,7 +247,7 @@ class _Call:
         # The recompute mutates copies of the buffers forward mutated, never the kept snapshot
         # (a second backward with retain_graph needs it again).
         values = [v.clone() if i in self.mutated else v for i, v in enumerate(values)]
-        with self.replaying(use_kept_values):
+        with self.replaying(use_kept_values), not_top_level():
             out = self.run(values)
         count(recomputations=1)
         out_leaves = tree.leaves(out)

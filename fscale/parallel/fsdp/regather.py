@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from fscale import remat
 from fscale.functional import UnitCall
 
 if TYPE_CHECKING:
@@ -63,7 +64,12 @@ class Regather:
     def run(self, call: UnitCall, params: Mapping[str, torch.Tensor]) -> Any:
         """Run the unit's call with its saved parameter views turned into places."""
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            # A checkpointed call inside keeps nothing (`fscale.remat.keep_last`): what it kept
+            # would view the gathered buffer and hold it past the unit's forward.
+            with (
+                remat.keep_last(False),
+                torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
+            ):
                 return call.run(params, call.state, call.args, call.kwargs)
         finally:
             self._address = None
