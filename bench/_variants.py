@@ -20,7 +20,9 @@ the same model (seed 0) on the same batches with AdamW at the same learning rate
 * ``fscale DDP`` / ``fscale DDP donate=False``: ``fscale.data_parallel``, donated and pure;
 * ``fscale ZeRO-1`` / ``fscale ZeRO-2``: ``fscale.shard_optimizer(shard_grads=False / True)``;
 * ``fscale ZeRO-3``: ``fscale.fully_shard`` over the same units as FSDP2;
-* ``fscale DDP + checkpoint``: ``fscale.checkpoint`` around every block, under data_parallel.
+* ``fscale DDP + checkpoint``: ``fscale.checkpoint`` around every block, under data_parallel
+  (the step keeps the last block's saved tensors instead of recomputing it,
+  ``fscale.remat.keep_last``).
 
 A step returns nothing; `Variant.global_loss` reduces the losses after the timing, so the
 torch peers pay no extra all-reduce inside a timed step (fscale's step returns the global mean

@@ -20,8 +20,10 @@ update):
   ResNet stages) and root, and beside ``torch FSDP2 last kept`` (torchtitan's policy,
   the same one as fscale's default);
 * GPT only: ``fscale DDP + checkpoint`` beside ``torch DDP + checkpoint``
-  (``torch.utils.checkpoint``), every block recomputed. The ResNet's BatchNorm statistics
-  would be updated twice by torch's recompute, so it has no checkpoint pair.
+  (``torch.utils.checkpoint``), every block checkpointed: torch recomputes every block, fscale
+  every block but the forward's last, whose saved tensors its step keeps for the backward that
+  begins with it (``fscale.remat.keep_last``). The ResNet's BatchNorm statistics would be
+  updated twice by torch's recompute, so it has no checkpoint pair.
 
 Reported per variant: median step time with its IQR and the global mean loss after the last
 step; per strategy: the ratio of its median to the median of the peer issue 11 names (ZeRO-2

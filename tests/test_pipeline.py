@@ -250,6 +250,26 @@ def test_dropout_masks_do_not_depend_on_the_balance_or_schedule():
     assert_trees_close(a[0], b[0], rtol=1e-5, atol=1e-6)
 
 
+def _recomputed_micro_batches(schedule, checkpoint):
+    model = _mlp(2, 4, 3)
+    _, params, buffers = fs.functionalize(model)
+    step = _two_stages(model, schedule=schedule, checkpoint=checkpoint)
+    state = step.init(params, buffers)
+    with fs.remat.track() as stats:
+        step(state, _batch(3, 8, 4))
+    return stats.recomputations
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_checkpoint_mode_says_which_micro_batches_are_recomputed(schedule):
+    # Inside the step's gradient phase, where a plain step's last checkpointed call keeps what
+    # it saved (fscale.remat.keep_last), the mode alone decides: every micro-batch or all but
+    # the last, on every stage.
+    assert run_spmd(_recomputed_micro_batches, 2, schedule, "always") == [4, 4]
+    assert run_spmd(_recomputed_micro_batches, 2, schedule, "except_last") == [3, 3]
+    assert run_spmd(_recomputed_micro_batches, 2, schedule, "never") == [0, 0]
+
+
 def test_one_process_is_the_one_stage_case():
     model = _mlp(1, 4, 2)
     _, params, buffers = fs.functionalize(model)

@@ -35,7 +35,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fscale import spmd, tree
+from fscale import remat, spmd, tree
 from fscale.data import split_batch
 from fscale.distributed.comm import Comm, resolve_comm
 from fscale.distributed.mesh import Mesh
@@ -137,24 +137,27 @@ class PipelinePlan(Plan):
             shapes = self._contract(
                 comm, casts.cast_params(pieces), seen_buffers, inputs[0], targets[0], key, loss_fn
             )
-            result = run_schedule(
-                self.schedule,
-                self.index,
-                comm,
-                self.stages,
-                pieces,
-                seen_buffers,
-                inputs,
-                targets,
-                loss_fn,
-                key,
-                self.checkpoint,
-                shapes,
-                real_sizes,
-                param_cast=casts.param_cast(),
-                loss_weight=casts.loss_weight,
-                receive_ahead=self.receive_ahead,
-            )
+            # The checkpoint mode says which micro-batches are recomputed; a schedule's last
+            # checkpointed call is rarely the next one differentiated, so none keeps more.
+            with remat.keep_last(False):
+                result = run_schedule(
+                    self.schedule,
+                    self.index,
+                    comm,
+                    self.stages,
+                    pieces,
+                    seen_buffers,
+                    inputs,
+                    targets,
+                    loss_fn,
+                    key,
+                    self.checkpoint,
+                    shapes,
+                    real_sizes,
+                    param_cast=casts.param_cast(),
+                    loss_weight=casts.loss_weight,
+                    receive_ahead=self.receive_ahead,
+                )
             new_buffers = casts.restore_buffers(buffers, seen_buffers, result.buffers)
             loss, count = result.loss, result.count
             grads = tree.leaves(result.grads)
