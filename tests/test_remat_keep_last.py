@@ -144,6 +144,19 @@ def test_a_train_step_recomputes_all_but_the_last_block_and_trains_the_same_bits
     assert torch.equal(kept_loss, every_loss) and torch.equal(kept_loss, plain_loss)
 
 
+def test_a_scope_left_open_keeps_nothing_after_a_tracking_reset():
+    # A program that left a block open (an exception past its exit) must not make the next
+    # program of a reused process keep what it saves.
+    (w,), x = _weights(1), torch.randn(4, 6, requires_grad=True)
+    left_open = keep_last()
+    left_open.__enter__()  # not exited before the reset
+    fs.tracking.reset()
+    with track() as stats:
+        torch.autograd.grad(checkpoint(lambda x, w: torch.tanh(x @ w))(x, w).sum(), (x, w))
+    assert stats.recomputations == 1
+    left_open.__exit__(None, None, None)  # leaving it after the reset does not fail
+
+
 def test_keep_last_takes_a_bool():
     with pytest.raises(TypeError, match="`enabled` must be True or False"), keep_last(1):  # type: ignore[arg-type]
         pass

@@ -7,6 +7,7 @@ import pytest
 import fscale as fs
 from fscale import tracking
 from fscale.distributed import debug, ledger, mesh
+from fscale.remat import early_stop
 
 
 def test_stack_push_pop_open_and_snapshots():
@@ -71,7 +72,7 @@ def test_reset_clears_every_registered_stack_and_runs_reset_functions():
 
 def test_fscale_state_is_registered():
     names = tracking.registered()
-    for module in (ledger, mesh, debug):
+    for module in (ledger, mesh, debug, early_stop):
         assert module.__name__ in names
 
 

@@ -70,8 +70,9 @@ class GradReducer:
         hook_out: where the session leaves the hook's new states (one dict per step call).
         overlap: start each bucket's all-reduce during backward (True), or all of them after
             it (False); None: during backward unless the gradients are on the CPU and every
-            rank of the axes on one host (see `fscale.data_parallel`). ZeRO's reduce-scatters
-            always start during backward (ZeRO-2 frees each bucket's gradients there).
+            rank of the axes on one host (see `fscale.data_parallel`). ZeRO-2's reduce-scatters
+            always start during backward (it frees each bucket's gradients there); ZeRO-1's
+            start after it, and only whether its hooks run follows this policy.
     """
 
     mesh: Mesh

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from fscale import tracking
 from fscale.remat.fresh_graph import grads_through
 
 __all__ = [
@@ -85,6 +86,15 @@ class _ThreadScopes(threading.local):
 _SCOPES = _ThreadScopes()
 
 
+def _reset() -> None:
+    """A block a program left open (see `fscale.tracking.reset`) keeps nothing for the next."""
+    _SCOPES.scopes.clear()
+    _SCOPES.building = 0
+
+
+tracking.register(__name__, _reset)
+
+
 @contextlib.contextmanager
 def keep_last(enabled: bool = True) -> Iterator[None]:
     """Whether the last checkpointed call of a forward keeps what backward needs (see the
@@ -113,7 +123,8 @@ def _scope(enabled: bool | None) -> Iterator[None]:
     try:
         yield
     finally:
-        _SCOPES.scopes.pop()
+        if scope in _SCOPES.scopes:  # not when a `tracking.reset` cleared it meanwhile
+            _SCOPES.scopes.remove(scope)
         scope.release()
 
 
