@@ -255,19 +255,45 @@ def _recomputed_micro_batches(schedule, checkpoint):
     _, params, buffers = fs.functionalize(model)
     step = _two_stages(model, schedule=schedule, checkpoint=checkpoint)
     state = step.init(params, buffers)
-    with fs.remat.track() as stats:
-        step(state, _batch(3, 8, 4))
-    return stats.recomputations
+    with fs.remat.track() as stats, fs.parallel.pipeline.record_timeline() as timeline:
+        _, metrics = step(state, _batch(3, 8, 4))
+    return stats.recomputations, timeline.steps[0].activation_peak, float(metrics["loss"])
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_the_checkpoint_mode_says_which_micro_batches_are_recomputed(schedule):
+@pytest.mark.parametrize(
+    ("schedule", "except_last"), [("gpipe", [3, 3]), ("1f1b", [3, 0]), ("zero_bubble", [3, 0])]
+)
+def test_the_checkpoint_mode_says_which_micro_batches_are_recomputed(schedule, except_last):
     # Inside the step's gradient phase, where a plain step's last checkpointed call keeps what
-    # it saved (fscale.remat.keep_last), the mode alone decides: every micro-batch or all but
-    # the last, on every stage.
-    assert run_spmd(_recomputed_micro_batches, 2, schedule, "always") == [4, 4]
-    assert run_spmd(_recomputed_micro_batches, 2, schedule, "except_last") == [3, 3]
-    assert run_spmd(_recomputed_micro_batches, 2, schedule, "never") == [0, 0]
+    # it saved (fscale.remat.keep_last), the mode alone decides: every micro-batch; all but the
+    # last and those whose backward is the rank's next action (every one on 1F1B's and ZB-H1's
+    # last stage), which keep their activations no longer than a recompute would; none.
+    runs = {
+        mode: run_spmd(_recomputed_micro_batches, 2, schedule, mode)
+        for mode in ("always", "except_last", "never")
+    }
+    assert [r[0] for r in runs["always"]] == [4, 4]
+    assert [r[0] for r in runs["except_last"]] == except_last
+    assert [r[0] for r in runs["never"]] == [0, 0]
+    if except_last[1] == 0:
+        # A last stage that recomputes nothing holds what keeping every activation holds (one
+        # micro-batch's), below recomputing each (its input and the recomputed activations).
+        assert runs["except_last"][1][1] == runs["never"][1][1] < runs["always"][1][1]
+    assert len({r[2] for mode in runs.values() for r in mode}) == 1  # the same loss
+
+
+def test_back_to_back_names_the_forwards_the_rank_differentiates_next():
+    from fscale.parallel.pipeline import builders
+
+    assert [builders.gpipe(2, 4).back_to_back(r) for r in range(2)] == [{(3, 0)}, {(3, 1)}]
+    last = {(m, 3) for m in range(8)}
+    assert [builders.one_f_one_b(4, 8).back_to_back(r) for r in range(4)] == [set()] * 3 + [last]
+    # Split: F, B and W of the micro-batch in a row (ZB-H1's last stage).
+    zb = builders.zero_bubble(2, 4)
+    assert [zb.back_to_back(r) for r in range(2)] == [set(), {(m, 1) for m in range(4)}]
+    # Interleaved: only the rank holding the last stage, for that stage.
+    chunks = builders.interleaved(2, 4)
+    assert [chunks.back_to_back(r) for r in range(2)] == [set(), {(m, 3) for m in range(4)}]
 
 
 def test_one_process_is_the_one_stage_case():

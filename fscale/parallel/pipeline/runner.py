@@ -25,7 +25,11 @@ receives counted, and the activations it saves measured.
 
 Checkpoint modes are torchgpipe's: ``"always"`` recomputes every micro-batch's stage in
 backward, ``"except_last"`` all but the last micro-batch's (whose backward comes first in
-GPipe's drain, so recomputing it saves nothing), ``"never"`` keeps every activation.
+GPipe's drain, so recomputing it saves nothing), ``"never"`` keeps every activation. The
+reason torchgpipe gives for the last micro-batch holds, in any schedule, for every forward that
+the rank's next action differentiates (`Schedule.back_to_back`: every micro-batch of 1F1B's and
+ZB-H1's last stage): what it saves is held over no other action, so ``"except_last"`` recomputes
+none of them either; the peak is the same and the recompute is saved.
 """
 
 from __future__ import annotations
@@ -172,6 +176,7 @@ def run_schedule(
         collective_timeout() * schedule.length, None if recorder is None else recorder.waited
     )
     keys = [fsrandom.fold_in(key, m) for m in range(micro_batches)]
+    adjacent = schedule.back_to_back(index)
     total = sum(real_sizes) if real_sizes is not None else 0
     loss_sum: Tensor | None = None
     counts: list[Tensor] = []
@@ -208,7 +213,9 @@ def run_schedule(
             unit.input_leaves = _cut(received)
             x = tree.unflatten(shapes[stage - 1].treedef, unit.input_leaves)
         call = stages.calls[stage]
-        if checkpoint == "always" or (checkpoint == "except_last" and m < micro_batches - 1):
+        if checkpoint == "always" or (
+            checkpoint == "except_last" and m < micro_batches - 1 and (m, stage) not in adjacent
+        ):
             call = remat_checkpoint(call)
             unit.checkpointed = True
         # Split schedules leave the linear layers' weight gradients to W (`deferred_linear`);

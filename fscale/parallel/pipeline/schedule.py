@@ -95,6 +95,23 @@ class Schedule:
         """`rank`'s actions in the order it runs them."""
         return sorted((a for a in self.actions if a.rank == rank), key=lambda a: a.tick)
 
+    def back_to_back(self, rank: int) -> frozenset[tuple[int, int]]:
+        """The (micro-batch, stage) pairs whose forward on `rank` is followed at once by their
+        own backward (B, then W when split), with no other action between.
+
+        What such a forward saves for backward is held over none of the rank's other work, so
+        recomputing it in backward would lower no peak; the ``"except_last"`` checkpoint mode
+        keeps it (GPipe's last micro-batch, every micro-batch of 1F1B's last stage)."""
+        order = self.rank_actions(rank)
+        kinds = ("F", "B", "W") if self.split else ("F", "B")
+        found = set()
+        for i in range(len(order) - len(kinds) + 1):
+            run = order[i : i + len(kinds)]
+            unit = (run[0].micro_batch, run[0].stage)
+            if all(a.kind == k and (a.micro_batch, a.stage) == unit for a, k in zip(run, kinds)):
+                found.add(unit)
+        return frozenset(found)
+
     def local_stages(self, rank: int) -> tuple[int, ...]:
         """The stages `rank` holds, in stage order."""
         return tuple(s for s, r in enumerate(self.stage_ranks) if r == rank)

@@ -78,7 +78,9 @@ def pipeline(
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (`virtual` stages per rank) or
             ``"zero_bubble"``; a `Schedule`; or a builder ``(num_ranks, micro_batches) ->
             Schedule``. It is checked by simulation here (`check_schedule`).
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (torchgpipe's modes). Under
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (torchgpipe's modes;
+            ``"except_last"`` also keeps every forward that the rank's next action
+            differentiates, `Schedule.back_to_back`, which recomputing would not help). Under
             ``"zero_bubble"`` a checkpointed micro-batch computes both of its gradients in B
             (one recompute) and its W only adds them.
         balance: for a module pipeline, the number of consecutive layers of each stage.
