@@ -19,7 +19,14 @@ from typing import NamedTuple
 import torch
 from torch._utils import _flatten_dense_tensors
 
-__all__ = ["ALIGN_BYTES", "FlatBuffer", "Fragment", "aligned_elements", "flat_copy"]
+__all__ = [
+    "ALIGN_BYTES",
+    "FlatBuffer",
+    "Fragment",
+    "TensorSlice",
+    "aligned_elements",
+    "flat_copy",
+]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -35,16 +42,36 @@ Placement = tuple[torch.Size, tuple[int, ...], int]
 """Where a tensor lies in a flat buffer: its shape, contiguous strides and offset."""
 
 
-class Fragment(NamedTuple):
-    """The piece of one tensor that a shard of a `FlatBuffer` holds.
+class TensorSlice(NamedTuple):
+    """A tensor-parallel shard of a tensor: along `dim`, which is cut into `parts` equal blocks
+    (a fused weight's q, k and v), chunk `index` of `size` of every block, the chunks
+    concatenated (`fscale.parallel.tensor.shard_tensor`)."""
 
-    Elements ``[start, stop)`` of the tensor's row-major flattening; ``start == stop`` when the
-    shard holds none of it. `shape` is the whole tensor's shape.
+    dim: int
+    parts: int
+    size: int
+    index: int
+
+    def shape_of(self, full: torch.Size) -> torch.Size:
+        """The shard's shape within a full tensor of shape `full`."""
+        return torch.Size((*full[: self.dim], full[self.dim] // self.size, *full[self.dim + 1 :]))
+
+
+class Fragment(NamedTuple):
+    """The piece of one tensor that a rank holds.
+
+    Elements ``[start, stop)`` of the row-major flattening of the tensor, or, with `block`, of
+    the tensor-parallel shard `block` of it; ``start == stop`` when the rank holds none of it.
+    `shape` is the whole tensor's shape. `counted` is False for a copy of a tensor that another
+    rank's copy already stands for (a tensor-parallel rank's replica of a norm's weight): sums
+    across ranks leave it out, so each element counts once.
     """
 
     shape: torch.Size
     start: int
     stop: int
+    block: TensorSlice | None = None
+    counted: bool = True
 
     @property
     def numel(self) -> int:
@@ -52,7 +79,22 @@ class Fragment(NamedTuple):
 
     @property
     def is_whole(self) -> bool:
-        return self.start == 0 and self.stop == self.shape.numel()
+        return self.block is None and self.start == 0 and self.stop == self.shape.numel()
+
+    def element_indices(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The index, in the whole tensor's row-major flattening, of each element held."""
+        index = torch.arange(self.start, self.stop, device=device)
+        if self.block is None:
+            return index
+        dim, parts = self.block.dim, self.block.parts
+        full = self.shape[dim]
+        held = full // self.block.size  # along `dim`, in the shard
+        chunk = held // parts  # one block's chunk
+        inner = self.shape[dim + 1 :].numel()
+        outer, rest = index // (inner * held), index % inner
+        along = (index // inner) % held
+        along = (along // chunk) * (full // parts) + self.block.index * chunk + along % chunk
+        return (outer * full + along) * inner + rest
 
 
 class FlatBuffer:

@@ -24,6 +24,7 @@ from fscale.optim.base import Optimizer as Optimizer
 from fscale.optim.base import Sharding as Sharding
 from fscale.optim.base import apply_updates as apply_updates
 from fscale.optim.base import chain as chain
+from fscale.optim.base import counted_only as counted_only
 from fscale.optim.base import step as step
 from fscale.optim.lamb import LambState as LambState
 from fscale.optim.lamb import lamb as lamb

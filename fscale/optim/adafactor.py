@@ -4,9 +4,10 @@ For a tensor with two or more dimensions the second moment is kept as row and co
 the last two dimensions (earlier dimensions are a batch of matrices), which costs ``R + C`` per
 matrix instead of ``R * C``. Everything per element is local, but three statistics span a
 tensor: the row/column sums of ``g^2 + eps1``, RMS(p) for the relative step, and RMS(u) for
-update clipping. Under a `Sharding` a rank holds a contiguous range of a tensor's flattening, so
-each element index is mapped to its (matrix, row, column) and the partial sums are accumulated
-with ``index_add_``; the row/column factors are replicated on every rank.
+update clipping. Under a `Sharding` a rank holds a contiguous range of a tensor's flattening (or
+of a tensor-parallel shard's), so each element is mapped to its (matrix, row, column) of the full
+tensor (`Fragment.element_indices`) and the partial sums are accumulated with ``index_add_``; the
+row/column factors are the full tensor's, replicated on every rank.
 
 Reduction rounds under a sharding: one batched ``all_reduce`` carries all row sums, column sums and
 squared parameter norms. Update clipping needs a second one, because ``u = g / sqrt(v_hat)``
@@ -22,7 +23,7 @@ import torch
 
 from fscale.flat import Fragment
 from fscale.optim import core, hyper, packing
-from fscale.optim.base import Optimizer, Sharding, described, resolve_sharding
+from fscale.optim.base import Optimizer, Sharding, counted_only, described, resolve_sharding
 
 __all__ = ["AdafactorState", "adafactor"]
 
@@ -220,7 +221,7 @@ class _Leaf:
             self.matrices = math.prod(batch)
             if not frag.is_whole:
                 # element index -> (matrix, row, column) of the full tensor's flattening
-                index = torch.arange(frag.start, frag.stop, device=param.device)
+                index = frag.element_indices(param.device)
                 self.row_index = index // self.cols
                 self.col_index = (index // (self.rows * self.cols)) * self.cols + index % self.cols
                 self.matrix_index = index // (self.rows * self.cols)
@@ -274,9 +275,11 @@ def _second_moments(
     for leaf in leaves:
         if leaf.factored:
             for part in leaf.partial_sums(eps1):
-                pieces.append(part.to(device))
+                # A replica's sums are left out: another rank's copy adds them.
+                pieces.append(part.to(device) if leaf.frag.counted else part.new_zeros(part.shape))
                 sizes.append(part.numel())
     param_squares = torch.stack([core.sum_of_squares(leaf.param, device) for leaf in leaves])
+    param_squares = counted_only(param_squares, [leaf.frag for leaf in leaves])
     totals = all_reduce(torch.cat([*pieces, param_squares]))
     sums = iter(totals[: sum(sizes)].split(sizes))
     for leaf, row, col, v in zip(leaves, rows, cols, vs):
@@ -294,7 +297,8 @@ def _clip(
 ) -> None:
     """``u /= max(1, RMS(u) / threshold)`` per tensor, RMS over the full tensor (one round)."""
     device = leaves[0].param.device
-    squares = all_reduce(torch.stack([torch.dot(u, u).to(device) for u in updates]))
+    squares = torch.stack([torch.dot(u, u).to(device) for u in updates])
+    squares = all_reduce(counted_only(squares, [leaf.frag for leaf in leaves]))
     numels = torch.tensor([leaf.frag.shape.numel() for leaf in leaves], device=device)
     rms = (squares / numels.clamp(min=1)).sqrt()
     divisors = (rms / threshold).clamp(min=1.0)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import optree
@@ -38,6 +38,7 @@ __all__ = [
     "Sharding",
     "apply_updates",
     "chain",
+    "counted_only",
     "step",
 ]
 
@@ -117,8 +118,10 @@ class Sharding(NamedTuple):
             sharded wrapper passes ``lambda t: fscale.distributed.all_reduce(t, axis)``.
 
     Non-pointwise optimizers compute partial statistics over their fragments and complete them
-    with one batched `all_reduce` per reduction round; pointwise ones ignore the sharding.
-    ``sharding=None`` means every leaf is a whole, local tensor.
+    with one batched `all_reduce` per reduction round, leaving out the fragments that are not
+    `Fragment.counted` (`counted_only`); pointwise ones ignore the sharding. A fragment may be a
+    range of a tensor-parallel shard (`Fragment.block`; `Fragment.element_indices` places its
+    elements in the full tensor). ``sharding=None`` means every leaf is a whole, local tensor.
     """
 
     fragments: PyTree
@@ -153,12 +156,35 @@ def resolve_sharding(
         for f in fragments
     ]
     for i, (frag, leaf) in enumerate(zip(fragments, leaves)):
-        if leaf.numel() != frag.numel or not 0 <= frag.start <= frag.stop <= frag.shape.numel():
+        block = frag.block
+        if block is not None and not (
+            0 <= block.dim < len(frag.shape)
+            and 0 <= block.index < block.size
+            and frag.shape[block.dim] % (block.size * block.parts) == 0
+        ):
+            raise ValueError(
+                f"{name}: leaf {i}'s fragment {frag} names a shard that a tensor of its shape "
+                "does not have; `block.dim` must be one of its dims, cut evenly into "
+                "`block.parts` blocks of `block.size` chunks, `block.index` < `block.size`"
+            )
+        held = frag.shape if block is None else block.shape_of(frag.shape)
+        if leaf.numel() != frag.numel or not 0 <= frag.start <= frag.stop <= held.numel():
             raise ValueError(
                 f"{name}: leaf {i} has {leaf.numel()} elements but its fragment is {frag}; "
-                "a leaf must hold exactly elements [start, stop) of a tensor of `shape`"
+                "a leaf must hold exactly elements [start, stop) of a tensor of `shape` (of its "
+                "shard `block`, if given)"
             )
     return fragments, sharding.all_reduce
+
+
+def counted_only(values: torch.Tensor, fragments: Sequence[Fragment]) -> torch.Tensor:
+    """`values`, one per fragment (or several rounds of one per fragment, concatenated), with
+    the entries of fragments that are not `counted` set to zero: a replica's statistic, which
+    another rank's copy already adds to the sum across ranks."""
+    if all(f.counted for f in fragments):
+        return values
+    mask = torch.tensor([f.counted for f in fragments], device=values.device)
+    return torch.where(mask.repeat(values.numel() // len(fragments)), values, 0)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 
 from fscale import tree
 from fscale.optim import core, hyper, packing
-from fscale.optim.base import Optimizer, Sharding, described, resolve_sharding
+from fscale.optim.base import Optimizer, Sharding, counted_only, described, resolve_sharding
 
 __all__ = ["LambState", "lamb"]
 
@@ -99,7 +99,7 @@ def lamb(
             {"exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq},
             donate=donate,
         )
-        _, all_reduce = resolve_sharding(name, sharding, inputs.params, inputs.treedef)
+        fragments, all_reduce = resolve_sharding(name, sharding, inputs.params, inputs.treedef)
         lr_now = lr_at(count)
         params_ = inputs.params
         if params_:
@@ -120,7 +120,7 @@ def lamb(
                 partial = torch.stack(
                     [core.sum_of_squares(t, device) for t in (*params_, *direction)]
                 )
-                totals = all_reduce(partial)
+                totals = all_reduce(counted_only(partial, fragments))
                 param_norm, direction_norm = totals.sqrt().split(len(params_))
                 usable = (param_norm > 0) & (direction_norm > 0)
                 trust = torch.where(usable, param_norm / direction_norm, 1.0)

@@ -12,7 +12,9 @@ are completed by one ``all_reduce`` of a float64 vector holding, per tensor, its
 rank holds the whole tensor (zero on every other rank) and its squared sum over the fragments
 where it is split: a tensor held whole by one rank gets exactly torch's norm (adding zeros and
 widening to float64 round nothing), a split one the square root of the completed sum (within
-fp32 round-off of torch). ``"sum_of_squares"`` all-reduces the one-element squared sum.
+fp32 round-off of torch). ``"sum_of_squares"`` all-reduces the one-element squared sum. A
+tensor-parallel shard (`Fragment.block`) is a split tensor; a replica that is not `counted`
+adds nothing, so a norm's weight held whole by every tensor-parallel rank counts once.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ import torch
 from fscale import tree
 from fscale.flat import Fragment
 from fscale.optim import core, hyper
-from fscale.optim.base import EmptyState, Optimizer, Sharding, described, resolve_sharding
+from fscale.optim.base import (
+    EmptyState,
+    Optimizer,
+    Sharding,
+    counted_only,
+    described,
+    resolve_sharding,
+)
 
 __all__ = ["clip_by_global_norm", "scale"]
 
@@ -74,7 +83,7 @@ def clip_by_global_norm(max_norm: float, *, formula: NormFormula = "torch") -> O
         fragments, all_reduce = resolve_sharding(name, sharding, leaves, treedef)
         with torch.no_grad():
             if formula == "sum_of_squares":
-                clipped = _clip_by_sum_of_squares(leaves, all_reduce, max_norm)
+                clipped = _clip_by_sum_of_squares(leaves, fragments, all_reduce, max_norm)
             else:
                 groups = _groups(leaves, _insertion_order(grads, leaves))
                 norm = _norm_of_norms(
@@ -89,13 +98,17 @@ def clip_by_global_norm(max_norm: float, *, formula: NormFormula = "torch") -> O
 
 def _clip_by_sum_of_squares(
     leaves: list[torch.Tensor],
+    fragments: list[Fragment],
     all_reduce: Callable[[torch.Tensor], torch.Tensor],
     max_norm: float,
 ) -> list[torch.Tensor]:
     device = leaves[0].device
-    squares = core.sum_of_squares(leaves[0], device)
-    for g in leaves[1:]:
-        squares = squares + core.sum_of_squares(g, device)
+    counted = [g for g, frag in zip(leaves, fragments) if frag.counted]
+    squares = torch.zeros((), device=device)
+    if counted:
+        squares = core.sum_of_squares(counted[0], device)
+        for g in counted[1:]:
+            squares = squares + core.sum_of_squares(g, device)
     norm = all_reduce(squares.reshape(1)).sqrt().reshape(())  # 0-d: keeps 0-d leaves 0-d
     coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     return [g * coefficient.to(g) for g in leaves]
@@ -158,7 +171,7 @@ def _norm_of_norms(
             for i, norm in zip(whole, _tensor_norms([leaves[i] for i in whole])):
                 local_norms[i] = norm
     if sharded:
-        norms = _completed_norms(leaves, local_norms, all_reduce)
+        norms = _completed_norms(leaves, local_norms, fragments, all_reduce)
     else:
         norms = [norm for norm in local_norms if norm is not None]
     first_device = leaves[0].device
@@ -169,6 +182,7 @@ def _norm_of_norms(
 def _completed_norms(
     leaves: list[torch.Tensor],
     local_norms: list[torch.Tensor | None],
+    fragments: list[Fragment],
     all_reduce: Callable[[torch.Tensor], torch.Tensor],
 ) -> list[torch.Tensor]:
     """Every tensor's norm from this rank's fragments, with one all_reduce (module docstring)."""
@@ -179,7 +193,7 @@ def _completed_norms(
         core.sum_of_squares(leaf, device).to(torch.float64) if n is None else zero
         for leaf, n in zip(leaves, local_norms)
     ]
-    totals = all_reduce(torch.stack(whole + partial))
+    totals = all_reduce(counted_only(torch.stack(whole + partial), fragments))
     whole_total, partial_total = totals.split(len(leaves))
     completed = whole_total + partial_total.sqrt()
     return [

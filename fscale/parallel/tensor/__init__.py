@@ -2,7 +2,8 @@
 
 `tensor_parallel(module, mesh, axis, plan)` gives this rank's copy of a model under a plan of
 styles; `gpt_plan` and `llama_plan` are the shipped plans; `vocab_parallel_cross_entropy` is
-the loss over vocab-split logits.
+the loss over vocab-split logits; `tensor_parallel_optimizer` takes a non-pointwise optimizer's
+statistics (norms, clipping, factored moments) over the whole tensors.
 """
 
 from fscale.parallel.tensor.apply import SPLITS_ATTR as SPLITS_ATTR
@@ -15,6 +16,7 @@ from fscale.parallel.tensor.layers import RowParallelLinear as RowParallelLinear
 from fscale.parallel.tensor.layers import TensorAxis as TensorAxis
 from fscale.parallel.tensor.layers import VocabParallelEmbedding as VocabParallelEmbedding
 from fscale.parallel.tensor.loss import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from fscale.parallel.tensor.optimizer import tensor_parallel_optimizer as tensor_parallel_optimizer
 from fscale.parallel.tensor.plans import gpt_plan as gpt_plan
 from fscale.parallel.tensor.plans import llama_plan as llama_plan
 from fscale.parallel.tensor.regions import all_reduce_max as all_reduce_max

@@ -34,6 +34,7 @@ from torch import nn
 from fscale.distributed.mesh import Mesh
 from fscale.parallel.tensor.layers import TensorAxis
 from fscale.parallel.tensor.styles import Input, Split, Style, style_of
+from fscale.split_params import mark_spread
 
 __all__ = ["AXIS_ATTR", "SPLITS_ATTR", "shard_like", "shard_tensor", "tensor_parallel"]
 
@@ -121,6 +122,9 @@ def tensor_parallel(
             _replace(result, name, target)
     setattr(result, SPLITS_ATTR, _param_splits(module, module_styles))
     setattr(result, AXIS_ATTR, tp)
+    if tp.size > 1:  # a step refuses to take a non-pointwise optimizer's statistics per rank
+        for parameter in result.parameters():
+            mark_spread(parameter, axis)
     return result
 
 
