@@ -35,7 +35,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
 from fscale import tree
@@ -49,7 +48,7 @@ from fscale.ckpt.placement import (
 )
 from fscale.parallel import HookState, ShardedOptState, consolidate, shard_state
 from fscale.parallel.bucket_layout import layout_of
-from fscale.parallel.opt_state import StateMap, plan_state_init, state_spec
+from fscale.parallel.opt_state import StateMap, mirrored_leaves, plan_state_init, state_spec
 from fscale.plan import Plan, TrainState
 from fscale.train import Step
 
@@ -274,29 +273,6 @@ def _fragment_pieces(
         full_shape = tuple(state_map.full.shapes[i])
         pieces += range_pieces(key, full_shape, start, leaf.reshape(-1), mirrors.get(path))
     return pieces
-
-
-def mirrored_leaves(params: PyTree, opt_state: PyTree) -> dict[str, str]:
-    """``{optimizer state path: params/ key}`` of the optimizer state leaves that mirror a
-    parameter: inside a subtree with the params' structure, of that parameter's shape."""
-    params_def = tree.structure(params)
-    param_paths, param_leaves, _ = tree.flatten_with_paths(params)
-
-    def is_params(node: Any) -> bool:
-        return tree.structure(node) == params_def
-
-    raw_paths, items, _ = optree.tree_flatten_with_path(
-        opt_state, is_leaf=is_params, none_is_leaf=False
-    )
-    found = {}
-    for outer, item in zip(raw_paths, items):
-        if not is_params(item):
-            continue
-        inner_paths, leaves, _ = optree.tree_flatten_with_path(item, none_is_leaf=False)
-        for inner, leaf, name, param in zip(inner_paths, leaves, param_paths, param_leaves):
-            if isinstance(leaf, torch.Tensor) and tuple(leaf.shape) == tuple(param.shape):
-                found[tree.path_str((*outer, *inner))] = f"params/{name}"
-    return found
 
 
 def _whole(state: TrainState) -> list[Piece]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from fscale import optim as optim_lib
@@ -33,7 +34,14 @@ from fscale import random as fsrandom
 from fscale import tree
 from fscale.plan import Context
 
-__all__ = ["StateMap", "StateSpec", "check_state", "plan_state_init", "state_spec"]
+__all__ = [
+    "StateMap",
+    "StateSpec",
+    "check_state",
+    "mirrored_leaves",
+    "plan_state_init",
+    "state_spec",
+]
 
 PyTree = Any
 
@@ -260,6 +268,29 @@ class StateMap:
                 offsets[r] += sizes[r][k]
             joined.append(torch.cat(pieces).view(self.full.shapes[i]))
         return joined
+
+
+def mirrored_leaves(params: PyTree, opt_state: PyTree) -> dict[str, str]:
+    """``{optimizer state path: params/ key}`` of the optimizer state leaves that mirror a
+    parameter: inside a subtree with the params' structure, of that parameter's shape."""
+    params_def = tree.structure(params)
+    param_paths, param_leaves, _ = tree.flatten_with_paths(params)
+
+    def is_params(node: Any) -> bool:
+        return tree.structure(node) == params_def
+
+    raw_paths, items, _ = optree.tree_flatten_with_path(
+        opt_state, is_leaf=is_params, none_is_leaf=False
+    )
+    found = {}
+    for outer, item in zip(raw_paths, items):
+        if not is_params(item):
+            continue
+        inner_paths, leaves, _ = optree.tree_flatten_with_path(item, none_is_leaf=False)
+        for inner, leaf, name, param in zip(inner_paths, leaves, param_paths, param_leaves):
+            if isinstance(leaf, torch.Tensor) and tuple(leaf.shape) == tuple(param.shape):
+                found[tree.path_str((*outer, *inner))] = f"params/{name}"
+    return found
 
 
 def _local_sum(t: torch.Tensor) -> torch.Tensor:

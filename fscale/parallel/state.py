@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fscale.parallel.tensor.dense import dense_state
 from fscale.parallel.zero.plan import ShardedOptState
 from fscale.plan import TrainState
 from fscale.train import Step
@@ -19,7 +20,7 @@ from fscale.train import Step
 __all__ = ["consolidate", "shard_state"]
 
 
-def consolidate(step: Step, state: TrainState) -> TrainState:
+def consolidate(step: Step, state: TrainState, *, model: Any = None) -> TrainState:
     """The full (unsharded) TrainState of `state`, on every rank.
 
     For a `shard_optimizer` step, each per-element optimizer state leaf is gathered from its
@@ -27,10 +28,15 @@ def consolidate(step: Step, state: TrainState) -> TrainState:
     result is exactly the state a single-process `train_step` with the same optimizer takes.
     The parameters, buffers and replicated state leaves are shared with `state`, not copied.
     For a step whose state is already full (`train_step`, `data_parallel`), returns `state`.
+    With `model` a `tensor_parallel` module, its shards are then gathered over the
+    tensor-parallel axis into the dense model's state (`fscale.parallel.tensor.dense`; every
+    rank of that axis must call this too).
 
     Args:
         step: the step that made `state`.
         state: its state.
+        model: the `tensor_parallel` module (or its FunctionalModule) whose parameters the step
+            trains, to gather its shards; None (the default) keeps them as they are.
 
     Returns:
         A TrainState whose ``opt_state`` is the wrapped optimizer's full state.
@@ -47,7 +53,8 @@ def consolidate(step: Step, state: TrainState) -> TrainState:
         state,
         "`state` is sharded but `step` is not; pass the sharded step that made the state",
     )
-    return step.plan.consolidate(step, state)
+    full = step.plan.consolidate(step, state)
+    return full if model is None else dense_state(full, model)
 
 
 def shard_state(step: Step, full_state: TrainState) -> TrainState:

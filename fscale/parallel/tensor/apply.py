@@ -32,11 +32,19 @@ import torch
 from torch import nn
 
 from fscale.distributed.mesh import Mesh
+from fscale.functional import FunctionalModule
 from fscale.parallel.tensor.layers import TensorAxis
 from fscale.parallel.tensor.styles import Input, Split, Style, style_of
 from fscale.split_params import mark_spread
 
-__all__ = ["AXIS_ATTR", "SPLITS_ATTR", "shard_like", "shard_tensor", "tensor_parallel"]
+__all__ = [
+    "AXIS_ATTR",
+    "SPLITS_ATTR",
+    "shard_like",
+    "shard_tensor",
+    "splits_of",
+    "tensor_parallel",
+]
 
 SPLITS_ATTR = "tensor_parallel_splits"
 """The attribute of a `tensor_parallel` result mapping each parameter name to its `Split` (None:
@@ -126,6 +134,20 @@ def tensor_parallel(
         for parameter in result.parameters():
             mark_spread(parameter, axis)
     return result
+
+
+def splits_of(model: Any, caller: str) -> tuple[dict[str, Split | None], TensorAxis]:
+    """``(split of each parameter name, axis)`` of a `tensor_parallel` module or of the
+    `FunctionalModule` made of one; a TypeError naming `caller` for anything else."""
+    module = model.module if isinstance(model, FunctionalModule) else model
+    splits = getattr(module, SPLITS_ATTR, None) if isinstance(module, nn.Module) else None
+    axis = getattr(module, AXIS_ATTR, None) if isinstance(module, nn.Module) else None
+    if not isinstance(splits, dict) or not isinstance(axis, TensorAxis):
+        raise TypeError(
+            f"{caller}: `model` must be the module fscale.parallel.tensor.tensor_parallel "
+            f"returned, or the FunctionalModule of it, got {type(model).__name__}"
+        )
+    return splits, axis
 
 
 def shard_like(values: Mapping[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:

@@ -23,14 +23,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from fscale import tree
 from fscale.distributed import collectives
 from fscale.flat import Fragment, TensorSlice
-from fscale.functional import FunctionalModule
 from fscale.optim.base import Optimizer, Sharding, resolve_sharding
-from fscale.parallel.tensor.apply import AXIS_ATTR, SPLITS_ATTR
+from fscale.parallel.tensor.apply import splits_of
 from fscale.parallel.tensor.layers import TensorAxis
 
 __all__ = ["tensor_parallel_optimizer"]
@@ -65,7 +63,7 @@ def tensor_parallel_optimizer(optimizer: Optimizer, model: Any) -> Optimizer:
         )
     if optimizer.description.startswith(f"{_NAME}("):
         raise ValueError(f"{_NAME}: {optimizer!r} is wrapped already; wrap the optimizer once")
-    splits, axis = _splits_of(model)
+    splits, axis = splits_of(model, _NAME)
     if optimizer.pointwise:
         return optimizer
 
@@ -106,18 +104,6 @@ def tensor_parallel_optimizer(optimizer: Optimizer, model: Any) -> Optimizer:
         pointwise=False,
         description=f"{_NAME}({optimizer!r}, axis={axis.axis!r})",
     )
-
-
-def _splits_of(model: Any) -> tuple[dict[str, Any], TensorAxis]:
-    module = model.module if isinstance(model, FunctionalModule) else model
-    splits = getattr(module, SPLITS_ATTR, None) if isinstance(module, nn.Module) else None
-    axis = getattr(module, AXIS_ATTR, None) if isinstance(module, nn.Module) else None
-    if not isinstance(splits, dict) or not isinstance(axis, TensorAxis):
-        raise TypeError(
-            f"{_NAME}: `model` must be the module fscale.parallel.tensor.tensor_parallel "
-            f"returned, or the FunctionalModule of it, got {type(model).__name__}"
-        )
-    return splits, axis
 
 
 def _place(path: str, frag: Fragment, splits: dict[str, Any], axis: TensorAxis) -> Fragment:
