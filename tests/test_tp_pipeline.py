@@ -148,3 +148,62 @@ def test_tensor_parallel_stages_equal_dense_training(case):
         assert_trees_close(mu, want[1], **CLOSE)
         assert_trees_close(nu, want[2], **CLOSE)
         assert losses == pytest.approx(want[3], rel=1e-12)
+
+
+def _dense_with(model: nn.Sequential, batch, steps: int, optimizer):
+    apply, params, buffers = fs.functionalize(model)
+
+    def loss_fn(p, b, data, key):
+        logits, b = apply(p, b, data[0], key=key)
+        return lm_loss(logits, data[1]), b
+
+    step = fs.train_step(loss_fn, optimizer)
+    state = step.init(params, buffers)
+    for _ in range(steps):
+        state, _ = step(state, batch)
+    return state
+
+
+def _pp_tp_dp(per_stage_kind, optimizer_name):
+    mesh = fs.Mesh(dp=2, pp=2, tp=2)
+    dense = _sequential(5)
+    model = tpl.tensor_parallel(dense, mesh, "tp", _plan(False, False))
+    apply, params, buffers = fs.functionalize(model)
+    make = {
+        "adam": lambda: fs.optim.adam(1e-2),
+        "adafactor": lambda: fs.optim.adafactor(1e-2, beta1=0.9),
+    }[optimizer_name]
+    per_stage = {
+        "data_parallel": lambda s: fs.data_parallel(s, mesh, "dp"),
+        "shard_optimizer": lambda s: fs.shard_optimizer(s, mesh, "dp"),
+    }[per_stage_kind]
+    step = pipeline(
+        model,
+        lm_loss,
+        tpl.tensor_parallel_optimizer(make(), apply),
+        mesh,
+        "pp",
+        micro_batches=2,
+        schedule="1f1b",
+        balance=[3, 3],
+        per_stage=per_stage,
+    )
+    batch = _batch(5)
+    local = fs.data.split_batch(batch, mesh.rank("dp"), 2)
+    state = step.init(params, buffers)
+    for _ in range(STEPS):
+        state, _ = step(state, local)
+    full = fs.consolidate(step, state, model=apply)
+    expected = _dense_with(dense, batch, STEPS, make())
+    return (full.params, full.opt_state), (expected.params, expected.opt_state)
+
+
+@pytest.mark.parametrize(
+    ("per_stage_kind", "optimizer_name"),
+    [("data_parallel", "adam"), ("shard_optimizer", "adafactor")],
+)
+def test_pp_by_tp_by_dp_consolidates_to_dense_training(per_stage_kind, optimizer_name):
+    # 8 ranks: each stage tensor-parallel over "tp" and data-parallel (or ZeRO) over "dp";
+    # consolidate(model=) gathers the stages over "pp" and the shards over "tp".
+    for got, want in run_spmd(_pp_tp_dp, 8, per_stage_kind, optimizer_name):
+        assert_trees_close(got, want, **CLOSE)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import optree
 import torch
 
 from fscale import tree
@@ -68,9 +69,9 @@ def tensor_parallel_optimizer(optimizer: Optimizer, model: Any) -> Optimizer:
         return optimizer
 
     def full(params: PyTree, outer: Sharding | None) -> Sharding:
-        paths, leaves, treedef = tree.flatten_with_paths(params)
+        raw_paths, leaves, treedef = optree.tree_flatten_with_path(params, none_is_leaf=False)
         fragments, outer_sum = resolve_sharding(_NAME, outer, leaves, treedef)
-        placed = [_place(path, frag, splits, axis) for path, frag in zip(paths, fragments)]
+        placed = [_place(path, frag, splits, axis) for path, frag in zip(raw_paths, fragments)]
 
         def all_reduce(t: torch.Tensor) -> torch.Tensor:
             return collectives.all_reduce(outer_sum(t), axis.axis, "sum", mesh=axis.mesh)
@@ -106,8 +107,17 @@ def tensor_parallel_optimizer(optimizer: Optimizer, model: Any) -> Optimizer:
     )
 
 
-def _place(path: str, frag: Fragment, splits: dict[str, Any], axis: TensorAxis) -> Fragment:
-    """`frag`, a piece of this rank's leaf `path`, as a piece of the full tensor."""
+def _place(
+    raw_path: tuple[Any, ...], frag: Fragment, splits: dict[str, Any], axis: TensorAxis
+) -> Fragment:
+    """`frag`, a piece of this rank's leaf at `raw_path`, as a piece of the full tensor.
+
+    The leaf is named by its dotted path (the params `fscale.functionalize` returns), or by its
+    key in the dict that holds it (a pipeline rank's params: one dict per stage it holds, each
+    under the Sequential's names)."""
+    path = tree.path_str(raw_path)
+    if path not in splits and raw_path and str(raw_path[-1]) in splits:
+        path = str(raw_path[-1])
     if path not in splits:
         known = ", ".join(list(splits)[:4]) + (", ..." if len(splits) > 4 else "")
         raise ValueError(
