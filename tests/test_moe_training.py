@@ -139,3 +139,58 @@ def test_moe_module_eval_mode_and_model_outputs():
     torch.testing.assert_close(y_eval, expected, rtol=0, atol=0)
     assert int(train_aux["dropped_tokens"]) > 0 and int(eval_aux["dropped_tokens"]) == 0
     assert logits.shape == (2, 8, 32) and aux_loss.dim() == 0 and float(aux_loss) > 0
+
+
+def _accumulated_case(order: str, capacity: str):
+    mesh = fs.Mesh(dp=2, ep=2)
+    model = MoEGPT(config(capacity), mesh=mesh, seed=3).double()
+    apply, params, buffers = fs.functionalize(model)
+    step = fs.train_step(make_loss(apply), fs.optim.sgd(0.2, momentum=0.9))
+    if order == "inside":  # each rank accumulates its micro-batches, then the layers reduce
+        step = fs.expert_parallel(fs.data_parallel(fs.accumulate(step, 2), mesh, "dp"), mesh, "ep")
+    else:
+        step = fs.accumulate(fs.expert_parallel(fs.data_parallel(step, mesh, "dp"), mesh, "ep"), 2)
+    state = step.init(params, buffers)
+    losses = []
+    for i in range(STEPS):
+        state, metrics = step(state, batch(i, dist.get_rank()))
+        losses.append(float(metrics["loss"]))
+    return losses, fs.consolidate(step, state).params
+
+
+def _micro_batch_reference(capacity: str):
+    # Every (rank, micro-batch) slice is a routing group of its own: the step's loss is the mean
+    # of the groups' losses, whose gradient is the mean of the micro-batches' gradients.
+    model = MoEGPT(config(capacity), seed=3).double()
+    apply, params, buffers = fs.functionalize(model)
+    per_group = make_loss(apply)
+
+    def loss_fn(params, buffers, batches, key):
+        return sum(per_group(params, buffers, b, key) for b in batches) / len(batches)
+
+    step = fs.train_step(loss_fn, fs.optim.sgd(0.2, momentum=0.9))
+    state = step.init(params, buffers)
+    losses = []
+    for i in range(STEPS):
+        groups = []
+        for r in range(WORLD):
+            inputs, targets = batch(i, r)
+            groups += [(inputs[j : j + 1], targets[j : j + 1]) for j in range(2)]
+        state, metrics = step(state, groups)
+        losses.append(float(metrics["loss"]))
+    return losses, state.params
+
+
+@pytest.mark.parametrize(("order", "capacity"), [("inside", "dropless"), ("outside", "fixed")])
+def test_expert_parallel_with_accumulation_equals_one_process_over_micro_batch_groups(
+    order, capacity
+):
+    expected_losses, expected_params = _micro_batch_reference(capacity)
+    if capacity == "fixed":  # the groups decide the capacity: whole-rank groups train otherwise
+        assert reference(capacity)[0] != pytest.approx(expected_losses, rel=1e-6)
+    for losses, params in run_spmd(_accumulated_case, WORLD, order, capacity):
+        assert losses == pytest.approx(expected_losses, rel=1e-6)
+        for name, value in expected_params.items():
+            torch.testing.assert_close(
+                params[name], value, rtol=1e-9, atol=1e-11, msg=lambda m, name=name: f"{name}: {m}"
+            )
