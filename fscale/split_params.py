@@ -5,7 +5,8 @@ rank of its axis. A pointwise optimizer updates them as the dense one would; a n
 (`clip_by_global_norm`, `lamb`, `adafactor`) takes its norms and means over whole tensors and
 must be told where the rest of each tensor is (`fscale.parallel.tensor.tensor_parallel_optimizer`).
 `fscale.Step.init` asks `spread_over` of every parameter it is given and refuses such an
-optimizer unwrapped, instead of letting each rank clip and scale by statistics of its own.
+optimizer unwrapped, instead of letting each rank clip and scale by statistics of its own; and
+refuses AdaScale, whose gain would come from the norms of each rank's shards.
 
 A mark lives as long as the module's parameter it was put on (a weak reference), and is found
 from any tensor that shares the parameter's memory (the detached leaves `fscale.functionalize`
@@ -15,10 +16,13 @@ hands out).
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
-__all__ = ["mark_spread", "spread_over"]
+from fscale import tree
+
+__all__ = ["check_statistics_span_the_model", "mark_spread", "spread_over"]
 
 _MARKS: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
 
@@ -46,3 +50,32 @@ def _address(tensor: torch.Tensor) -> int | None:
         return None
     pointer = tensor.untyped_storage().data_ptr()
     return pointer if pointer else None
+
+
+def check_statistics_span_the_model(params: Any, optimizer: Any, *, adascale: bool) -> None:
+    """Refuse, at `Step.init`, statistics over a tensor-parallel model's shards that would be
+    this rank's own: a non-pointwise `optimizer` that `tensor_parallel_optimizer` does not
+    wrap, and (`adascale`) AdaScale's gain."""
+    wrapped = optimizer.description.startswith("tensor_parallel_optimizer(")
+    if not adascale and (optimizer.pointwise or wrapped):
+        return
+    paths, leaves, _ = tree.flatten_with_paths(params)
+    for path, leaf in zip(paths, leaves):
+        axis = spread_over(leaf) if isinstance(leaf, torch.Tensor) else None
+        if axis is None:
+            continue
+        where = (
+            f"Step.init: params leaf `{path}` is one rank's part of a model that tensor_parallel "
+            f"spreads over {axis!r}"
+        )
+        if adascale:
+            raise ValueError(
+                f"{where}, and adascale's gain would come from the gradient norms of this rank's "
+                "shards, different on every rank: adascale of a tensor-parallel model is not "
+                "supported; train it without adascale"
+            )
+        raise ValueError(
+            f"{where}, and {optimizer!r} is not pointwise: its norms and means would be this "
+            "rank's own, different on every rank. Wrap it: "
+            "fscale.parallel.tensor.tensor_parallel_optimizer(optimizer, model)"
+        )

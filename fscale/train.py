@@ -43,7 +43,7 @@ from fscale.functional import ownership
 from fscale.grad import GRAD_MODES, value_and_grad
 from fscale.optim.hyper import check_bool
 from fscale.plan import Context, GradAux, LocalPlan, PlainOptimizer, Plan, TrainState
-from fscale.split_params import spread_over
+from fscale.split_params import check_statistics_span_the_model
 from fscale.step_means import StepMeans
 
 __all__ = ["LossFn", "Plan", "Step", "TrainState", "train_step", "value_and_grad"]
@@ -121,7 +121,9 @@ class Step:
         if buffers is None:
             buffers = {}
         _check_params(params, buffers, _materializes(self.plan))
-        _check_statistics_span_the_model(params, self.optimizer)
+        check_statistics_span_the_model(
+            params, self.optimizer, adascale=self.plan.find("adascale") is not None
+        )
         start_key = _key(key)
         given = (params, buffers)
         mesh, axes = self.plan.data_mesh(), self.plan.data_axes()
@@ -316,23 +318,6 @@ def _broadcast(params: PyTree, buffers: PyTree, key: torch.Tensor, mesh: Any, ax
 
 def _is_meta(leaf: Any) -> bool:
     return isinstance(leaf, torch.Tensor) and leaf.device.type == "meta"
-
-
-def _check_statistics_span_the_model(params: PyTree, optimizer: optim_lib.Optimizer) -> None:
-    """Refuse a non-pointwise optimizer on a tensor-parallel model's shards unless it is told
-    where the rest of each tensor is (`fscale.split_params`)."""
-    if optimizer.pointwise or optimizer.description.startswith("tensor_parallel_optimizer("):
-        return
-    paths, leaves, _ = tree.flatten_with_paths(params)
-    for path, leaf in zip(paths, leaves):
-        axis = spread_over(leaf) if isinstance(leaf, torch.Tensor) else None
-        if axis is not None:
-            raise ValueError(
-                f"Step.init: params leaf `{path}` is one rank's part of a model that "
-                f"tensor_parallel spreads over {axis!r}, and {optimizer!r} is not pointwise: "
-                "its norms and means would be this rank's own, different on every rank. Wrap "
-                "it: fscale.parallel.tensor.tensor_parallel_optimizer(optimizer, model)"
-            )
 
 
 def _check_params(params: PyTree, buffers: PyTree, materializes: bool) -> None:

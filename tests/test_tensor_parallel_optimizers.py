@@ -137,12 +137,15 @@ def test_element_indices_place_a_shard_s_elements_in_the_full_tensor():
         fs.optim.adafactor(1e-3).init({"w": torch.zeros(10)}, sharding=bad)
 
 
-def _unwrapped_init(optimizer_name):
+def _unwrapped_init(optimizer_name, adascale=False):
     dense = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=1), seed=0)
-    model = tpl.tensor_parallel(dense, fs.Mesh(tp=dist.get_world_size()), "tp", tpl.gpt_plan())
+    mesh = fs.Mesh(dp=1, tp=dist.get_world_size())
+    model = tpl.tensor_parallel(dense, mesh, "tp", tpl.gpt_plan())
     apply, params, buffers = fs.functionalize(model)
-    make = OPTIMIZERS.get(optimizer_name, lambda: fs.optim.adamw(1e-3))
+    make = OPTIMIZERS.get(optimizer_name, lambda: fs.optim.sgd(1e-3))
     step = fs.train_step(lambda p, b, x, k: apply(p, b, x, key=k)[0].sum(), make())
+    if adascale:
+        step = fs.adascale(fs.accumulate(step, 2), mesh, "dp")
     try:
         step.init(params, buffers)
     except ValueError as error:
@@ -155,7 +158,10 @@ def test_a_step_refuses_a_non_pointwise_optimizer_on_tensor_parallel_shards_unwr
         assert "tensor_parallel_optimizer(optimizer, model)" in message
         assert "is not pointwise" in message
     # A pointwise optimizer needs no wrapper, nor does a dense model.
-    assert run_spmd(_unwrapped_init, 2, "adamw") == [None, None]
+    assert run_spmd(_unwrapped_init, 2, "sgd") == [None, None]
+    # AdaScale's gain comes from gradient norms: over tensor-parallel shards it is refused.
+    for message in run_spmd(_unwrapped_init, 2, "sgd", True):
+        assert "adascale of a tensor-parallel model is not supported" in message
     dense = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=1), seed=0)
     _, params, buffers = fs.functionalize(dense)
     fs.train_step(lambda p, b, x, k: 0.0, OPTIMIZERS["lamb"]()).init(params, buffers)
