@@ -56,7 +56,8 @@ def check_statistics_span_the_model(params: Any, optimizer: Any, *, adascale: bo
     """Refuse, at `Step.init`, statistics over a tensor-parallel model's shards that would be
     this rank's own: a non-pointwise `optimizer` that `tensor_parallel_optimizer` does not
     wrap, and (`adascale`) AdaScale's gain."""
-    wrapped = optimizer.description.startswith("tensor_parallel_optimizer(")
+    # Wrapped, possibly inside another wrapper (offload_optimizer(tensor_parallel_optimizer(...))).
+    wrapped = "tensor_parallel_optimizer(" in optimizer.description
     if not adascale and (optimizer.pointwise or wrapped):
         return
     paths, leaves, _ = tree.flatten_with_paths(params)

@@ -28,6 +28,8 @@ OPTIMIZERS = {
     ),
     "lamb": lambda: fs.optim.lamb(1e-2, weight_decay=0.1),
     "adafactor": lambda: fs.optim.adafactor(1e-2, beta1=0.9, weight_decay=0.1),
+    # the optimizer on the host, its statistics still over the whole tensors
+    "offloaded_lamb": lambda: fs.offload_optimizer(fs.optim.lamb(1e-2, weight_decay=0.1)),
 }
 
 
