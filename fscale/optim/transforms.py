@@ -103,12 +103,13 @@ def _clip_by_sum_of_squares(
     max_norm: float,
 ) -> list[torch.Tensor]:
     device = leaves[0].device
-    counted = [g for g, frag in zip(leaves, fragments) if frag.counted]
-    squares = torch.zeros((), device=device)
-    if counted:
-        squares = core.sum_of_squares(counted[0], device)
-        for g in counted[1:]:
-            squares = squares + core.sum_of_squares(g, device)
+    squares: torch.Tensor | None = None
+    for g, frag in zip(leaves, fragments):
+        term = core.sum_of_squares(g, device)
+        # A replica adds zero, of its dtype: every rank sums in the same dtype.
+        term = term if frag.counted else torch.zeros_like(term)
+        squares = term if squares is None else squares + term
+    assert squares is not None  # `update` returns early when there are no leaves
     norm = all_reduce(squares.reshape(1)).sqrt().reshape(())  # 0-d: keeps 0-d leaves 0-d
     coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     return [g * coefficient.to(g) for g in leaves]
