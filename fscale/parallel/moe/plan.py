@@ -278,7 +278,8 @@ def expert_parallel(
 
     Raises:
         TypeError / ValueError: `step` is not a Step, `mesh` lacks `axis` or already splits over
-            it, `experts` is not callable; at init, no leaf is an expert or an expert's leading
+            it, `experts` is not callable, `step` is a pipeline (make its stages expert-parallel
+            with ``per_stage=`` instead); at init, no leaf is an expert or an expert's leading
             dimension does not divide.
     """
     layers.check_step(step, "expert_parallel")
@@ -286,5 +287,13 @@ def expert_parallel(
     if not callable(experts):
         raise TypeError(
             f"expert_parallel: `experts` must be a predicate on parameter names, got {experts!r}"
+        )
+    if step.plan.find("pipeline") is not None:
+        # The pipeline runs its stages itself, not the step's loss function, which is where
+        # this layer puts its gradient maps: they would never run.
+        raise ValueError(
+            "expert_parallel: the step is a pipeline, whose stages this layer cannot reach; "
+            "make each stage expert-parallel instead: fscale.pipeline(..., per_stage=lambda s: "
+            f"fscale.expert_parallel(s, mesh, {axis!r}))"
         )
     return step.replace(plan=ExpertParallelPlan(step.plan, mesh, axis, experts))
