@@ -106,10 +106,11 @@ def _bad_expert_parallel_case():
         fs.expert_parallel(plain, mesh, experts="experts")
     with pytest.raises(ValueError, match="already splits its batch over axis 'ep'"):
         fs.expert_parallel(fs.expert_parallel(plain, mesh), mesh)
-    # fully_shard outside expert_parallel hands it units, not named experts: refused at init.
-    wrong_order = fs.fully_shard(fs.expert_parallel(plain, mesh), mesh, "dp")
-    with pytest.raises(ValueError, match="outside shard_optimizer and fully_shard"):
-        wrong_order.init({"w": torch.zeros(4), "experts.w": torch.zeros(2, 2)})
+    # A sharding layer outside expert_parallel would lay out the full experts before they are
+    # sliced: refused where it is built, with the order that works.
+    for shard in (fs.fully_shard, fs.shard_optimizer):
+        with pytest.raises(ValueError, match="must be outside the sharding"):
+            shard(fs.expert_parallel(plain, mesh), mesh, "dp")
     return True
 
 
@@ -194,3 +195,22 @@ def test_expert_parallel_with_accumulation_equals_one_process_over_micro_batch_g
             torch.testing.assert_close(
                 params[name], value, rtol=1e-9, atol=1e-11, msg=lambda m, name=name: f"{name}: {m}"
             )
+
+
+def _data_parallel_outside():
+    mesh = fs.Mesh(dp=2, ep=2)
+    model = MoEGPT(config("dropless"), mesh=mesh, seed=3).double()
+    apply, params, buffers = fs.functionalize(model)
+    step = fs.train_step(make_loss(apply), fs.optim.sgd(0.2, momentum=0.9))
+    step = fs.data_parallel(fs.expert_parallel(step, mesh, "ep"), mesh, "dp")
+    state = step.init(params, buffers)
+    for i in range(STEPS):
+        state, _ = step(state, batch(i, dist.get_rank()))
+    return fs.consolidate(step, state).params
+
+
+def test_data_parallel_outside_expert_parallel_equals_one_process():
+    # data_parallel keeps full parameters, so it may wrap expert_parallel as well as sit in it.
+    _, expected = reference("dropless")
+    for params in run_spmd(_data_parallel_outside, WORLD):
+        fs.testing.assert_trees_close(params, expected, rtol=1e-9, atol=1e-11)

@@ -40,6 +40,16 @@ def sharding_layer(plan: Plan) -> Plan | None:
     return next((layer for layer in plan.layers() if layer.name in _SHARDING), None)
 
 
+def check_not_expert_parallel(step: Any, caller: str) -> None:
+    """Refuse to shard a step that is expert-parallel: `expert_parallel` slices the named expert
+    leaves at init, and a sharding layer around it would have laid the full ones out already."""
+    if step.plan.find("expert_parallel") is not None:
+        raise ValueError(
+            f"{caller}: the step is expert_parallel, which must be outside the sharding: "
+            f"fscale.expert_parallel(fscale.{caller}(step, mesh, 'dp'), mesh, 'ep')"
+        )
+
+
 def check_axis_free(
     step: Step, mesh: Any, axis: str, caller: str, *, replaces: tuple[str, ...] = ()
 ) -> None:

@@ -187,6 +187,7 @@ def fully_shard(
         >>> state, metrics = step(state, torch.ones(3, 4))
     """
     layers.check_step(step, "fully_shard")
+    layers.check_not_expert_parallel(step, "fully_shard")
     sharding = layers.sharding_layer(step.plan)
     if sharding is not None:
         raise ValueError(

@@ -141,6 +141,7 @@ def shard_optimizer(
         state, metrics = step(state, local_batch)
     """
     layers.check_step(step, "shard_optimizer")
+    layers.check_not_expert_parallel(step, "shard_optimizer")
     if not isinstance(shard_grads, bool):
         raise TypeError(
             f"shard_optimizer: `shard_grads` must be True or False, got {shard_grads!r}"
