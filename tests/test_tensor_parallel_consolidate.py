@@ -1,4 +1,5 @@
-"""`fscale.consolidate(step, state, model=...)` gathers a tensor-parallel state into the dense one.
+"""`fscale.consolidate(step, state, model=...)` gathers a tensor-parallel state into the dense one;
+`fscale.shard_state(step, dense, model=...)` cuts a dense state into a tensor-parallel one.
 
 A tensor-parallel GPT (a fused q/k/v weight split in 3 parts, row-parallel weights split along
 their columns, a vocab-split embedding) is trained over "tp" alone and under the data-parallel
@@ -100,3 +101,29 @@ def test_a_model_that_is_not_the_step_s_tensor_parallel_model_is_refused():
     for errors in run_spmd(_refusals, 2):
         assert errors[0].startswith("TypeError: consolidate: `model` must be the module")
         assert errors[1].startswith("ValueError: consolidate: the state's parameters")
+
+
+def _round_trip(strategy):
+    # Dense training for 2 steps, cut into tp shards, 2 more tensor-parallel steps, gathered
+    # back: the dense run's 4 steps.
+    dp = 1 if strategy is None else 2
+    mesh = fs.Mesh(dp=dp, tp=dist.get_world_size() // dp)
+    model = tpl.tensor_parallel(GPT(CONFIG, seed=4), mesh, "tp", tpl.gpt_plan())
+    g = torch.Generator().manual_seed(12)
+    batches = [torch.randint(0, 32, (8, 9), generator=g) for _ in range(4)]
+    # (each init takes its module's tensors: one module per run)
+    _, started, _ = _state(GPT(CONFIG, seed=4), OPTIMIZERS["adafactor"](), batches[:2])
+    _, expected, _ = _state(GPT(CONFIG, seed=4), OPTIMIZERS["adafactor"](), batches)
+    wrap = (lambda s: s) if strategy is None else (lambda s: fs.shard_optimizer(s, mesh, "dp"))
+    step, _, apply = _state(model, OPTIMIZERS["adafactor"](), [], wrap, True)
+    state = fs.shard_state(step, started, model=apply)
+    for batch in batches[2:]:
+        state, _ = step(state, fs.data.split_batch(batch, mesh.rank("dp"), dp))
+    got = fs.consolidate(step, state, model=apply)
+    return (got.params, got.opt_state), (expected.params, expected.opt_state)
+
+
+@pytest.mark.parametrize(("world", "strategy"), [(2, None), (4, "shard_optimizer")])
+def test_a_dense_state_cut_into_tensor_parallel_shards_trains_on(world, strategy):
+    for got, expected in run_spmd(_round_trip, world, strategy):
+        assert_trees_close(got, expected, **TRAINED)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fscale.parallel.tensor.dense import dense_state
+from fscale.parallel.tensor.dense import dense_state, tensor_parallel_state
 from fscale.parallel.zero.plan import ShardedOptState
 from fscale.plan import TrainState
 from fscale.train import Step
@@ -57,17 +57,22 @@ def consolidate(step: Step, state: TrainState, *, model: Any = None) -> TrainSta
     return full if model is None else dense_state(full, model)
 
 
-def shard_state(step: Step, full_state: TrainState) -> TrainState:
+def shard_state(step: Step, full_state: TrainState, *, model: Any = None) -> TrainState:
     """The state `step` takes on this rank, built from a full (unsharded) TrainState.
 
     Works at any world size: the full state may come from `consolidate` over any number of
     ranks, or from a single-process `train_step`. Every rank passes the same full state and
     keeps its own slices (no communication). For a step whose state is full (`train_step`,
-    `data_parallel` without a stateful reduction hook), returns `full_state`.
+    `data_parallel` without a stateful reduction hook), returns `full_state`. With `model` a
+    `tensor_parallel` module, `full_state` is the dense model's, first cut into this rank's
+    tensor-parallel shards (`fscale.parallel.tensor.dense.tensor_parallel_state`).
 
     Args:
         step: the step that will run on the state.
         full_state: a TrainState with the full parameters and the optimizer's full state.
+        model: the `tensor_parallel` module (or its FunctionalModule) whose parameters the step
+            trains, when `full_state` is the dense model's; None (the default): `full_state`
+            holds the parameters as the step's model has them.
 
     Returns:
         The sharded TrainState for this rank.
@@ -85,6 +90,8 @@ def shard_state(step: Step, full_state: TrainState) -> TrainState:
         "`full_state.opt_state` is sharded; consolidate it first with "
         "fscale.consolidate(old_step, state)",
     )
+    if model is not None:
+        full_state = tensor_parallel_state(full_state, model)
     return step.plan.shard_state(step, full_state)
 
 

@@ -1,4 +1,5 @@
-"""`dense_state`: a tensor-parallel model's TrainState gathered into the dense model's.
+"""`dense_state`: a tensor-parallel model's TrainState gathered into the dense model's, and
+`tensor_parallel_state`, its inverse.
 
 Each split parameter is all-gathered over the tensor-parallel axis and its chunks put back in the
 dense order (for a fused weight split within `parts` blocks, rank r's shard holds chunk r of
@@ -20,12 +21,12 @@ import torch
 from fscale import tree
 from fscale.distributed import collectives
 from fscale.parallel.opt_state import mirrored_leaves
-from fscale.parallel.tensor.apply import splits_of
+from fscale.parallel.tensor.apply import shard_tensor, splits_of
 from fscale.parallel.tensor.layers import TensorAxis
 from fscale.parallel.tensor.styles import Split
 from fscale.plan import TrainState
 
-__all__ = ["dense_state"]
+__all__ = ["dense_state", "tensor_parallel_state"]
 
 
 def dense_state(state: TrainState, model: Any) -> TrainState:
@@ -56,6 +57,37 @@ def dense_state(state: TrainState, model: Any) -> TrainState:
         state,
         params=tree.map_with_path(param, state.params),
         opt_state=tree.map_with_path(opt_leaf, state.opt_state),
+    )
+
+
+def tensor_parallel_state(dense: TrainState, model: Any) -> TrainState:
+    """This rank's full state of the tensor-parallel `model`, cut from the dense model's state
+    (`dense_state`'s inverse, no communication): each split parameter and each optimizer-state
+    leaf that mirrors one becomes this rank's shard (`shard_tensor`), every other leaf is
+    kept."""
+    splits, axis = splits_of(model, "shard_state")
+    if axis.size == 1:
+        return dense
+    names = tree.paths(dense.params)
+    missing = [name for name in names if name not in splits]
+    if missing:
+        raise ValueError(
+            f"shard_state: the state's parameters {missing[:3]} are not parameters of the "
+            "tensor-parallel `model`; pass the dense state of the model the step trains"
+        )
+    mirrors = mirrored_leaves(dense.params, dense.opt_state)
+
+    def cut(leaf: torch.Tensor, split: Split | None) -> torch.Tensor:
+        return leaf if split is None else shard_tensor(leaf, split, axis.size, axis.index)
+
+    def opt_leaf(path: str, leaf: Any) -> Any:
+        mirrored = mirrors.get(path)
+        return leaf if mirrored is None else cut(leaf, splits[mirrored.removeprefix("params/")])
+
+    return tree.with_fields(
+        dense,
+        params=tree.map_with_path(lambda name, leaf: cut(leaf, splits[name]), dense.params),
+        opt_state=tree.map_with_path(opt_leaf, dense.opt_state),
     )
 
 
