@@ -24,6 +24,7 @@ from fscale.distributed.collectives import recv as recv
 from fscale.distributed.collectives import reduce_scatter as reduce_scatter
 from fscale.distributed.collectives import reduce_scatter_start as reduce_scatter_start
 from fscale.distributed.collectives import replicate as replicate
+from fscale.distributed.collectives import replicate_many as replicate_many
 from fscale.distributed.collectives import send as send
 from fscale.distributed.collectives import set_collective_timeout as set_collective_timeout
 from fscale.distributed.collectives import set_debug as set_debug
@@ -69,6 +70,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_start",
     "replicate",
+    "replicate_many",
     "send",
     "set_collective_timeout",
     "set_debug",

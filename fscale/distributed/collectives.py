@@ -60,6 +60,8 @@ Where each pair lives
 module                               holds
 ===================================  ==============================================================
 `fscale.distributed.replication`     ``replicate`` <-> ``all_reduce``, ``all_reduce_start``
+`fscale.distributed.grouped`         ``replicate_many``: ``replicate`` of many tensors, one
+                                     all-reduce of their gradients per dtype
 `fscale.distributed.sharding`        ``all_gather`` <-> ``reduce_scatter``, their ``*_start``
 `fscale.distributed.rooted`          ``broadcast`` <-> reduce onto the source
 `fscale.distributed.dispatch`        ``all_to_all`` (self-dual)
@@ -80,6 +82,7 @@ nothing is sent or recorded.
 
 from fscale.distributed.debug import debug_enabled, set_debug
 from fscale.distributed.dispatch import all_to_all
+from fscale.distributed.grouped import replicate_many
 from fscale.distributed.pending import Pending
 from fscale.distributed.point_to_point import ppermute, recv, send
 from fscale.distributed.replication import all_reduce, all_reduce_start, replicate
@@ -114,6 +117,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_start",
     "replicate",
+    "replicate_many",
     "send",
     "set_collective_timeout",
     "set_debug",
