@@ -16,9 +16,9 @@ overlap: `GradReducer.overlap`), and a bucket's collective starts as soon as it 
   buckets freed once their reduction starts) or after it (ZeRO-1), then an all-reduce of the
   shard over the remaining axes. Gradients come back as each bucket's shard.
 
-torch.func path (no hooks run): a differentiable `replicate` per leaf places the all-reduce in
-the graph (so outer torch.func transforms see it); with a scatter axis or gradients carried from
-earlier micro-batches, the reduction runs after backward instead.
+torch.func path (no hooks run): a differentiable `replicate_many` over the leaves places the
+all-reduce in the graph (so outer torch.func transforms see it), one per dtype; with a scatter
+axis or gradients carried from earlier micro-batches, the reduction runs after backward instead.
 
 Folding. After the forward pass `fscale.grad.value_and_grad` offers the session the loss and
 the loss function's scalar metrics, then the float32 buffers the loss updated (one 1-D tensor,
@@ -169,9 +169,12 @@ class AllReduceSession(_Session):
     def prepare(self, live: PyTree) -> PyTree:
         if not self.func or self.initial is not None:
             return live
-        # torch.func runs no hooks: place the dual pair in the graph, one replicate per leaf.
+        # torch.func runs no hooks: place the dual pair in the graph, one node for all leaves
+        # (one all-reduce per dtype once backward has produced every gradient, not one per
+        # leaf waiting for the other ranks at each).
         axis, mesh = _axis(self.axes), self.reducer.mesh
-        return tree.map(lambda p: collectives.replicate(p, axis, "mean", mesh=mesh), live)
+        leaves, treedef = tree.flatten(live)
+        return tree.unflatten(treedef, collectives.replicate_many(leaves, axis, "mean", mesh=mesh))
 
     # Outside the graph: Dynamo cannot rebuild the hooks' bound methods at a later break.
     @torch.compiler.disable(recursive=True)
