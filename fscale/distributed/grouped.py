@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from fscale.distributed.comm import Comm, axes, check_op, check_tensor, resolve_comm
+from fscale.distributed.comm import axes, check_op, check_tensor, resolve_comm
 from fscale.distributed.mesh import Axis, Mesh
-from fscale.distributed.replication import _all_reduce_start
+from fscale.distributed.replication import all_reduce
 from fscale.readback import to_list
 
 __all__ = ["replicate_many"]
@@ -39,13 +39,13 @@ class _ReplicateMany(torch.autograd.Function):
     """Identity forward on every tensor; backward: one all-reduce per dtype and device."""
 
     @staticmethod
-    def forward(comm: Comm, op: str, *xs: Tensor) -> tuple[Tensor, ...]:
+    def forward(axis: str, mesh: Mesh, op: str, *xs: Tensor) -> tuple[Tensor, ...]:
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.comm, ctx.op = inputs[0], inputs[1]
-        ctx.like = [(x.shape, x.dtype, x.device) for x in inputs[2:]]
+        ctx.axis, ctx.mesh, ctx.op = inputs[0], inputs[1], inputs[2]
+        ctx.like = [(x.shape, x.dtype, x.device) for x in inputs[3:]]
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -64,14 +64,14 @@ class _ReplicateMany(torch.autograd.Function):
             used = torch.tensor(
                 [float(grads[i] is not None) for i in members], dtype=dtype, device=device
             )
-            reduced = _all_reduce_start(torch.cat([*pieces, used]), ctx.comm, ctx.op).wait()
+            reduced = all_reduce(torch.cat([*pieces, used]), ctx.axis, ctx.op, mesh=ctx.mesh)
             sizes = [p.numel() for p in pieces]
             values = reduced[: sum(sizes)].split(sizes)
             anyone = to_list(reduced[sum(sizes) :] > 0)
             for i, value, used_somewhere in zip(members, values, anyone):
                 if used_somewhere:
                     out[i] = value.view(ctx.like[i][0])
-        return (None, None, *out)
+        return (None, None, None, *out)
 
 
 def replicate_many(
@@ -101,6 +101,6 @@ def replicate_many(
         return []
     for name in axes(axis, "replicate_many"):
         comm = resolve_comm(name, mesh, "replicate_many")
-        if comm.size > 1:
-            tensors = list(_ReplicateMany.apply(comm, op, *tensors))
+        if comm.size > 1:  # the mesh resolved now: backward may run outside a `with mesh:`
+            tensors = list(_ReplicateMany.apply(name, comm.mesh, op, *tensors))
     return tensors
