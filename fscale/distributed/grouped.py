@@ -7,12 +7,13 @@ GPT's 42 replicated leaves doubled its step on 2 CPU ranks). `replicate_many` is
 node over all of them: forward, the identity on each; backward, once every gradient is known,
 one all-reduce per dtype and device of the gradients concatenated.
 
-The same collective runs on every rank whatever each one's loss used: a gradient a rank did not
-produce travels as zeros, and beside the gradients goes one flag per tensor, whether this rank
-produced its gradient. A tensor no rank used gets no gradient (None, as autograd gives an unused
-leaf, so a step can skip it); one that some rank used gets the mean (or sum) over all ranks, the
-ranks that did not use it counting zero. (With per-tensor `replicate`, a rank that did not use a
-tensor would skip its all-reduce while the others wait in theirs.)
+The same collective runs on every rank whichever of the tensors each one's loss used (as long
+as it used one: a rank whose loss used none runs no backward for the node): a gradient a rank
+did not produce travels as zeros, and beside the gradients goes one flag per tensor, whether
+this rank produced its gradient. A tensor no rank used gets no gradient (None, as autograd gives
+an unused leaf, so a step can skip it); one that some rank used gets the mean (or sum) over all
+ranks, the ranks that did not use it counting zero. (With per-tensor `replicate`, a rank that
+did not use a tensor would skip its all-reduce while the others wait in theirs.)
 
 The dual is the identity with an all-reduce of the gradient, as for `replicate`; the backward
 calls only `fscale.distributed` primitives, so it holds under `torch.func` transforms as well.
