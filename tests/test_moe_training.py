@@ -214,3 +214,43 @@ def test_data_parallel_outside_expert_parallel_equals_one_process():
     _, expected = reference("dropless")
     for params in run_spmd(_data_parallel_outside, WORLD):
         fs.testing.assert_trees_close(params, expected, rtol=1e-9, atol=1e-11)
+
+
+def _mixed(order: str, param_dtype: torch.dtype, mesh_shape: dict[str, int] | None):
+    mesh = None if mesh_shape is None else fs.Mesh(**mesh_shape)
+    model = MoEGPT(config("dropless"), mesh=mesh, seed=3)
+    apply, params, buffers = fs.functionalize(model)
+    step = fs.train_step(make_loss(apply), fs.optim.sgd(0.2, momentum=0.9))
+    if mesh is None:  # one process over the four routing groups
+        per_group = step.loss_fn
+
+        def loss_fn(params, buffers, batches, key):
+            return sum(per_group(params, buffers, b, key) for b in batches) / len(batches)
+
+        step = fs.mixed_precision(step.replace(loss_fn=loss_fn), param_dtype=param_dtype)
+        state = step.init(params, buffers)
+        for i in range(STEPS):
+            state, _ = step(state, [batch(i, r) for r in range(WORLD)])
+        return state.params
+    dp = fs.data_parallel(step, mesh, "dp")
+    if order == "outside":
+        step = fs.mixed_precision(fs.expert_parallel(dp, mesh, "ep"), param_dtype=param_dtype)
+    else:
+        step = fs.expert_parallel(fs.mixed_precision(dp, param_dtype=param_dtype), mesh, "ep")
+    state = step.init(params, buffers)
+    for i in range(STEPS):
+        state, _ = step(state, batch(i, dist.get_rank()))
+    return fs.consolidate(step, state).params
+
+
+@pytest.mark.parametrize("order", ["outside", "inside"])
+def test_mixed_precision_with_expert_parallel_in_either_order(order):
+    # A float32 policy runs every cast and reduction of the policy's path: one process's result.
+    expected = _mixed(order, torch.float32, None)
+    for params in run_spmd(_mixed, WORLD, order, torch.float32, {"dp": 2, "ep": 2}):
+        fs.testing.assert_trees_close(params, expected, rtol=1e-5, atol=1e-6)
+    # In bfloat16 every rank ends with the same full model (the replicas stay one model).
+    trained = run_spmd(_mixed, WORLD, order, torch.bfloat16, {"dp": 2, "ep": 2})
+    for params in trained[1:]:
+        fs.testing.assert_trees_equal(params, trained[0])
+    assert all(bool(torch.isfinite(t).all()) for t in trained[0].values())
