@@ -254,3 +254,30 @@ def test_mixed_precision_with_expert_parallel_in_either_order(order):
     for params in trained[1:]:
         fs.testing.assert_trees_equal(params, trained[0])
     assert all(bool(torch.isfinite(t).all()) for t in trained[0].values())
+
+
+def _checkpointed(remat: bool, capacity: str):
+    mesh = fs.Mesh(dp=2, ep=2)
+    model = MoEGPT(config(capacity), mesh=mesh, seed=3).double()
+    if remat:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = fs.checkpoint(block)
+    apply, params, buffers = fs.functionalize(model)
+    step = fs.train_step(make_loss(apply), fs.optim.sgd(0.2, momentum=0.9))
+    step = fs.expert_parallel(fs.data_parallel(step, mesh, "dp"), mesh, "ep")
+    state = step.init(params, buffers)
+    with fs.remat.track() as stats:
+        for i in range(STEPS):
+            state, _ = step(state, batch(i, dist.get_rank()))
+    return fs.consolidate(step, state).params, stats.recomputations
+
+
+@pytest.mark.parametrize("capacity", ["dropless", "fixed"])
+def test_checkpointed_moe_blocks_redo_their_all_to_alls_and_change_no_bit(capacity):
+    # The recompute runs the blocks' all-to-alls again, in the same order on every rank.
+    plain = run_spmd(_checkpointed, WORLD, False, capacity)
+    for (params, recomputed), (expected, _) in zip(
+        run_spmd(_checkpointed, WORLD, True, capacity), plain
+    ):
+        fs.testing.assert_trees_equal(params, expected)
+        assert recomputed == STEPS  # one of the two blocks a step; the last one is kept
