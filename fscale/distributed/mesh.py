@@ -160,6 +160,11 @@ class Mesh:
     def __exit__(self, *exc_info: object) -> None:
         _CURRENT.pop(self)
 
+    def __deepcopy__(self, memo: dict[int, object]) -> Mesh:
+        # A handle on process groups, not state: a copied module (`tensor_parallel` copies the
+        # model it splits) uses the same groups as the original.
+        return self
+
     def __repr__(self) -> str:
         axes = ", ".join(f"{name}={size}" for name, size in zip(self._names, self._shape))
         return f"Mesh({axes})"

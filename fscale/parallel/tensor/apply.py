@@ -111,6 +111,7 @@ def tensor_parallel(
     _check_tied_splits(module, module_styles)
 
     result = copy.deepcopy(module)
+    _keep_parameter_attributes(module, result)
     shards: dict[tuple[int, Split], nn.Parameter] = {}
 
     def shard(param: torch.Tensor, split: Split) -> nn.Parameter:
@@ -172,6 +173,19 @@ def shard_like(values: Mapping[str, torch.Tensor], module: nn.Module) -> dict[st
         split = splits.get(name)
         out[name] = value if split is None else shard_tensor(value, split, tp.size, tp.index)
     return out
+
+
+def _keep_parameter_attributes(original: nn.Module, copied: nn.Module) -> None:
+    """Give each copied parameter the Python attributes of the original (`copy.deepcopy` of a
+    Parameter keeps only its data): an expert leaf's local shape for `apply`'s check, say."""
+    pairs = zip(
+        original.named_parameters(remove_duplicate=False),
+        copied.named_parameters(remove_duplicate=False),
+    )
+    for (_, before), (_, after) in pairs:
+        for key, value in vars(before).items():
+            if not hasattr(after, key):
+                setattr(after, key, value)
 
 
 def shard_tensor(dense: torch.Tensor, split: Split, size: int, index: int) -> torch.Tensor:
