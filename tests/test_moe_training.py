@@ -281,3 +281,27 @@ def test_checkpointed_moe_blocks_redo_their_all_to_alls_and_change_no_bit(capaci
     ):
         fs.testing.assert_trees_equal(params, expected)
         assert recomputed == STEPS  # one of the two blocks a step; the last one is kept
+
+
+def _wrapped(kind: str):
+    mesh = fs.Mesh(dp=2, ep=2)
+    model = MoEGPT(config("dropless"), mesh=mesh, seed=3).double()
+    apply, params, buffers = fs.functionalize(model)
+    optimizer = fs.optim.sgd(0.2, momentum=0.9)
+    if kind == "offload_optimizer":
+        optimizer = fs.offload_optimizer(optimizer)
+    inner = fs.data_parallel(fs.train_step(make_loss(apply), optimizer), mesh, "dp")
+    if kind == "loss_scale":
+        inner = fs.loss_scale(inner)
+    step = fs.expert_parallel(inner, mesh, "ep")
+    state = step.init(params, buffers)
+    for i in range(STEPS):
+        state, _ = step(state, batch(i, dist.get_rank()))
+    return fs.consolidate(step, state).params
+
+
+@pytest.mark.parametrize("kind", ["offload_optimizer", "loss_scale"])
+def test_offloaded_or_loss_scaled_expert_parallel_steps_equal_one_process(kind):
+    _, expected = reference("dropless")
+    for params in run_spmd(_wrapped, WORLD, kind):
+        fs.testing.assert_trees_close(params, expected, rtol=1e-9, atol=1e-11)
