@@ -179,3 +179,26 @@ def test_counted_only_zeroes_each_round_of_a_replica_s_entries():
     assert fs.optim.counted_only(values, fragments).tolist() == [1.0, 0.0, 3.0, 4.0, 0.0, 6.0]
     everyone = [f._replace(counted=True) for f in fragments]
     assert fs.optim.counted_only(values, everyone) is values
+
+
+def _hsdp_accumulated():
+    # 8 ranks: replica 2 x dp 2 (HSDP: fully_shard over dp, replicas averaged) x tp 2, with
+    # accumulation inside; Adafactor's statistics summed over dp, then over tp.
+    mesh = fs.Mesh(replica=2, dp=2, tp=2)
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2)
+    model = tpl.tensor_parallel(GPT(cfg, seed=5), mesh, "tp", tpl.gpt_plan())
+
+    def wrap(step):
+        sharded = fs.fully_shard(fs.accumulate(step, 2), mesh, "dp")
+        return fs.data_parallel(sharded, mesh, "replica")
+
+    slot = mesh.rank("replica") * 2 + mesh.rank("dp")
+    local = [fs.data.split_batch(b, slot, 4) for b in _batches(8)]
+    got = _trained(model, OPTIMIZERS["adafactor"](), local, wrap, model)
+    expected = _trained(GPT(cfg, seed=5), OPTIMIZERS["adafactor"](), _batches(8))
+    return got, tpl.shard_like(expected, model)
+
+
+def test_tp_under_hsdp_with_accumulation_equals_one_process():
+    for got, expected in run_spmd(_hsdp_accumulated, 8):
+        assert_trees_close(got, expected, **TRAINED)
