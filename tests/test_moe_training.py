@@ -61,7 +61,9 @@ def _sharded_case(strategy: str, capacity: str, steps: int = STEPS):
     return losses, full.params, expert_shape, repr(step.plan)
 
 
-def reference(capacity: str, steps: int = STEPS):
+def reference(capacity: str, steps: int = STEPS, micro_batches: int = 1):
+    """One process with every expert, over the routing groups of the sharded run: each rank's
+    batch, or each of its `micro_batches` slices (the step's loss is the mean of the groups')."""
     model = MoEGPT(config(capacity), seed=3).double()
     apply, params, buffers = fs.functionalize(model)
     per_group = make_loss(apply)
@@ -73,7 +75,15 @@ def reference(capacity: str, steps: int = STEPS):
     state = step.init(params, buffers)
     losses = []
     for i in range(steps):
-        state, metrics = step(state, [batch(i, r) for r in range(WORLD)])
+        groups = []
+        for r in range(WORLD):
+            inputs, targets = batch(i, r)
+            size = inputs.shape[0] // micro_batches
+            groups += [
+                (inputs[j * size : (j + 1) * size], targets[j * size : (j + 1) * size])
+                for j in range(micro_batches)
+            ]
+        state, metrics = step(state, groups)
         losses.append(float(metrics["loss"]))
     return losses, state.params
 
@@ -159,34 +169,12 @@ def _accumulated_case(order: str, capacity: str):
     return losses, fs.consolidate(step, state).params
 
 
-def _micro_batch_reference(capacity: str):
-    # Every (rank, micro-batch) slice is a routing group of its own: the step's loss is the mean
-    # of the groups' losses, whose gradient is the mean of the micro-batches' gradients.
-    model = MoEGPT(config(capacity), seed=3).double()
-    apply, params, buffers = fs.functionalize(model)
-    per_group = make_loss(apply)
-
-    def loss_fn(params, buffers, batches, key):
-        return sum(per_group(params, buffers, b, key) for b in batches) / len(batches)
-
-    step = fs.train_step(loss_fn, fs.optim.sgd(0.2, momentum=0.9))
-    state = step.init(params, buffers)
-    losses = []
-    for i in range(STEPS):
-        groups = []
-        for r in range(WORLD):
-            inputs, targets = batch(i, r)
-            groups += [(inputs[j : j + 1], targets[j : j + 1]) for j in range(2)]
-        state, metrics = step(state, groups)
-        losses.append(float(metrics["loss"]))
-    return losses, state.params
-
-
 @pytest.mark.parametrize(("order", "capacity"), [("inside", "dropless"), ("outside", "fixed")])
 def test_expert_parallel_with_accumulation_equals_one_process_over_micro_batch_groups(
     order, capacity
 ):
-    expected_losses, expected_params = _micro_batch_reference(capacity)
+    # Every (rank, micro-batch) slice is a routing group of its own.
+    expected_losses, expected_params = reference(capacity, micro_batches=2)
     if capacity == "fixed":  # the groups decide the capacity: whole-rank groups train otherwise
         assert reference(capacity)[0] != pytest.approx(expected_losses, rel=1e-6)
     for losses, params in run_spmd(_accumulated_case, WORLD, order, capacity):

@@ -68,7 +68,12 @@ class _ReplicateMany(torch.autograd.Function):
             reduced = all_reduce(torch.cat([*pieces, used]), ctx.axis, ctx.op, mesh=ctx.mesh)
             sizes = [p.numel() for p in pieces]
             values = reduced[: sum(sizes)].split(sizes)
-            anyone = to_list(reduced[sum(sizes) :] > 0)
+            # A gradient this rank produced is used somewhere: the flags are read back (a host
+            # sync inside backward) only when this rank lacks one of the group's gradients.
+            if all(grads[i] is not None for i in members):
+                anyone = [True] * len(members)
+            else:
+                anyone = to_list(reduced[sum(sizes) :] > 0)
             for i, value, used_somewhere in zip(members, values, anyone):
                 if used_somewhere:
                     out[i] = value.view(ctx.like[i][0])
