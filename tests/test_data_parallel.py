@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fscale as fs
 from fscale.distributed import hosts
+from fscale.parallel import bucket_collectives
 from fscale.parallel.buckets import GradBuckets, assign_buckets, forward_order
 from fscale.testing import RankError, assert_trees_close, assert_trees_equal, run_spmd
 from fscale.testing import strategies as fst
@@ -159,19 +160,30 @@ def _folded_metrics(strategy, fold):
     step = {"ddp": fs.data_parallel, "zero": fs.shard_optimizer}[strategy](step, mesh)
     state = step.init({"w": torch.linspace(-1.0, 2.0, 5)}, {})
     if fold:
+        # Every call that puts a sum on the wire: gloo's, or shared memory's on one host.
         calls = []
-        all_reduce = dist.all_reduce
+        patched = [
+            (dist, "all_reduce"),
+            (bucket_collectives, "shared_all_reduce"),
+            (bucket_collectives, "shared_reduce_scatter"),
+        ]
+        saved = [getattr(module, name) for module, name in patched]
 
-        def counted(*args, **kwargs):
-            calls.append(args[0].numel())
-            return all_reduce(*args, **kwargs)
+        def counting(original):
+            def counted(*args, **kwargs):
+                calls.append(args[0].numel())
+                return original(*args, **kwargs)
 
-        dist.all_reduce = counted
+            return counted
+
+        for (module, name), original in zip(patched, saved):
+            setattr(module, name, counting(original))
         try:
             with fs.distributed.comm_ledger() as ledger:
                 _, metrics = step(state, batch)
         finally:
-            dist.all_reduce = all_reduce
+            for (module, name), original in zip(patched, saved):
+                setattr(module, name, original)
         return metrics, (calls, [(r.op, r.numel) for r in ledger.records])
     _, aux = step.gradients(state, batch)  # this rank's loss and metric, then their mean
     mine = torch.stack([aux.loss, aux.metrics["scale"]])

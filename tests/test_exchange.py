@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from summation import SIZES, bits, heavy_tailed
 
 import fscale as fs
 from fscale import distributed as fd
@@ -30,23 +31,12 @@ from fscale.distributed.exchange import (
     ring_chunk,
     ring_rule,
 )
+from fscale.distributed.shared_memory import set_shared_memory
 from fscale.parallel.bucket_collectives import (
     all_gather_bucket_start,
     reduce_scatter_bucket_start,
 )
 from fscale.testing import run_spmd
-
-# Small, uneven, one just past 2N MiB (1 MiB segments), and several MiB segments per rank.
-SIZES = (8, 4100, 3 * (1 << 16) + 448, 2 * 4 * (1 << 18) + 8, 6_292_692)
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int32)
-
-
-def _terms(rank: int, numel: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(7919 * rank + numel)
-    return torch.randn(numel, generator=g) * torch.exp(torch.randn(numel, generator=g) * 5)
 
 
 def _ring_sum(terms: list[torch.Tensor], chunk: int) -> torch.Tensor:
@@ -69,11 +59,11 @@ def _model_case() -> tuple[str | None, list[bool]]:
     out = []
     for numel in SIZES:
         numel = numel // world * world
-        terms = [_terms(r, numel) for r in range(world)]
+        terms = [heavy_tailed(r, numel) for r in range(world)]
         reduced = terms[dist.get_rank()].clone()
         dist.all_reduce(reduced)
         expected = _ring_sum(terms, ring_chunk(numel, world, 4, rule or "count_first"))
-        out.append(torch.equal(_bits(reduced), _bits(expected)))
+        out.append(torch.equal(bits(reduced), bits(expected)))
     return rule, out
 
 
@@ -128,7 +118,7 @@ def _unknown_rule_case() -> list[bool]:
     exchange_module._probed_rule["rule"] = None  # a gloo that sums in an unknown order
     try:
         numel = EXCHANGE_MIN_BYTES // 4
-        x = _terms(rank, numel)
+        x = heavy_tailed(rank, numel)
         expected = x.clone()
         dist.all_reduce(expected)
         shard = reduce_scatter_bucket_start(x * world, "dp", mesh).wait()
@@ -167,7 +157,7 @@ def _exchange_case(trailing: int) -> list[dict[str, bool]]:
     for size in SIZES:
         numel = size // world * world
         whole = numel + trailing
-        terms = [_terms(r, whole) for r in range(world)]
+        terms = [heavy_tailed(r, whole) for r in range(world)]
         reduced = terms[rank].clone()
         dist.all_reduce(reduced)  # the reference: gloo's all-reduce of the same buffer
         part = slice(rank * (numel // world), (rank + 1) * (numel // world))
@@ -179,9 +169,9 @@ def _exchange_case(trailing: int) -> list[dict[str, bool]]:
         exchange_all_gather(target, comm, None).wait()
         out.append(
             {
-                "part": torch.equal(_bits(total), _bits(reduced[part])),
-                "trailing": torch.equal(_bits(flat[numel:]), _bits(reduced[numel:])),
-                "gathered": torch.equal(_bits(target), _bits(reduced[:numel])),
+                "part": torch.equal(bits(total), bits(reduced[part])),
+                "trailing": torch.equal(bits(flat[numel:]), bits(reduced[numel:])),
+                "gathered": torch.equal(bits(target), bits(reduced[:numel])),
                 "own part untouched": torch.equal(flat[part], terms[rank][part]),
                 "exchanges": exchanges(comm, flat) == (whole * 4 >= EXCHANGE_MIN_BYTES),
             }
@@ -191,7 +181,7 @@ def _exchange_case(trailing: int) -> list[dict[str, bool]]:
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("trailing", [0, 3])
-def test_exchanges_give_gloo_all_reduce_bits(world, trailing):
+def test_exchanges_give_gloo_all_reducebits(world, trailing):
     for per_rank in run_spmd(_exchange_case, world, trailing, timeout=120):
         for checks in per_rank:
             assert all(checks.values()), checks
@@ -203,7 +193,7 @@ def _in_flight_case() -> list[bool]:
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = fd.Mesh(dp=world)
     numel = EXCHANGE_MIN_BYTES // 4  # large enough to be exchanged
-    first, second = _terms(rank, numel), _terms(rank + 10, numel)
+    first, second = heavy_tailed(rank, numel), heavy_tailed(rank + 10, numel)
     expected = [x.clone() for x in (first, second)]
     for x in expected:
         dist.all_reduce(x)
@@ -257,7 +247,7 @@ def _late_exchange(late):
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = fd.Mesh(dp=world)
     numel = EXCHANGE_MIN_BYTES // 4
-    x = _terms(rank, numel)
+    x = heavy_tailed(rank, numel)
     expected = x.clone()
     dist.all_reduce(expected)
     for _ in range(2):  # the signature and its repetition agreed: the next wait is the bound's
@@ -274,10 +264,11 @@ def test_a_peer_late_by_less_than_twice_the_patience_is_no_error_in_an_exchange(
     assert run_spmd(_late_exchange, 2, 1.4) == [True, True]
 
 
-def _zero_grad_peak(exchange: bool) -> tuple[int, int]:
+def _zero_grad_peak(transport: str) -> tuple[int, int]:
     world, rank = dist.get_world_size(), dist.get_rank()
     saved = exchange_module.EXCHANGE_MIN_BYTES
-    exchange_module.EXCHANGE_MIN_BYTES = saved if exchange else 1 << 62
+    exchange_module.EXCHANGE_MIN_BYTES = saved if transport == "exchange" else 1 << 62
+    set_shared_memory(transport == "shared memory")
     try:
         params = {"w": torch.randn(512, 1024, generator=torch.Generator().manual_seed(0))}
 
@@ -296,15 +287,16 @@ def _zero_grad_peak(exchange: bool) -> tuple[int, int]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_gradient_peak_counts_what_an_exchange_receives(world):
-    for (exchanged, bucket), (all_reduced, _) in zip(
-        run_spmd(_zero_grad_peak, world, True), run_spmd(_zero_grad_peak, world, False)
-    ):
+    runs = [run_spmd(_zero_grad_peak, world, t) for t in ("exchange", "gloo", "shared memory")]
+    for (exchanged, bucket), (all_reduced, _), (shared, _) in zip(*runs):
         # The bucket, and beside it the other ranks' parts of this rank's shard it receives (one
         # of which becomes the shard); the loss rides in the bucket too (4 bytes in it, 4 received
-        # from each other rank). An all-reduce in the bucket holds less.
+        # from each other rank). An all-reduce in the bucket holds less. Through shared memory
+        # the bucket and the shard it sums into (the windows are the transport's own).
         riding = 4 * world
         assert exchanged == bucket + bucket * (world - 1) // world + riding
         assert all_reduced < exchanged
+        assert shared == bucket + 4 + bucket // world
 
 
 def test_pair_work_waits_for_every_message_then_runs_its_completion_once():

@@ -40,11 +40,13 @@ from fscale.distributed.watchdog import Ticket
 
 __all__ = [
     "PairWork",
+    "chunks_between",
     "exchange_all_gather",
     "exchange_reduce_scatter",
     "exchanges",
     "exchanges_reduce_scatter",
     "ring_chunk",
+    "ring_order",
     "ring_rule",
 ]
 
@@ -210,7 +212,7 @@ def _probe_rule(comm: Comm) -> str | None:
         chunk = ring_chunk(numel, size, 4, rule)
         expected = []
         for i, position in enumerate(positions):
-            first, *rest = _ring_order(min(position // chunk, size - 1), size)
+            first, *rest = ring_order(min(position // chunk, size - 1), size)
             total = terms[first, i].clone()
             for source in rest:
                 total = total + terms[source, i]
@@ -271,15 +273,15 @@ def exchange_reduce_scatter(
         return (tail if source == rank else tails[source])[start:stop]
 
     def add() -> None:
-        for start, stop, c in _chunks_between(rank * part, (rank + 1) * part, chunk, size):
-            _sum_in_ring_order(result, terms, start - rank * part, stop - rank * part, c, size)
-        for start, stop, c in _chunks_between(numel, flat.numel(), chunk, size):
-            _sum_in_ring_order(tail, tail_terms, start - numel, stop - numel, c, size)
+        for start, stop, c in chunks_between(rank * part, (rank + 1) * part, chunk, size):
+            _sum_inring_order(result, terms, start - rank * part, stop - rank * part, c, size)
+        for start, stop, c in chunks_between(numel, flat.numel(), chunk, size):
+            _sum_inring_order(tail, tail_terms, start - numel, stop - numel, c, size)
 
     return PairWork(works, add, [*received.values(), *tails.values()]), result
 
 
-def _chunks_between(start: int, stop: int, chunk: int, size: int) -> Iterator[tuple[int, int, int]]:
+def chunks_between(start: int, stop: int, chunk: int, size: int) -> Iterator[tuple[int, int, int]]:
     """The pieces of elements [start, stop) in one ring chunk each: (start, stop, chunk)."""
     while start < stop:
         c = min(start // chunk, size - 1)
@@ -288,13 +290,13 @@ def _chunks_between(start: int, stop: int, chunk: int, size: int) -> Iterator[tu
         start = end
 
 
-def _ring_order(chunk: int, size: int) -> list[int]:
+def ring_order(chunk: int, size: int) -> list[int]:
     """The ranks whose terms gloo's ring adds for chunk `chunk`, first to last: c - 1, c - 2,
     ..., c (mod N)."""
     return [(chunk - k) % size for k in range(1, size + 1)]
 
 
-def _sum_in_ring_order(
+def _sum_inring_order(
     out: torch.Tensor,
     terms: Callable[[int, int, int], torch.Tensor],
     start: int,
@@ -307,7 +309,7 @@ def _sum_in_ring_order(
     The ring adds each rank's term to the partial sum from rank c - 1 down to rank c; addition
     is commutative, so adding in place to the partial sum gives the ring's bits.
     """
-    order = _ring_order(chunk, size)
+    order = ring_order(chunk, size)
     first = terms(order[0], start, stop)
     target = out[start:stop]
     # Accumulate where the first term already lies, else in a copy of it.

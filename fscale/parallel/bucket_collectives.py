@@ -52,6 +52,13 @@ from fscale.distributed.exchange import (
 from fscale.distributed.ledger import record
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.pending import Pending, Work
+from fscale.distributed.shared_memory import (
+    SharedWork,
+    shared_all_gather,
+    shared_all_reduce,
+    shared_reduce_scatter,
+    shares_memory,
+)
 
 __all__ = [
     "BucketPending",
@@ -115,7 +122,7 @@ class BucketPending:
         """The buffers the collective allocated and holds while in flight (an exchange's
         receives), for memory accounting; empty once waited for."""
         work = None if self._work is None else self._work.work
-        return tuple(work.buffers) if isinstance(work, PairWork) else ()
+        return tuple(work.buffers) if isinstance(work, (PairWork, SharedWork)) else ()
 
     def then(self, after: Callable[[torch.Tensor], torch.Tensor]) -> BucketPending:
         """A pending whose `wait()` returns ``after(self.wait())``; `self` is consumed."""
@@ -165,7 +172,10 @@ def all_reduce_bucket_start(
         record("all_reduce", comm.axis, flat.dtype, trailing, comm.size)
     if not divided:
         flat.div_(comm.size)
-    work.work = dist.all_reduce(flat, group=comm.group, async_op=True)
+    if shares_memory(comm, flat, sums=True):
+        work.work = shared_all_reduce(flat, comm)
+    else:
+        work.work = dist.all_reduce(flat, group=comm.group, async_op=True)
     return BucketPending(flat, work, num_trailing=trailing)
 
 
@@ -239,6 +249,9 @@ def reduce_scatter_bucket_start(
     if trailing:
         record("all_reduce", comm.axis, flat.dtype, trailing, size)
         flat[bucket.numel() :].div_(size)
+    if shares_memory(comm, flat, sums=True):
+        work.work, total = shared_reduce_scatter(flat, comm, trailing)
+        return BucketPending(flat, work, lambda _: total.div_(size), trailing)
     if exchanges_reduce_scatter(comm, flat):
         work.work, total = exchange_reduce_scatter(flat, comm, work.ticket, trailing)
         return BucketPending(flat, work, lambda _: total.div_(size), trailing)
@@ -269,7 +282,9 @@ def all_gather_bucket_start(flat: torch.Tensor, axis: str, mesh: Mesh) -> Bucket
     shard = flat[rank * shard_numel : (rank + 1) * shard_numel]
     work = Work()
     work.ticket = issue(comm, "all_gather", shard, flat.numel(), extra=_SUM)
-    if exchanges(comm, flat):
+    if shares_memory(comm, flat, sums=False):
+        work.work = shared_all_gather(flat, comm)
+    elif exchanges(comm, flat):
         work.work = exchange_all_gather(flat, comm, work.ticket)
     else:
         work.work = all_gather_flat(flat, shard, group=comm.group, async_op=True)

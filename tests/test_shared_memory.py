@@ -1,0 +1,300 @@
+"""Collectives through shared memory between the ranks of one host: gloo's bits, bounded waits.
+
+Inputs are heavy-tailed, so a sum of four terms in another order shows in the last bits of most
+elements; equality is checked on the raw bits against gloo's own all-reduce of the same buffer.
+The sizes cover one window, many windows, and gloo's two ways of cutting a buffer (past 2N MiB).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from summation import SIZES, bits, heavy_tailed
+
+import fscale as fs
+from fscale import distributed as fd
+from fscale.distributed import collectives as C
+from fscale.distributed import hosts
+from fscale.distributed import shared_memory as shm
+from fscale.distributed.comm import resolve_comm
+from fscale.distributed.shared_memory import (
+    WINDOW_BYTES,
+    SharedWork,
+    set_shared_memory,
+    shared_all_gather,
+    shared_all_reduce,
+    shared_memory_enabled,
+    shared_reduce_scatter,
+    shares_memory,
+)
+from fscale.parallel.bucket_collectives import all_reduce_bucket_start
+from fscale.testing import RankError, run_spmd
+
+
+def _collectives_case(trailing: int) -> list[dict[str, bool]]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    comm = resolve_comm("dp", fd.Mesh(dp=world), "test")
+    out = []
+    for size in SIZES:
+        numel = size // world * world
+        x = heavy_tailed(rank, numel + trailing)
+        reduced = x.clone()
+        dist.all_reduce(reduced)  # the reference: gloo's all-reduce of the same buffer
+        summed = x.clone()
+        shared_all_reduce(summed, comm).wait()
+        flat = x.clone()
+        work, part = shared_reduce_scatter(flat, comm, trailing)
+        work.wait()
+        mine = slice(rank * (numel // world), (rank + 1) * (numel // world))
+        gathered = torch.full((numel,), float("nan"))
+        gathered[mine] = reduced[mine]
+        shared_all_gather(gathered, comm).wait()
+        out.append(
+            {
+                "shares": shares_memory(comm, x, sums=True),
+                "all_reduce": torch.equal(bits(summed), bits(reduced)),
+                "reduce_scatter": torch.equal(bits(part), bits(reduced[mine])),
+                "trailing": torch.equal(bits(flat[numel:]), bits(reduced[numel:])),
+                "parts read only": torch.equal(flat[:numel], x[:numel]),
+                "all_gather": torch.equal(bits(gathered), bits(reduced[:numel])),
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("trailing", [0, 3])
+def test_shared_memory_collectives_give_gloo_sbits(world, trailing):
+    for per_rank in run_spmd(_collectives_case, world, trailing, timeout=180):
+        for checks in per_rank:
+            assert all(checks.values()), checks
+
+
+def _dtypes_case() -> list[bool]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    comm = resolve_comm("dp", fd.Mesh(dp=world), "test")
+    out = []
+    for dtype in (torch.float64, torch.bfloat16, torch.int32):
+        numel = WINDOW_BYTES // 2 + 6  # one window and a part of another at any element size
+        x = (heavy_tailed(rank, numel) * 100).to(dtype)
+        reduced = x.clone()
+        dist.all_reduce(reduced)
+        summed = x.clone()
+        shared_all_reduce(summed, comm).wait()
+        out.append(torch.equal(summed, reduced))
+    return out
+
+
+def test_other_dtypes_are_summed_as_gloo_sums_them():
+    for checks in run_spmd(_dtypes_case, 2):
+        assert all(checks), checks
+
+
+def _in_flight_case() -> list[bool]:
+    # Two collectives started before either is waited for, a gloo collective between them:
+    # each runs in turn on the group's worker, in the order started on every rank.
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = fd.Mesh(dp=world)
+    first, second = heavy_tailed(rank, 3 * WINDOW_BYTES // 4), heavy_tailed(rank + 10, 5000)
+    expected = [x.clone() for x in (first, second)]
+    for x in expected:
+        dist.all_reduce(x)
+    a = all_reduce_bucket_start(first.clone(), "dp", mesh, divided=True)
+    b = all_reduce_bucket_start(second.clone(), "dp", mesh, divided=True)
+    between = C.all_reduce(torch.ones(3), "dp", mesh=mesh)
+    return [
+        torch.equal(b.wait(), expected[1]),
+        torch.equal(a.wait(), expected[0]),
+        torch.equal(between, torch.full((3,), float(world))),
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_in_flight_complete_in_the_order_started(world):
+    for checks in run_spmd(_in_flight_case, world):
+        assert all(checks), checks
+
+
+def _regions_case() -> dict[str, bool]:
+    world = dist.get_world_size()
+    comm = resolve_comm("dp", fd.Mesh(dp=world), "test")
+    x = torch.ones(10)
+    decided = shares_memory(comm, x, sums=True)  # the first call maps every rank's region
+    arena = shm._ARENAS[comm.group]
+    assert arena is not None
+    path = arena._path
+    named_before = path is not None and os.path.exists(path)
+    shared_all_reduce(x, comm).wait()
+    return {
+        "decided": decided,
+        "named until the first window": named_before,
+        "unnamed after it": path is not None and not os.path.exists(path),
+        "summed": torch.equal(x, torch.full((10,), float(world))),
+        "meta tensors keep the backend": not shares_memory(comm, x.to("meta"), sums=True),
+    }
+
+
+def test_each_rank_s_region_is_unnamed_once_every_peer_has_mapped_it():
+    for checks in run_spmd(_regions_case, 2):
+        assert all(checks.values()), checks
+
+
+def _setting_case(setting_on_rank_0: bool) -> bool:
+    rank = dist.get_rank()
+    set_shared_memory(setting_on_rank_0 if rank == 0 else True)
+    comm = resolve_comm("dp", fd.Mesh(dp=dist.get_world_size()), "test")
+    return shares_memory(comm, torch.ones(4), sums=False)
+
+
+def test_the_setting_decides_and_must_agree_across_the_ranks_of_one_host():
+    assert run_spmd(_setting_case, 2, True) == [True, True]
+    with pytest.raises(RankError, match=r"share a host but not the setting: ranks \[1\]"):
+        run_spmd(_setting_case, 2, False)
+
+
+def _other_host_case() -> tuple[bool, bool]:
+    if dist.get_rank() == 1:
+        shm.host_id = lambda: "host:elsewhere"  # restored below; the pool's ranks live on
+    try:
+        comm = resolve_comm("dp", fd.Mesh(dp=2), "test")
+        x = torch.ones(4)
+        shared = shares_memory(comm, x, sums=True)
+        pending = all_reduce_bucket_start(x, "dp", comm.mesh, divided=True)
+        return shared, torch.equal(pending.wait(), torch.full((4,), 2.0))
+    finally:
+        shm.host_id = hosts.host_id
+
+
+def test_ranks_on_different_hosts_keep_gloo():
+    assert run_spmd(_other_host_case, 2) == [(False, True), (False, True)]
+
+
+def _single_rank_case() -> list[bool]:
+    comm = resolve_comm("dp", fd.Mesh(dp=1), "test")
+    return [shares_memory(comm, torch.ones(3), sums=True)]
+
+
+def test_a_group_of_one_rank_does_not_share_memory_and_shared_calls_say_so():
+    assert run_spmd(_single_rank_case, 1) == [[False]]
+    with pytest.raises(TypeError, match="`enabled` must be a bool"):
+        set_shared_memory(1)  # type: ignore[arg-type]
+    assert shared_memory_enabled() in (True, False)
+
+
+def _unshared_call() -> None:
+    set_shared_memory(False)
+    comm = resolve_comm("dp", fd.Mesh(dp=2), "test")
+    shared_all_reduce(torch.ones(3), comm)
+
+
+def test_a_shared_call_where_the_group_keeps_gloo_names_the_check():
+    with pytest.raises(RankError, match=r"check shares_memory\(comm, flat, sums=...\) first"):
+        run_spmd(_unshared_call, 2)
+
+
+def _late_peer(late: float) -> bool:
+    C.set_debug(False)
+    C.set_collective_timeout(1.0)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = fd.Mesh(dp=world)
+    x = heavy_tailed(rank, 3 * WINDOW_BYTES // 4)
+    expected = x.clone()
+    dist.all_reduce(expected)
+    for _ in range(2):  # the signature and its repetition agreed: the next wait is the bound's
+        all_reduce_bucket_start(x.clone(), "dp", mesh, divided=True).wait()
+    dist.barrier()
+    if rank == 0:
+        time.sleep(late)
+    reduced = all_reduce_bucket_start(x.clone(), "dp", mesh, divided=True).wait()
+    return torch.equal(reduced, expected)
+
+
+def test_a_late_peer_is_no_error():
+    # Later than the watchdog's patience (1 s): the ranks compare records, find every peer in
+    # the collective or arriving, and wait on.
+    assert run_spmd(_late_peer, 2, 1.5) == [True, True]
+
+
+def _absent_peer() -> tuple[str, float] | None:
+    C.set_debug(False)
+    C.set_collective_timeout(1.0)
+    rank = dist.get_rank()
+    mesh = fd.Mesh(dp=2)
+    for _ in range(2):
+        all_reduce_bucket_start(torch.ones(8), "dp", mesh, divided=True).wait()
+    dist.barrier()
+    if rank == 1:
+        return None  # returns from its function instead of reducing once more
+    start = time.monotonic()
+    try:
+        all_reduce_bucket_start(torch.ones(8), "dp", mesh, divided=True).wait()
+    except fd.CollectiveTimeoutError as error:
+        return str(error), time.monotonic() - start
+    return "completed", 0.0
+
+
+def test_a_peer_that_never_arrives_is_reported_in_bounded_time():
+    caught, absent = run_spmd(_absent_peer, 2, timeout=60)
+    assert absent is None and caught is not None
+    message, seconds = caught
+    assert "rank 1: returned from its function" in message, message
+    assert seconds < 10
+    # The pool resets every rank before its next call: the group's regions are closed and the
+    # next call maps new ones.
+    assert run_spmd(_regions_case, 2)[0]["summed"]
+
+
+def test_shared_work_bounds_its_wait_as_c10d_work_does():
+    never: concurrent.futures.Future = concurrent.futures.Future()
+    work = SharedWork(never)
+    with pytest.raises(RuntimeError, match="timed out"):
+        work.wait(datetime.timedelta(seconds=0.05))
+    assert not work.is_completed()
+    failed: concurrent.futures.Future = concurrent.futures.Future()
+    failed.set_exception(ValueError("regions closed"))
+    with pytest.raises(RuntimeError, match="failed: regions closed"):
+        SharedWork(failed).wait()
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result(None)
+    assert SharedWork(done, [torch.ones(2)]).wait() and SharedWork(done).is_completed()
+
+
+def _steps_case(strategy: str, shared: bool) -> list[torch.Tensor]:
+    set_shared_memory(shared)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    # Two buckets of several windows each, and a small one.
+    params = {
+        "a": torch.randn(700, 1024, generator=g),
+        "b": torch.randn(300, 1024, generator=g),
+        "c": torch.randn(37, generator=g),
+    }
+
+    def loss_fn(p, buffers, batch, key):
+        h = torch.tanh(batch @ p["a"].T) @ p["a"]
+        return (h @ p["b"].T).square().mean() + (p["c"] * batch[:, :37]).sum() ** 2
+
+    wrap = {"ddp": fs.data_parallel, "zero2": fs.shard_optimizer}[strategy]
+    step = wrap(fs.train_step(loss_fn, fs.optim.adamw(1e-3)), fd.Mesh(dp=world))
+    state = step.init(params)
+    batch = torch.randn(4, 1024, generator=torch.Generator().manual_seed(rank)) * 3
+    for _ in range(2):
+        state, _ = step(state, batch)
+    return list(fs.consolidate(step, state).params.values())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_a_training_step_is_the_same_through_shared_memory_and_gloo(world, strategy):
+    for shared, plain in zip(
+        run_spmd(_steps_case, world, strategy, True, timeout=120),
+        run_spmd(_steps_case, world, strategy, False, timeout=120),
+    ):
+        for a, b in zip(shared, plain):
+            assert torch.equal(bits(a), bits(b))
