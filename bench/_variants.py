@@ -19,6 +19,10 @@ the same model (seed 0) on the same batches with AdamW at the same learning rate
   unit (torchtitan's default policy, as fscale's ``"except_last"``);
 * ``fscale DDP`` / ``fscale DDP donate=False``: ``fscale.data_parallel``, donated and pure;
 * ``fscale ZeRO-1`` / ``fscale ZeRO-2``: ``fscale.shard_optimizer(shard_grads=False / True)``;
+* ``fscale DDP over gloo`` / ``fscale ZeRO-2 over gloo``: the same with their bucket collectives
+  on gloo instead of shared memory (``fscale.distributed.shared_memory.set_shared_memory(False)``,
+  decided per process group at its first collective: only in processes of their own, as
+  ``bench/strategies.py --isolated`` runs them);
 * ``fscale ZeRO-3``: ``fscale.fully_shard`` over the same units as FSDP2;
 * ``fscale DDP + checkpoint``: ``fscale.checkpoint`` around every block, under data_parallel
   (the step keeps the last block's saved tensors instead of recomputing it,
@@ -45,6 +49,7 @@ import fscale as fs
 __all__ = [
     "FAIRSCALE",
     "FSCALE",
+    "OVER_GLOO",
     "PEERS",
     "Variant",
     "Workload",
@@ -64,7 +69,11 @@ FSCALE = (
     "fscale ZeRO-2",
     "fscale ZeRO-3",
     "fscale DDP + checkpoint",
+    "fscale DDP over gloo",
+    "fscale ZeRO-2 over gloo",
 )
+OVER_GLOO = ("fscale DDP over gloo", "fscale ZeRO-2 over gloo")
+"""The variants that need a process group of their own (its transport is decided once)."""
 PEERS = (
     "torch DDP",
     "torch DDP + checkpoint",
@@ -248,6 +257,8 @@ def _fscale(variant: Variant, workload: Workload, model: nn.Module) -> None:
         return workload.loss(output, batch), new_buffers
 
     name = variant.name
+    if name in OVER_GLOO:
+        fs.distributed.shared_memory.set_shared_memory(False)
     step = fs.train_step(
         loss_fn, fs.optim.adamw(LEARNING_RATE), donate=not name.endswith("donate=False")
     )
@@ -255,7 +266,7 @@ def _fscale(variant: Variant, workload: Workload, model: nn.Module) -> None:
     if name == "fscale ZeRO-3":
         step = fs.fully_shard(step, mesh, units=workload.units(model))
     elif "ZeRO" in name:
-        step = fs.shard_optimizer(step, mesh, shard_grads=name.endswith("2"))
+        step = fs.shard_optimizer(step, mesh, shard_grads="ZeRO-2" in name)
     else:
         step = fs.data_parallel(step, mesh)
     holder = {"state": step.init(params, buffers)}

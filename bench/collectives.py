@@ -16,17 +16,21 @@ each once through ``torch.distributed`` (``all_reduce``, ``reduce_scatter_single
 `fscale.distributed.collectives` on a mesh axis (the differentiable path: the ledger, the
 watchdog's signature check, the autograd Function), and once through the in-place bucket
 collectives of `fscale.parallel.bucket_collectives` (what `data_parallel` and
-`shard_optimizer` run on their gradient and parameter buckets; on gloo the reduce-scatter and
-the all-gather are exchanges between every pair of ranks, `fscale.distributed.exchange`). A
-round's time is its slowest rank's.
+`shard_optimizer` run on their gradient and parameter buckets). The bucket collectives run
+twice, in two launches: with ``FSCALE_SHARED_MEMORY=0``, through gloo (from 1 MiB the
+reduce-scatter and the all-gather are exchanges between every pair of ranks,
+`fscale.distributed.exchange`), and with the default, through shared memory between the ranks
+of this host (`fscale.distributed.shared_memory`); each launch times c10d beside them, and
+each ratio is over its own launch's c10d. A round's time is its slowest rank's.
 
 Reported per (N, size, collective): the median milliseconds of each path, fscale's over c10d,
 the algorithm bandwidth (buffer bytes / time) and the bus bandwidth, the bytes each rank's
 link carries in a ring algorithm per second (nccl-tests' convention: algorithm bandwidth
 times 2(N-1)/N for all_reduce, (N-1)/N for the other two), so the three are comparable. Below
 the table, per size: ``(reduce_scatter + all_gather) / all_reduce``, over c10d and over the
-bucket collectives, what ZeRO's two collectives cost against DDP's one for the same bytes. A
-ring moves the same bytes for both, so the ratio is 1 where the collectives are equally good.
+bucket collectives on each transport, what ZeRO's two collectives cost against DDP's one for
+the same bytes. A ring moves the same bytes for both, so the ratio is 1 where the collectives
+are equally good. The c10d columns' bandwidths are gloo's.
 Writes ``bench/results/collectives.json``.
 """
 
@@ -102,10 +106,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with _util.MachineLoad() as load:
         for world in args.world:
             options = {"sizes_kib": args.sizes_kib, "rounds": args.rounds, "warmup": args.warmup}
-            per_rank = fs.launch(
-                rank_main, world, options, backend=args.backend, env={"FSCALE_DEBUG": "0"}
-            )
-            rows += _rows(world, args.sizes_kib, per_rank)
+            launches = [
+                fs.launch(
+                    rank_main,
+                    world,
+                    options,
+                    backend=args.backend,
+                    env={"FSCALE_DEBUG": "0", "FSCALE_SHARED_MEMORY": shared},
+                )
+                for shared in ("0", "1")
+            ]
+            rows += _rows(world, args.sizes_kib, *launches)
     print(_format(rows))
     print(_zero_over_ddp(rows))
     print(load.describe())
@@ -113,17 +124,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return {"rows": rows}
 
 
-def _rows(world: int, sizes_kib: list[int], per_rank: list[dict[str, Any]]) -> list[dict]:
+def _rows(
+    world: int, sizes_kib: list[int], gloo: list[dict[str, Any]], shared: list[dict[str, Any]]
+) -> list[dict]:
+    """One row per (size, collective); `gloo` and `shared` are the two launches' rank results."""
     rows = []
     for kib in sizes_kib:
 
-        def median(name: str, kib: int = kib) -> float:
+        def median(per_rank: list[dict[str, Any]], name: str, kib: int = kib) -> float:
             rounds = zip(*(r[str(kib)][name] for r in per_rank))
             return statistics.median(max(values) for values in rounds)
 
         for kind in KINDS:
-            c10d, ours = median(f"c10d {kind}"), median(f"fscale {kind}")
-            bucket = median(f"bucket {kind}")
+            c10d, ours = median(gloo, f"c10d {kind}"), median(gloo, f"fscale {kind}")
+            bucket = median(gloo, f"bucket {kind}")
+            shared_c10d, shared_bucket = (
+                median(shared, f"c10d {kind}"),
+                median(shared, f"bucket {kind}"),
+            )
             size_bytes = kib * 1024 // 4 // world * world * 4
             algorithm = size_bytes / c10d
             rows.append(
@@ -136,6 +154,8 @@ def _rows(world: int, sizes_kib: list[int], per_rank: list[dict[str, Any]]) -> l
                     "fscale_over_c10d": ours / c10d,
                     "bucket_s": bucket,
                     "bucket_over_c10d": bucket / c10d,
+                    "shared_s": shared_bucket,
+                    "shared_over_c10d": shared_bucket / shared_c10d,
                     "algorithm_gb_s": algorithm / 1e9,
                     "bus_gb_s": algorithm * BUS_FACTOR[kind] * (world - 1) / world / 1e9,
                 }
@@ -151,10 +171,12 @@ def _format(rows: list[dict[str, Any]]) -> str:
         "c10d ms",
         "fscale ms",
         "fscale/c10d",
-        "bucket ms",
-        "bucket/c10d",
-        "alg GB/s",
-        "bus GB/s",
+        "bucket gloo ms",
+        "/c10d",
+        "bucket shm ms",
+        "/c10d",
+        "c10d alg GB/s",
+        "c10d bus GB/s",
     ]
     body = [
         [
@@ -166,6 +188,8 @@ def _format(rows: list[dict[str, Any]]) -> str:
             r["fscale_over_c10d"],
             r["bucket_s"] * 1e3,
             r["bucket_over_c10d"],
+            r["shared_s"] * 1e3,
+            r["shared_over_c10d"],
             r["algorithm_gb_s"],
             r["bus_gb_s"],
         ]
@@ -180,7 +204,7 @@ def _zero_over_ddp(rows: list[dict[str, Any]]) -> str:
     lines = []
     for world, kib in sorted({(r["world"], r["size_kib"]) for r in rows}):
         ratios = []
-        for path in ("c10d", "bucket"):
+        for path in ("c10d", "bucket", "shared"):
             by_kind = {
                 r["collective"]: r[f"{path}_s"]
                 for r in rows

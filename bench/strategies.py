@@ -19,6 +19,10 @@ update):
   FSDP2`` (its default: every unit resharded after forward), the same units (GPT blocks,
   ResNet stages) and root, and beside ``torch FSDP2 last kept`` (torchtitan's policy,
   the same one as fscale's default);
+* with ``--isolated`` also ``fscale DDP over gloo`` and ``fscale ZeRO-2 over gloo``: the same
+  steps with their bucket collectives on gloo's TCP loopback instead of the shared memory
+  fscale's ranks of one host use by default (`fscale.distributed.shared_memory`), shown beside
+  the goal's peer so the transport's share of the difference can be read off;
 * GPT only: ``fscale DDP + checkpoint`` beside ``torch DDP + checkpoint``
   (``torch.utils.checkpoint``), every block checkpointed: torch recomputes every block, fscale
   every block but the forward's last, whose saved tensors its step keeps for the backward that
@@ -62,8 +66,14 @@ import fscale as fs
 
 COMPARISONS = (
     # (strategy, fscale variant, the peer the goal is set against, goal, other peers shown)
-    ("DDP", "fscale DDP", "torch DDP", 1.00, ()),
-    ("ZeRO-2", "fscale ZeRO-2", "torch DDP", 1.00, ("FairScale OSS + ShardedDDP",)),
+    ("DDP", "fscale DDP", "torch DDP", 1.00, ("fscale DDP over gloo",)),
+    (
+        "ZeRO-2",
+        "fscale ZeRO-2",
+        "torch DDP",
+        1.00,
+        ("FairScale OSS + ShardedDDP", "fscale ZeRO-2 over gloo"),
+    ),
     ("ZeRO-3", "fscale ZeRO-3", "torch FSDP2", 0.95, ("torch FSDP2 last kept",)),
     ("remat", "fscale DDP + checkpoint", "torch DDP + checkpoint", 1.00, ()),
 )
@@ -77,14 +87,17 @@ VARIANTS = (
     "torch FSDP2 last kept",
     "fscale DDP + checkpoint",
     "torch DDP + checkpoint",
+    "fscale DDP over gloo",
+    "fscale ZeRO-2 over gloo",
 )
 
 
 def variants_for(
-    model: str, with_fairscale: bool, strategies: list[str] | None = None
+    model: str, with_fairscale: bool, strategies: list[str] | None = None, isolated: bool = True
 ) -> list[str]:
-    """The variants timed on `model`: no checkpoint pair on the CNN, FairScale when it imports;
-    with `strategies`, only their fscale variants and peers."""
+    """The variants timed on `model`: no checkpoint pair on the CNN, FairScale when it imports,
+    the variants over gloo only in processes of their own (`isolated`); with `strategies`, only
+    their fscale variants and peers."""
     wanted = None
     if strategies is not None:
         wanted = {
@@ -98,6 +111,7 @@ def variants_for(
         for name in VARIANTS
         if (model == "gpt" or "checkpoint" not in name)
         and (with_fairscale or name not in _variants.FAIRSCALE)
+        and (isolated or name not in _variants.OVER_GLOO)
         and (wanted is None or name in wanted)
     ]
 
@@ -247,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     runs, table, verdicts = [], [], []
     for model in args.models:
-        names = variants_for(model, fairscale is None, args.strategies)
+        names = variants_for(model, fairscale is None, args.strategies, args.isolated)
         if not names:
             continue
         for world in args.ranks:
