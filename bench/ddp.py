@@ -30,8 +30,10 @@ peak RSS, the final global mean loss of each variant (DDP's is the mean of the r
 reduced as fscale reduces its metrics) and whether it and the parameters equal DDP's bit for bit,
 and the traffic of one step: what fscale's comm ledger records (ring-model bytes) and the bytes
 this rank actually wrote to its gloo sockets (``wchar`` of ``/proc/self/io`` across the step), for
-fscale and DDP alike. When an fscale variant is slower than DDP (or with ``--profile``), rank 0
-profiles it against DDP (per-op and per-Python-function medians; see `_util.profile_against`).
+fscale and DDP alike (fscale's ranks of one host move their buckets through shared memory,
+`fscale.distributed.shared_memory`, so theirs is about zero: the ledger counts what moved).
+When an fscale variant is slower than DDP (or with ``--profile``), rank 0 profiles it against
+DDP (per-op and per-Python-function medians; see `_util.profile_against`).
 Writes ``bench/results/ddp.json`` (``ddp_hf_gpt2.json`` with ``--model hf-gpt2``).
 """
 
@@ -424,7 +426,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ring = 2 * (args.world - 1) / args.world * params * 4
     print(
         f"{params / 1e6:.2f}M float32 params: one ring all-reduce of the gradients sends "
-        f"{ring / 2**20:.2f} MiB per rank; wire = bytes rank 0 wrote to its sockets per step, "
+        f"{ring / 2**20:.2f} MiB per rank; wire = bytes rank 0 wrote to its sockets per step "
+        "(none where fscale's ranks of one host share memory: fscale.distributed.shared_memory), "
         "ledger = fscale's ring-model count (all collectives of the step)"
     )
     for name, entry in rank0["traffic"].items():

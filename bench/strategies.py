@@ -1,7 +1,7 @@
 """Benchmark: the step time of every fscale strategy beside its peers, one run per model and ranks.
 
 Usage: ``python bench/strategies.py [--quick] [--ranks N ...] [--models gpt cnn] [--rounds N]
-[--warmup N] [--keep-heap] [--isolated] [--strategies DDP ZeRO-2 ZeRO-3 remat]``
+[--warmup N] [--keep-heap] [--isolated [--over-gloo]] [--strategies DDP ZeRO-2 ZeRO-3 remat]``
 
 For each model (the GPT language model of `_util.gpt_config`, 8 sequences per rank, and the
 ResNet of ``bench/oss.py``, 32 images per rank) and each number of gloo ranks (default 2 and 4,
@@ -19,10 +19,10 @@ update):
   FSDP2`` (its default: every unit resharded after forward), the same units (GPT blocks,
   ResNet stages) and root, and beside ``torch FSDP2 last kept`` (torchtitan's policy,
   the same one as fscale's default);
-* with ``--isolated`` also ``fscale DDP over gloo`` and ``fscale ZeRO-2 over gloo``: the same
-  steps with their bucket collectives on gloo's TCP loopback instead of the shared memory
-  fscale's ranks of one host use by default (`fscale.distributed.shared_memory`), shown beside
-  the goal's peer so the transport's share of the difference can be read off;
+* with ``--isolated --over-gloo`` also ``fscale DDP over gloo`` and ``fscale ZeRO-2 over
+  gloo``: the same steps with their bucket collectives on gloo's TCP loopback instead of the
+  shared memory fscale's ranks of one host use by default (`fscale.distributed.shared_memory`),
+  shown beside the goal's peer so the transport's share of the difference can be read off;
 * GPT only: ``fscale DDP + checkpoint`` beside ``torch DDP + checkpoint``
   (``torch.utils.checkpoint``), every block checkpointed: torch recomputes every block, fscale
   every block but the forward's last, whose saved tensors its step keeps for the backward that
@@ -93,11 +93,11 @@ VARIANTS = (
 
 
 def variants_for(
-    model: str, with_fairscale: bool, strategies: list[str] | None = None, isolated: bool = True
+    model: str, with_fairscale: bool, strategies: list[str] | None = None, over_gloo: bool = False
 ) -> list[str]:
     """The variants timed on `model`: no checkpoint pair on the CNN, FairScale when it imports,
-    the variants over gloo only in processes of their own (`isolated`); with `strategies`, only
-    their fscale variants and peers."""
+    the variants over gloo only when asked (`over_gloo`; they need processes of their own); with
+    `strategies`, only their fscale variants and peers."""
     wanted = None
     if strategies is not None:
         wanted = {
@@ -111,7 +111,7 @@ def variants_for(
         for name in VARIANTS
         if (model == "gpt" or "checkpoint" not in name)
         and (with_fairscale or name not in _variants.FAIRSCALE)
-        and (isolated or name not in _variants.OVER_GLOO)
+        and (over_gloo or name not in _variants.OVER_GLOO)
         and (wanted is None or name in wanted)
     ]
 
@@ -245,7 +245,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="each variant in rank processes of its own, so no variant runs on a heap another "
         "left behind (see bench/_isolated.py)",
     )
+    parser.add_argument(
+        "--over-gloo",
+        action="store_true",
+        help="with --isolated: also fscale's DDP and ZeRO-2 with their buckets over gloo instead "
+        "of shared memory",
+    )
     args = parser.parse_args(argv)
+    if args.over_gloo and not args.isolated:
+        parser.error("--over-gloo needs --isolated: a group's transport is decided once")
     rounds = args.rounds if args.rounds is not None else (4 if args.quick else 20)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     if rounds < 1 or warmup < 0 or any(n < 1 for n in args.ranks):
@@ -261,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     runs, table, verdicts = [], [], []
     for model in args.models:
-        names = variants_for(model, fairscale is None, args.strategies, args.isolated)
+        names = variants_for(model, fairscale is None, args.strategies, args.over_gloo)
         if not names:
             continue
         for world in args.ranks:

@@ -298,3 +298,23 @@ def test_a_training_step_is_the_same_through_shared_memory_and_gloo(world, strat
     ):
         for a, b in zip(shared, plain):
             assert torch.equal(bits(a), bits(b))
+
+
+def _absent_peer_in_a_job() -> None:
+    mesh = fd.Mesh(dp=2)
+    all_reduce_bucket_start(torch.ones(8), "dp", mesh, divided=True).wait()
+    if dist.get_rank() == 0:
+        all_reduce_bucket_start(torch.ones(8), "dp", mesh, divided=True).wait()
+
+
+def test_a_job_whose_peer_never_arrives_fails_and_its_processes_exit():
+    # The waiting rank's worker polls on after the error; it must not keep its process alive.
+    start = time.monotonic()
+    with pytest.raises(fd.RankError, match="CollectiveTimeoutError"):
+        fs.launch(
+            _absent_peer_in_a_job,
+            2,
+            env={"FSCALE_COLLECTIVE_TIMEOUT": "1", "FSCALE_DEBUG": "0"},
+            timeout=60,
+        )
+    assert time.monotonic() - start < 45

@@ -50,8 +50,10 @@ import datetime
 import mmap
 import os
 import platform
+import queue
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -216,7 +218,10 @@ class _Arena:
             for m in maps
         ]
         self._windows: dict[torch.dtype, list[list[Tensor]]] = {}
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fscale-shm")
+        # A daemon thread of its own, not an executor's: an executor's threads are joined at
+        # exit, which would hang a process whose peer never arrived.
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="fscale-shared-memory", daemon=True).start()
 
     @classmethod
     def open(cls, comm: Comm) -> _Arena | None:
@@ -258,14 +263,42 @@ class _Arena:
                 _unlink(path)
 
     def submit(self, work: Callable[[], None]) -> concurrent.futures.Future:
-        return self._worker.submit(work)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, work))
+        return future
 
     def close(self) -> None:
+        """Stop the worker: the collective it runs fails, the ones queued are cancelled."""
         self.closed = True
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._queue.put(None)
         if self._path is not None:
             _unlink(self._path)
             self._path = None
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            future, work = item
+            if self.closed:
+                future.cancel()
+                continue
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                work()
+            except BaseException as error:
+                future.set_exception(error)
+            else:
+                future.set_result(None)
+        while True:  # what was queued behind the close
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[0].cancel()
 
     # ---- on the worker --------------------------------------------------------------------
 
