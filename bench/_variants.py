@@ -20,7 +20,7 @@ the same model (seed 0) on the same batches with AdamW at the same learning rate
 * ``fscale DDP`` / ``fscale DDP donate=False``: ``fscale.data_parallel``, donated and pure;
 * ``fscale ZeRO-1`` / ``fscale ZeRO-2``: ``fscale.shard_optimizer(shard_grads=False / True)``;
 * ``fscale DDP over gloo`` / ``fscale ZeRO-2 over gloo``: the same with their bucket collectives
-  on gloo instead of shared memory (``fscale.distributed.shared_memory.set_shared_memory(False)``,
+  on gloo instead of shared memory (``fscale.distributed.set_shared_memory(False)``,
   decided per process group at its first collective: only in processes of their own, as
   ``bench/strategies.py --isolated`` runs them);
 * ``fscale ZeRO-3``: ``fscale.fully_shard`` over the same units as FSDP2;
@@ -258,7 +258,7 @@ def _fscale(variant: Variant, workload: Workload, model: nn.Module) -> None:
 
     name = variant.name
     if name in OVER_GLOO:
-        fs.distributed.shared_memory.set_shared_memory(False)
+        fs.distributed.set_shared_memory(False)
     step = fs.train_step(
         loss_fn, fs.optim.adamw(LEARNING_RATE), donate=not name.endswith("donate=False")
     )

@@ -25,7 +25,8 @@ of the same shape (vocabulary, width, layers, heads, positions; dropout 0; nothi
 called with ``use_cache=False``; both libraries take ``fscale.models.lm_loss`` of its logits.
 With ``--quick`` that is a small model whose step time the per-step Python (the HF model's and
 the library's) takes a visible share of. A round's time is the slowest rank's. Reported: median
-step time with its IQR, ratio of medians to DDP and the median round-by-round ratio, each rank's
+step time with its IQR, ratio of medians to DDP and the median round-by-round ratio with a
+distribution-free 95% interval for it (`_util.median_interval`), each rank's
 peak RSS, the final global mean loss of each variant (DDP's is the mean of the ranks' losses,
 reduced as fscale reduces its metrics) and whether it and the parameters equal DDP's bit for bit,
 and the traffic of one step: what fscale's comm ledger records (ring-model bytes) and the bytes
@@ -373,13 +374,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rank0 = results[0]
     rows = []
     for name, summary in summaries.items():
-        paired = _util.summarize(_util.paired_ratios(per_round[name], per_round[REFERENCE]))
+        ratios = _util.paired_ratios(per_round[name], per_round[REFERENCE])
+        paired, interval = _util.summarize(ratios), _util.median_interval(ratios)
         rows.append(
             {
                 "variant": name,
                 "step_s": summary.as_dict(),
                 "ratio_of_medians": summary.median / reference_median,
                 "paired_ratio": paired.as_dict(),
+                "paired_interval": {"low": interval.low, "high": interval.high},
                 "final_loss": rank0["final_loss"][name],
                 "loss_bitwise_equal_to_ddp": all(r["loss_equal"][name] for r in results),
                 "params_bitwise_equal_to_ddp": all(r["params_equal"][name] for r in results),
@@ -397,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "median ms",
                 "IQR ms",
                 "x DDP",
-                "paired x (IQR)",
+                "paired x (95% CI)",
                 "final loss",
                 "loss ==",
                 "params ==",
@@ -410,7 +413,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     row["step_s"]["median"] * 1e3,
                     row["step_s"]["iqr"] * 1e3,
                     row["ratio_of_medians"],
-                    f"{row['paired_ratio']['median']:.3f} ({row['paired_ratio']['iqr']:.3f})",
+                    (
+                        f"{row['paired_ratio']['median']:.3f} "
+                        f"({row['paired_interval']['low']:.3f}-{row['paired_interval']['high']:.3f})"
+                    ),
                     f"{row['final_loss']:.6f}",
                     row["loss_bitwise_equal_to_ddp"],
                     row["params_bitwise_equal_to_ddp"],

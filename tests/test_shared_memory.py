@@ -11,6 +11,7 @@ import concurrent.futures
 import datetime
 import os
 import time
+import weakref
 
 import pytest
 import torch
@@ -184,7 +185,8 @@ def test_a_group_of_one_rank_does_not_share_memory_and_shared_calls_say_so():
     assert run_spmd(_single_rank_case, 1) == [[False]]
     with pytest.raises(TypeError, match="`enabled` must be a bool"):
         set_shared_memory(1)  # type: ignore[arg-type]
-    assert shared_memory_enabled() in (True, False)
+    assert fd.set_shared_memory is set_shared_memory  # the package's own name for it
+    assert fd.shared_memory_enabled() == shared_memory_enabled()
 
 
 def _unshared_call() -> None:
@@ -318,3 +320,41 @@ def test_a_job_whose_peer_never_arrives_fails_and_its_processes_exit():
             timeout=60,
         )
     assert time.monotonic() - start < 45
+
+
+@pytest.mark.parametrize(
+    ("value", "enabled"), [("0", False), ("off", False), ("1", True), ("", True)]
+)
+def test_the_environment_sets_the_default_and_a_reset_restores_it(monkeypatch, value, enabled):
+    monkeypatch.setenv("FSCALE_SHARED_MEMORY", value)
+    set_shared_memory(not enabled)
+    fs.tracking.reset()  # what the ranks of a pool run between calls
+    assert shared_memory_enabled() is enabled
+    monkeypatch.delenv("FSCALE_SHARED_MEMORY")
+    fs.tracking.reset()
+    assert shared_memory_enabled()
+
+
+def _buffers_released() -> list[bool]:
+    world = dist.get_world_size()
+    mesh = fd.Mesh(dp=world)
+    comm = resolve_comm("dp", mesh, "test")
+    out = []
+    for start in (
+        lambda x: all_reduce_bucket_start(x, "dp", mesh, divided=True),
+        lambda x: shared_reduce_scatter(x, comm, 0)[0],
+        lambda x: shared_all_gather(x, comm),
+    ):
+        flat = torch.ones(3 * WINDOW_BYTES // 8)
+        alive = weakref.ref(flat)
+        work = start(flat)
+        work.wait()
+        del work, flat
+        # Nothing of the transport's holds a finished collective's buffer.
+        out.append(alive() is None)
+    return out
+
+
+def test_a_finished_collective_leaves_no_reference_to_its_buffers():
+    for checks in run_spmd(_buffers_released, 2):
+        assert all(checks), checks

@@ -4,6 +4,8 @@
 - `fscale.distributed.collectives`: each collective beside its dual (the gradient), sync and async.
 - `comm_ledger` records what every collective sends, for tests and tuning.
 - `launch` / `init` start or join the process group; `shutdown` leaves it.
+- Ranks of one host move host tensors' bucket collectives through shared memory
+  (`fscale.distributed.shared_memory`; `set_shared_memory(False)` keeps gloo).
 - Ranks that disagree on a collective fail on every rank within `collective_timeout()` seconds
   (`fscale.distributed.watchdog`); `set_debug` checks every collective.
 """
@@ -33,6 +35,8 @@ from fscale.distributed.ledger import CommRecord as CommRecord
 from fscale.distributed.ledger import comm_ledger as comm_ledger
 from fscale.distributed.mesh import Mesh as Mesh
 from fscale.distributed.mesh import current_mesh as current_mesh
+from fscale.distributed.shared_memory import set_shared_memory as set_shared_memory
+from fscale.distributed.shared_memory import shared_memory_enabled as shared_memory_enabled
 from fscale.distributed.spawn import RankError as RankError
 from fscale.distributed.spawn import RankTimeoutError as RankTimeoutError
 from fscale.distributed.spawn import init as init
@@ -74,6 +78,8 @@ __all__ = [
     "send",
     "set_collective_timeout",
     "set_debug",
+    "set_shared_memory",
+    "shared_memory_enabled",
     "shutdown",
     "world_size",
 ]

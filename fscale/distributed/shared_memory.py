@@ -292,6 +292,9 @@ class _Arena:
                 future.set_exception(error)
             else:
                 future.set_result(None)
+            # The closure holds the collective's buffers: kept until the next one, it would keep
+            # the step's last bucket alive between steps.
+            del item, future, work
         while True:  # what was queued behind the close
             try:
                 item = self._queue.get_nowait()
