@@ -274,9 +274,9 @@ def exchange_reduce_scatter(
 
     def add() -> None:
         for start, stop, c in chunks_between(rank * part, (rank + 1) * part, chunk, size):
-            _sum_inring_order(result, terms, start - rank * part, stop - rank * part, c, size)
+            _sum_in_ring_order(result, terms, start - rank * part, stop - rank * part, c, size)
         for start, stop, c in chunks_between(numel, flat.numel(), chunk, size):
-            _sum_inring_order(tail, tail_terms, start - numel, stop - numel, c, size)
+            _sum_in_ring_order(tail, tail_terms, start - numel, stop - numel, c, size)
 
     return PairWork(works, add, [*received.values(), *tails.values()]), result
 
@@ -296,7 +296,7 @@ def ring_order(chunk: int, size: int) -> list[int]:
     return [(chunk - k) % size for k in range(1, size + 1)]
 
 
-def _sum_inring_order(
+def _sum_in_ring_order(
     out: torch.Tensor,
     terms: Callable[[int, int, int], torch.Tensor],
     start: int,

@@ -20,6 +20,10 @@ collectives work in place, with the same arithmetic and the same record in the c
   shard this rank has already written: no gathered copy beside the bucket. On gloo, from 1 MiB,
   exchanged between every pair of ranks (about half the time of gloo's all-gather).
 
+Where every rank of the axis is on this host (host tensors, a gloo group), all three go through
+shared memory instead (`fscale.distributed.shared_memory`: windows every rank maps, sums in the
+order of gloo's ring, so the same bits; a fraction of the time of gloo's sockets).
+
 The two reductions take ``trailing``: a few elements after the bucket in its buffer (the step's
 loss and scalar metrics) whose mean travels in the bucket's own collective, so that the step
 needs no collective of its own for them; ``pending.trailing`` holds that mean (a copy) once
