@@ -358,3 +358,36 @@ def _buffers_released() -> list[bool]:
 def test_a_finished_collective_leaves_no_reference_to_its_buffers():
     for checks in run_spmd(_buffers_released, 2):
         assert all(checks), checks
+
+
+def _bad_input() -> list[str]:
+    comm = resolve_comm("dp", fd.Mesh(dp=2), "test")
+    calls = [
+        lambda: shared_all_reduce(torch.ones(4, 2), comm),
+        lambda: shared_all_reduce(torch.ones(8)[::2], comm),
+        lambda: shared_reduce_scatter(torch.ones(7), comm, 0),
+        lambda: shared_reduce_scatter(torch.ones(7), comm, 9),
+        lambda: shared_reduce_scatter(torch.ones(7), comm, True),
+        lambda: shared_all_gather(torch.ones(5), comm),
+        lambda: shared_all_gather("flat", comm),  # type: ignore[arg-type]
+    ]
+    return [_refusal(call) for call in calls]
+
+
+def _refusal(call) -> str:
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_bad_buffers_are_refused_before_anything_is_sent():
+    messages = run_spmd(_bad_input, 2)[0]
+    assert "`flat` must be a contiguous 1-D tensor, got shape (4, 2)" in messages[0]
+    assert "contiguous 1-D" in messages[1]
+    assert "must leave a multiple of the 2 ranks" in messages[2]
+    assert "must leave a multiple" in messages[3]
+    assert "`trailing` must be an int" in messages[4]
+    assert "must leave a multiple of the 2 ranks" in messages[5]
+    assert "got str" in messages[6]

@@ -164,6 +164,7 @@ class SharedWork:
 def shared_all_reduce(flat: Tensor, comm: Comm) -> SharedWork:
     """Start summing the contiguous 1-D `flat` over `comm`'s ranks into `flat` itself, in
     gloo's order. Check `shares_memory(comm, flat, sums=True)` first."""
+    _check_flat(flat, comm, "shared_all_reduce")
     arena, ring = _arena(comm, flat, sums=True)
     return SharedWork(arena.submit(lambda: arena.all_reduce(flat, 0, ring)))
 
@@ -173,6 +174,7 @@ def shared_reduce_scatter(flat: Tensor, comm: Comm, trailing: int) -> tuple[Shar
     ``flat.numel() - trailing`` elements in N equal parts (part r summed on rank r), the last
     `trailing` whole on every rank, in `flat`. Returns the work and the new tensor that holds
     the part's sum once it is waited for; `flat` must not change until then."""
+    _check_flat(flat, comm, "shared_reduce_scatter", trailing=trailing)
     arena, ring = _arena(comm, flat, sums=True)
     part = torch.empty((flat.numel() - trailing) // comm.size, dtype=flat.dtype)
     future = arena.submit(lambda: arena.reduce_scatter(flat, trailing, part, ring))
@@ -182,8 +184,26 @@ def shared_reduce_scatter(flat: Tensor, comm: Comm, trailing: int) -> tuple[Shar
 def shared_all_gather(flat: Tensor, comm: Comm) -> SharedWork:
     """Start gathering every rank's part of `flat` (N equal parts, part r from rank r) into
     `flat`. Check `shares_memory(comm, flat, sums=False)` first."""
+    _check_flat(flat, comm, "shared_all_gather", trailing=0)
     arena, _ = _arena(comm, flat, sums=False)
     return SharedWork(arena.submit(lambda: arena.all_gather(flat)))
+
+
+def _check_flat(flat: Any, comm: Comm, caller: str, *, trailing: int | None = None) -> None:
+    """Raise unless `flat` is a contiguous 1-D tensor whose first ``numel - trailing`` elements
+    split into one equal part per rank (`trailing` None: no parts)."""
+    if not isinstance(flat, Tensor) or flat.dim() != 1 or not flat.is_contiguous():
+        got = f"shape {tuple(flat.shape)}" if isinstance(flat, Tensor) else type(flat).__name__
+        raise ValueError(f"{caller}: `flat` must be a contiguous 1-D tensor, got {got}")
+    if trailing is None:
+        return
+    if isinstance(trailing, bool) or not isinstance(trailing, int):
+        raise ValueError(f"{caller}: `trailing` must be an int, got {trailing!r}")
+    if not 0 <= trailing <= flat.numel() or (flat.numel() - trailing) % comm.size:
+        raise ValueError(
+            f"{caller}: `trailing`={trailing} must leave a multiple of the {comm.size} ranks "
+            f"of axis {comm.axis!r} of the buffer's {flat.numel()} elements"
+        )
 
 
 def _arena(comm: Comm, flat: Tensor, *, sums: bool) -> tuple[_Arena, int]:
