@@ -11,6 +11,7 @@ import concurrent.futures
 import datetime
 import os
 import time
+import warnings
 import weakref
 
 import pytest
@@ -391,3 +392,31 @@ def test_bad_buffers_are_refused_before_anything_is_sent():
     assert "`trailing` must be an int" in messages[4]
     assert "must leave a multiple of the 2 ranks" in messages[5]
     assert "got str" in messages[6]
+
+
+def _full_shm_case() -> tuple[bool, bool, list[str]]:
+    rank = dist.get_rank()
+    reserve = os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    if rank == 1:
+        os.posix_fallocate = full  # restored below; the pool's ranks live on
+    try:
+        comm = resolve_comm("dp", fd.Mesh(dp=2), "test")
+        x = torch.ones(4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            shared = shares_memory(comm, x, sums=True)
+        reduced = all_reduce_bucket_start(x, "dp", comm.mesh, divided=True).wait()
+        return shared, torch.equal(reduced, torch.full((4,), 2.0)), [str(w.message) for w in caught]
+    finally:
+        os.posix_fallocate = reserve
+
+
+def test_a_full_dev_shm_keeps_gloo_with_a_warning_instead_of_faulting_later():
+    (shared0, summed0, warned0), (shared1, summed1, warned1) = run_spmd(_full_shm_case, 2)
+    assert not shared0 and not shared1 and summed0 and summed1
+    assert any("keeps gloo, rank 1" in w and "No space left" in w for w in warned0), warned0
+    assert not warned1  # one warning per group, from its first rank

@@ -38,7 +38,9 @@ watchdog's to report; `fscale.tracking.reset` closes the regions and stops their
 **Choice.** `shares_memory` answers whether a collective runs here: host tensors, a gloo group
 whose ranks are all on this host, not turned off. The first call per group gathers each rank's
 host and setting (a collective, at the same point on every rank, as every first collective of
-a step is); ranks of one host whose settings differ are refused there. ``FSCALE_SHARED_MEMORY=0``
+a step is); ranks of one host whose settings differ are refused there. Each region's pages are
+reserved when it is made, so a full ``/dev/shm`` keeps the group on gloo with a warning instead
+of faulting later. ``FSCALE_SHARED_MEMORY=0``
 in the environment, or `set_shared_memory(False)`, keeps gloo for groups decided afterwards.
 """
 
@@ -55,6 +57,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -246,28 +249,43 @@ class _Arena:
     @classmethod
     def open(cls, comm: Comm) -> _Arena | None:
         """Every rank's region mapped, or None where the group keeps gloo (a collective)."""
-        wanted = _SETTING["enabled"] and _supported()
-        path, fd, arena = None, -1, None
-        if wanted:
+        setting = _SETTING["enabled"]
+        size = _HEADER + 2 * WINDOW_BYTES
+        path, fd, arena, failure = None, -1, None, None
+        if setting and _supported():
             fd, path = tempfile.mkstemp(prefix="fscale-", dir=_SHM_DIR)
-            os.ftruncate(fd, _HEADER + 2 * WINDOW_BYTES)
+            try:
+                # Reserve the pages now: a page of a full tmpfs is otherwise a SIGBUS on its
+                # first touch, deep inside a collective (/dev/shm is 64 MiB in a default
+                # container, and DataLoader workers share tensors through it too).
+                os.posix_fallocate(fd, 0, size)
+            except OSError as error:
+                failure = f"{_SHM_DIR} could not hold {size} bytes ({error})"
         try:
+            mine = (host_id(), setting, None if failure else path, failure)
             everyone: list[Any] = [None] * comm.size
-            dist.all_gather_object(everyone, (host_id(), wanted, path), group=comm.group)
-            hosts = {host for host, _, _ in everyone}
-            settings = {setting for _, setting, _ in everyone}
-            if len(hosts) == 1 and len(settings) > 1:
-                on = [q for q, (_, setting, _) in enumerate(everyone) if setting]
+            dist.all_gather_object(everyone, mine, group=comm.group)
+            if len({host for host, _, _, _ in everyone}) > 1:
+                return None
+            if len({on for _, on, _, _ in everyone}) > 1:
+                on = [q for q, (_, wants, _, _) in enumerate(everyone) if wants]
                 raise ValueError(
                     f"shared memory: the ranks of axis {comm.axis!r} share a host but not the "
                     f"setting: ranks {on} of the axis would use shared memory and the others "
                     f"would not. Set {_ENV} (or set_shared_memory) alike on every rank"
                 )
-            if len(hosts) > 1 or not wanted:
+            if any(peer_path is None for _, _, peer_path, _ in everyone):
+                failures = [(q, why) for q, (_, _, _, why) in enumerate(everyone) if why]
+                if failures and comm.index == 0:
+                    warnings.warn(
+                        f"shared memory: axis {comm.axis!r} keeps gloo, rank {failures[0][0]}: "
+                        f"{failures[0][1]}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                 return None
-            size = _HEADER + 2 * WINDOW_BYTES
             maps = []
-            for q, (_, _, peer_path) in enumerate(everyone):
+            for q, (_, _, peer_path, _) in enumerate(everyone):
                 if q == comm.index:
                     maps.append(mmap.mmap(fd, size))
                 else:
