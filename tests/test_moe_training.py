@@ -191,10 +191,7 @@ def _data_parallel_outside():
     apply, params, buffers = fs.functionalize(model)
     step = fs.train_step(make_loss(apply), fs.optim.sgd(0.2, momentum=0.9))
     step = fs.data_parallel(fs.expert_parallel(step, mesh, "ep"), mesh, "dp")
-    state = step.init(params, buffers)
-    for i in range(STEPS):
-        state, _ = step(state, batch(i, dist.get_rank()))
-    return fs.consolidate(step, state).params
+    return _trained(step, params, buffers)
 
 
 def test_data_parallel_outside_expert_parallel_equals_one_process():
@@ -225,10 +222,7 @@ def _mixed(order: str, param_dtype: torch.dtype, mesh_shape: dict[str, int] | No
         step = fs.mixed_precision(fs.expert_parallel(dp, mesh, "ep"), param_dtype=param_dtype)
     else:
         step = fs.expert_parallel(fs.mixed_precision(dp, param_dtype=param_dtype), mesh, "ep")
-    state = step.init(params, buffers)
-    for i in range(STEPS):
-        state, _ = step(state, batch(i, dist.get_rank()))
-    return fs.consolidate(step, state).params
+    return _trained(step, params, buffers)
 
 
 @pytest.mark.parametrize("order", ["outside", "inside"])
@@ -282,10 +276,7 @@ def _wrapped(kind: str):
     if kind == "loss_scale":
         inner = fs.loss_scale(inner)
     step = fs.expert_parallel(inner, mesh, "ep")
-    state = step.init(params, buffers)
-    for i in range(STEPS):
-        state, _ = step(state, batch(i, dist.get_rank()))
-    return fs.consolidate(step, state).params
+    return _trained(step, params, buffers)
 
 
 @pytest.mark.parametrize("kind", ["offload_optimizer", "loss_scale"])
@@ -293,3 +284,11 @@ def test_offloaded_or_loss_scaled_expert_parallel_steps_equal_one_process(kind):
     _, expected = reference("dropless")
     for params in run_spmd(_wrapped, WORLD, kind):
         fs.testing.assert_trees_close(params, expected, rtol=1e-9, atol=1e-11)
+
+
+def _trained(step, params, buffers):
+    """`step`'s full parameters after `STEPS` steps on this rank's batches."""
+    state = step.init(params, buffers)
+    for i in range(STEPS):
+        state, _ = step(state, batch(i, dist.get_rank()))
+    return fs.consolidate(step, state).params

@@ -128,10 +128,13 @@ def shares_memory(comm: Comm, flat: Tensor, *, sums: bool) -> bool:
     """Whether a collective over `comm` on `flat` runs through shared memory (`sums`: it adds
     terms, so over more than two ranks gloo's order must be known). The first call per group
     is a collective over it (see the module docstring)."""
-    if comm.size == 1 or flat.device.type != "cpu" or dist.get_backend(comm.group) != "gloo":
+    if comm.size == 1 or flat.device.type != "cpu":
         return False
+    # Called for every bucket of every step: the group's decision, backend included, is made
+    # once and looked up after that.
     if comm.group not in _ARENAS:
-        _ARENAS[comm.group] = _Arena.open(comm)
+        gloo = dist.get_backend(comm.group) == "gloo"
+        _ARENAS[comm.group] = _Arena.open(comm) if gloo else None
     if _ARENAS[comm.group] is None:
         return False
     return not sums or comm.size == 2 or ring_rule(comm) is not None
