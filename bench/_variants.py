@@ -71,8 +71,9 @@ FSCALE = (
     "fscale DDP + checkpoint",
     "fscale DDP over gloo",
     "fscale ZeRO-2 over gloo",
+    "fscale ZeRO-3 over gloo",
 )
-OVER_GLOO = ("fscale DDP over gloo", "fscale ZeRO-2 over gloo")
+OVER_GLOO = ("fscale DDP over gloo", "fscale ZeRO-2 over gloo", "fscale ZeRO-3 over gloo")
 """The variants that need a process group of their own (its transport is decided once)."""
 PEERS = (
     "torch DDP",
@@ -263,7 +264,7 @@ def _fscale(variant: Variant, workload: Workload, model: nn.Module) -> None:
         loss_fn, fs.optim.adamw(LEARNING_RATE), donate=not name.endswith("donate=False")
     )
     mesh = fs.Mesh(dp=dist.get_world_size())
-    if name == "fscale ZeRO-3":
+    if name.startswith("fscale ZeRO-3"):
         step = fs.fully_shard(step, mesh, units=workload.units(model))
     elif "ZeRO" in name:
         step = fs.shard_optimizer(step, mesh, shard_grads="ZeRO-2" in name)

@@ -16,12 +16,14 @@ each once through ``torch.distributed`` (``all_reduce``, ``reduce_scatter_single
 `fscale.distributed.collectives` on a mesh axis (the differentiable path: the ledger, the
 watchdog's signature check, the autograd Function), and once through the in-place bucket
 collectives of `fscale.parallel.bucket_collectives` (what `data_parallel` and
-`shard_optimizer` run on their gradient and parameter buckets). The bucket collectives run
-twice, in two launches: with ``FSCALE_SHARED_MEMORY=0``, through gloo (from 1 MiB the
-reduce-scatter and the all-gather are exchanges between every pair of ranks,
+`shard_optimizer` run on their gradient and parameter buckets). The bucket collectives and the
+differentiable ones run twice, in two launches: with ``FSCALE_SHARED_MEMORY=0``, through gloo
+(from 1 MiB the reduce-scatter and the all-gather are exchanges between every pair of ranks,
 `fscale.distributed.exchange`), and with the default, through shared memory between the ranks
-of this host (`fscale.distributed.shared_memory`); each launch times c10d beside them, and
-each ratio is over its own launch's c10d. A round's time is its slowest rank's.
+of this host (`fscale.distributed.shared_memory`: the bucket collectives and the
+differentiable all-gather and reduce-scatter; the differentiable all-reduce keeps gloo); each
+launch times c10d beside them, and each ratio is over its own launch's c10d. A round's time is
+its slowest rank's.
 
 Reported per (N, size, collective): the median milliseconds of each path, fscale's over c10d,
 the algorithm bandwidth (buffer bytes / time) and the bus bandwidth, the bytes each rank's
@@ -138,8 +140,9 @@ def _rows(
         for kind in KINDS:
             c10d, ours = median(gloo, f"c10d {kind}"), median(gloo, f"fscale {kind}")
             bucket = median(gloo, f"bucket {kind}")
-            shared_c10d, shared_bucket = (
+            shared_c10d, shared_ours, shared_bucket = (
                 median(shared, f"c10d {kind}"),
+                median(shared, f"fscale {kind}"),
                 median(shared, f"bucket {kind}"),
             )
             size_bytes = kib * 1024 // 4 // world * world * 4
@@ -154,6 +157,8 @@ def _rows(
                     "fscale_over_c10d": ours / c10d,
                     "bucket_s": bucket,
                     "bucket_over_c10d": bucket / c10d,
+                    "fscale_shared_s": shared_ours,
+                    "fscale_shared_over_c10d": shared_ours / shared_c10d,
                     "shared_s": shared_bucket,
                     "shared_over_c10d": shared_bucket / shared_c10d,
                     "algorithm_gb_s": algorithm / 1e9,
@@ -171,6 +176,8 @@ def _format(rows: list[dict[str, Any]]) -> str:
         "c10d ms",
         "fscale ms",
         "fscale/c10d",
+        "fscale shm ms",
+        "/c10d",
         "bucket gloo ms",
         "/c10d",
         "bucket shm ms",
@@ -186,6 +193,8 @@ def _format(rows: list[dict[str, Any]]) -> str:
             r["c10d_s"] * 1e3,
             r["fscale_s"] * 1e3,
             r["fscale_over_c10d"],
+            r["fscale_shared_s"] * 1e3,
+            r["fscale_shared_over_c10d"],
             r["bucket_s"] * 1e3,
             r["bucket_over_c10d"],
             r["shared_s"] * 1e3,

@@ -74,7 +74,13 @@ COMPARISONS = (
         1.00,
         ("FairScale OSS + ShardedDDP", "fscale ZeRO-2 over gloo"),
     ),
-    ("ZeRO-3", "fscale ZeRO-3", "torch FSDP2", 0.95, ("torch FSDP2 last kept",)),
+    (
+        "ZeRO-3",
+        "fscale ZeRO-3",
+        "torch FSDP2",
+        0.95,
+        ("torch FSDP2 last kept", "fscale ZeRO-3 over gloo"),
+    ),
     ("remat", "fscale DDP + checkpoint", "torch DDP + checkpoint", 1.00, ()),
 )
 VARIANTS = (
@@ -89,6 +95,7 @@ VARIANTS = (
     "torch DDP + checkpoint",
     "fscale DDP over gloo",
     "fscale ZeRO-2 over gloo",
+    "fscale ZeRO-3 over gloo",
 )
 
 

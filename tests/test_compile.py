@@ -535,11 +535,12 @@ FULLY_SHARD_BREAKS = {
     **EXPECTED_BREAKS,
     # Required by torch: in the all-gather's and the reduce-scatter's forward, the host
     # bookkeeping before the collective, one call outside the graph each
-    # (`fscale.distributed.debug.issue`), and gloo's call with async_op=True, which Dynamo
-    # refuses.
+    # (`fscale.distributed.debug.issue`), and the transfer's start (gloo's call with
+    # async_op=True, which Dynamo refuses, or the shared-memory transport's host code).
     "distributed/sharding.py": 4,
-    # Required by torch: the wait on gloo's work.
-    "distributed/watchdog.py": 1,
+    # Required by torch: the wait on the transfer, here the shared-memory worker's future (the
+    # two ranks share a host; over gloo the break is the wait on gloo's work, in watchdog.py).
+    "distributed/shared_memory.py": 1,
     # On purpose: the map that gathers the units' parameters makes its units and gatherer
     # outside the graph, in one call: made in the graph, Dynamo could not rebuild their bound
     # methods across the gathers' breaks and ran the map's call eagerly.

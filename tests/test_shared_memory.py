@@ -8,8 +8,10 @@ The sizes cover one window, many windows, and gloo's two ways of cutting a buffe
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import datetime
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -268,6 +270,83 @@ def test_shared_work_bounds_its_wait_as_c10d_work_does():
     assert SharedWork(done, [torch.ones(2)]).wait() and SharedWork(done).is_completed()
 
 
+def _differentiable_case(shared: bool) -> tuple[bool, list[torch.Tensor]]:
+    """all_gather and reduce_scatter forward and backward (each the other's dual), with grad
+    mode on, from one window to several; whether they went through shared memory."""
+    set_shared_memory(shared)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = fd.Mesh(dp=world)
+    out: list[torch.Tensor] = []
+    for size in SIZES[1:]:
+        numel = size // world * world
+        x = heavy_tailed(rank, numel).requires_grad_()
+        weight = heavy_tailed(rank + world, numel)
+        gathered = C.all_gather(x[: numel // world], "dp", mesh=mesh)
+        reduced = C.reduce_scatter(x, "dp", op="mean", mesh=mesh)
+        loss = (gathered * weight).sum() + (reduced * weight[: numel // world]).sum()
+        (grad,) = torch.autograd.grad(loss, x)
+        out += [gathered.detach(), reduced.detach(), grad]
+    comm = resolve_comm("dp", mesh, "test")
+    return shares_memory(comm, torch.ones(world), sums=True), out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_differentiable_gather_and_reduce_scatter_give_gloo_s_bits(world):
+    through_memory = run_spmd(_differentiable_case, world, True, timeout=120)
+    over_gloo = run_spmd(_differentiable_case, world, False, timeout=120)
+    for (shared, ours), (plain, theirs) in zip(through_memory, over_gloo):
+        assert shared and not plain
+        for a, b in zip(ours, theirs):
+            assert torch.equal(bits(a), bits(b))
+
+
+def _resident_window_bytes() -> list[int]:
+    """The resident bytes of this rank's mappings of the group's regions, while a collective
+    runs and once it is done."""
+    world = dist.get_world_size()
+    comm = resolve_comm("dp", fd.Mesh(dp=world), "test")
+    flat = torch.ones(4 * WINDOW_BYTES // 4)
+    assert shares_memory(comm, flat, sums=True)
+    arena = shm._ARENAS[comm.group]
+    assert arena is not None
+    starts = [ctypes.addressof(ctypes.c_char.from_buffer(region)) for region in arena._maps]
+
+    def resident() -> int:
+        total, counting = 0, False
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    counting = int(head.split("-")[0], 16) in starts
+                elif counting and head == "Rss:":
+                    total += int(line.split()[1]) * 1024
+        return total
+
+    # Queued on the worker behind an all-reduce, held back until both are queued: the queue is
+    # not empty when the all-reduce ends, so the windows are still mapped when it measures.
+    go = threading.Event()
+    arena.submit(go.wait)
+    work = shared_all_reduce(flat, comm)
+    during: list[int] = []
+    measured = arena.submit(lambda: during.append(resident()))
+    go.set()
+    work.wait()
+    measured.result(timeout=60)
+    while_queued = during[0]
+    deadline = time.monotonic() + 10
+    while (idle := resident()) > 2 * 4096 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the worker drops the pages just after completing the last one
+    return [while_queued, idle]
+
+
+def test_the_windows_are_resident_only_while_collectives_run():
+    for while_queued, idle in run_spmd(_resident_window_bytes, 2):
+        # Both ranks' two windows (4 MiB) were touched by the all-reduce of 4 MiB; once the
+        # worker is idle only the counter pages (one per region) stay mapped.
+        assert while_queued >= 4 * WINDOW_BYTES, while_queued
+        assert idle <= 2 * 4096, idle
+
+
 def _steps_case(strategy: str, shared: bool) -> list[torch.Tensor]:
     set_shared_memory(shared)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -283,7 +362,12 @@ def _steps_case(strategy: str, shared: bool) -> list[torch.Tensor]:
         h = torch.tanh(batch @ p["a"].T) @ p["a"]
         return (h @ p["b"].T).square().mean() + (p["c"] * batch[:, :37]).sum() ** 2
 
-    wrap = {"ddp": fs.data_parallel, "zero2": fs.shard_optimizer}[strategy]
+    wrap = {
+        "ddp": fs.data_parallel,
+        "zero2": fs.shard_optimizer,
+        # Its gathers and gradient reduce-scatters are the differentiable collectives.
+        "zero3": lambda step, mesh: fs.fully_shard(step, mesh, units=["a", "b"]),
+    }[strategy]
     step = wrap(fs.train_step(loss_fn, fs.optim.adamw(1e-3)), fd.Mesh(dp=world))
     state = step.init(params)
     batch = torch.randn(4, 1024, generator=torch.Generator().manual_seed(rank)) * 3
@@ -293,7 +377,7 @@ def _steps_case(strategy: str, shared: bool) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
 def test_a_training_step_is_the_same_through_shared_memory_and_gloo(world, strategy):
     for shared, plain in zip(
         run_spmd(_steps_case, world, strategy, True, timeout=120),

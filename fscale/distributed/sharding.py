@@ -12,10 +12,13 @@ the front with ordinary (differentiable) reshapes, which are views for dim=0. Ov
 axes they run one axis at a time, the first axis outermost (the order of `Mesh.rank` over the
 tuple).
 
-On gloo with host tensors of 1 MiB or more both run as exchanges between every pair of ranks
+Where every rank of the axis is on this host (host tensors, a gloo group) both go through
+shared memory (`fscale.distributed.shared_memory`, as the gradient buckets do): fully_shard's
+gathers and gradient reduce-scatters at a fraction of gloo's time. Elsewhere on gloo, host
+tensors of 1 MiB or more are exchanged between every pair of ranks
 (`fscale.distributed.exchange`): gloo's own all-gather and reduce-scatter take about twice as
-long for the same bytes; the reduce-scatter sums in the order of gloo's ring, so its bits are
-gloo's.
+long for the same bytes. Either way the reduce-scatter sums in the order of gloo's ring, so its
+bits are gloo's.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from fscale.distributed.exchange import (
 )
 from fscale.distributed.mesh import Axis, Mesh
 from fscale.distributed.pending import Pending, Work
+from fscale.distributed.shared_memory import shared_all_gather, shared_reduce_scatter, shares_memory
 
 __all__ = ["all_gather", "all_gather_start", "reduce_scatter", "reduce_scatter_start"]
 
@@ -60,13 +64,7 @@ class _AllGatherStart(torch.autograd.Function):
         numel = shard.numel() * comm.size
         work.ticket = issue(comm, "all_gather", shard, numel, REDUCTIONS.index(op))
         gathered = shard.new_empty((comm.size, *shard.shape))
-        if exchanges(comm, gathered):
-            gathered[comm.index].copy_(shard)
-            work.work = exchange_all_gather(gathered.view(-1), comm, work.ticket)
-        else:
-            work.work = all_gather_flat(
-                gathered.view(-1), shard.reshape(-1), group=comm.group, async_op=True
-            )
+        _start_gather(gathered, shard, comm, work)
         return gathered
 
     @staticmethod
@@ -85,16 +83,7 @@ class _ReduceScatterStart(torch.autograd.Function):
     def forward(stacked: Tensor, comm: Comm, op: str, work: Work) -> Tensor:
         # `op` is only checked here: a mean is divided out after the wait, on the shard.
         work.ticket = issue(comm, "reduce_scatter", stacked, stacked.numel(), REDUCTIONS.index(op))
-        if exchanges_reduce_scatter(comm, stacked):
-            # Reads its input (sends it, adds it), never writes it.
-            flat = stacked.reshape(-1)
-            work.work, total = exchange_reduce_scatter(flat, comm, work.ticket, 0)
-            return total.view(stacked.shape[1:])
-        shard = stacked.new_empty(stacked.shape[1:])
-        work.work = reduce_scatter_flat(
-            shard.view(-1), stacked.reshape(-1), group=comm.group, async_op=True
-        )
-        return shard
+        return _start_reduce_scatter(stacked, comm, work)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -103,6 +92,43 @@ class _ReduceScatterStart(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         return _all_gather_start(grad, ctx.comm, "sum").wait(), None, None, None
+
+
+# The transfers start outside a compiled graph, in one call each: gloo's calls with
+# async_op=True are refused by Dynamo, and the shared-memory transport is host code (its
+# group's first call is itself a collective).
+@torch.compiler.disable(recursive=True)
+def _start_gather(gathered: Tensor, shard: Tensor, comm: Comm, work: Work) -> None:
+    """Start filling the stacked `gathered` (N, *S) with every rank's `shard`."""
+    flat = gathered.view(-1)
+    if shares_memory(comm, gathered, sums=False):
+        gathered[comm.index].copy_(shard)
+        work.work = shared_all_gather(flat, comm)
+    elif exchanges(comm, gathered):
+        gathered[comm.index].copy_(shard)
+        work.work = exchange_all_gather(flat, comm, work.ticket)
+    else:
+        work.work = all_gather_flat(flat, shard.reshape(-1), group=comm.group, async_op=True)
+
+
+@torch.compiler.disable(recursive=True)
+def _start_reduce_scatter(stacked: Tensor, comm: Comm, work: Work) -> Tensor:
+    """Start summing the stacked (N, *S) over the ranks; the tensor this rank's S lands in.
+
+    Every transport reads `stacked` (copies it into the windows, or sends and adds it) and
+    never writes it.
+    """
+    if shares_memory(comm, stacked, sums=True):
+        work.work, total = shared_reduce_scatter(stacked.reshape(-1), comm, 0)
+        return total.view(stacked.shape[1:])
+    if exchanges_reduce_scatter(comm, stacked):
+        work.work, total = exchange_reduce_scatter(stacked.reshape(-1), comm, work.ticket, 0)
+        return total.view(stacked.shape[1:])
+    shard = stacked.new_empty(stacked.shape[1:])
+    work.work = reduce_scatter_flat(
+        shard.view(-1), stacked.reshape(-1), group=comm.group, async_op=True
+    )
+    return shard
 
 
 def _all_gather_start(shard: Tensor, comm: Comm, op: str) -> Pending:
