@@ -300,51 +300,82 @@ def test_the_differentiable_gather_and_reduce_scatter_give_gloo_s_bits(world):
             assert torch.equal(bits(a), bits(b))
 
 
+def _resident(arena: shm._Arena) -> int:
+    """The resident bytes of this process's mappings of the group's regions."""
+    starts = [ctypes.addressof(ctypes.c_char.from_buffer(region)) for region in arena._maps]
+    total, counting = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                counting = int(head.split("-")[0], 16) in starts
+            elif counting and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def _resident_window_bytes() -> list[int]:
-    """The resident bytes of this rank's mappings of the group's regions, while a collective
-    runs and once it is done."""
+    """The windows' resident bytes after a collective, while a release waits behind another
+    collective, and once it ran."""
     world = dist.get_world_size()
     comm = resolve_comm("dp", fd.Mesh(dp=world), "test")
     flat = torch.ones(4 * WINDOW_BYTES // 4)
     assert shares_memory(comm, flat, sums=True)
     arena = shm._ARENAS[comm.group]
     assert arena is not None
-    starts = [ctypes.addressof(ctypes.c_char.from_buffer(region)) for region in arena._maps]
-
-    def resident() -> int:
-        total, counting = 0, False
-        with open("/proc/self/smaps") as smaps:
-            for line in smaps:
-                head = line.split()[0]
-                if "-" in head and not head.endswith(":"):
-                    counting = int(head.split("-")[0], 16) in starts
-                elif counting and head == "Rss:":
-                    total += int(line.split()[1]) * 1024
-        return total
-
-    # Queued on the worker behind an all-reduce, held back until both are queued: the queue is
-    # not empty when the all-reduce ends, so the windows are still mapped when it measures.
+    shared_all_reduce(flat, comm).wait()
+    after_collective = _resident(arena)
+    # Queued behind a collective held back until the release is queued too: the release waits
+    # for it, then unmaps.
     go = threading.Event()
     arena.submit(go.wait)
     work = shared_all_reduce(flat, comm)
-    during: list[int] = []
-    measured = arena.submit(lambda: during.append(resident()))
+    shm.release_windows()
     go.set()
     work.wait()
-    measured.result(timeout=60)
-    while_queued = during[0]
-    deadline = time.monotonic() + 10
-    while (idle := resident()) > 2 * 4096 and time.monotonic() < deadline:
-        time.sleep(0.01)  # the worker drops the pages just after completing the last one
-    return [while_queued, idle]
+    arena.submit(lambda: None).result(timeout=60)  # the release has run
+    released = _resident(arena)
+    shared_all_reduce(flat, comm).wait()
+    ok = torch.equal(flat, torch.full_like(flat, float(world**3)))  # contents kept throughout
+    return [after_collective, released, _resident(arena), int(ok)]
 
 
-def test_the_windows_are_resident_only_while_collectives_run():
-    for while_queued, idle in run_spmd(_resident_window_bytes, 2):
-        # Both ranks' two windows (4 MiB) were touched by the all-reduce of 4 MiB; once the
-        # worker is idle only the counter pages (one per region) stay mapped.
-        assert while_queued >= 4 * WINDOW_BYTES, while_queued
-        assert idle <= 2 * 4096, idle
+def test_release_windows_unmaps_them_once_the_collectives_before_it_are_done():
+    for after_collective, released, used_again, summed in run_spmd(_resident_window_bytes, 2):
+        # Both ranks' two windows (4 MiB) were touched by an all-reduce of 4 MiB; after the
+        # release only the counter pages (one per region) stay mapped, until the next one.
+        assert after_collective >= 4 * WINDOW_BYTES, after_collective
+        assert released <= 2 * 4096, released
+        assert used_again >= 4 * WINDOW_BYTES, used_again
+        assert summed
+
+
+def _resident_after_steps(strategy: str) -> int:
+    world = dist.get_world_size()
+    mesh = fd.Mesh(dp=world)
+    params = {"a": torch.randn(700, 1024), "b": torch.randn(300, 1024)}
+
+    def loss_fn(p, buffers, batch, key):
+        return (torch.tanh(batch @ p["a"].T) @ p["a"] @ p["b"].T).square().mean()
+
+    wrap = {
+        "ddp": fs.data_parallel,
+        "zero2": fs.shard_optimizer,
+        "zero3": lambda step, mesh: fs.fully_shard(step, mesh, units=["a", "b"]),
+    }[strategy]
+    step = wrap(fs.train_step(loss_fn, fs.optim.adamw(1e-3)), mesh)
+    state = step.init(params)
+    for _ in range(2):
+        state, _ = step(state, torch.randn(4, 1024))
+    arena = next(a for a in shm._ARENAS.values() if a is not None)
+    arena.submit(lambda: None).result(timeout=60)  # what the step queued has run
+    return _resident(arena)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_a_step_leaves_the_windows_unmapped(strategy):
+    for resident in run_spmd(_resident_after_steps, 2, strategy):
+        assert resident <= 2 * 4096, resident
 
 
 def _steps_case(strategy: str, shared: bool) -> list[torch.Tensor]:

@@ -1,12 +1,9 @@
 """Collectives between the ranks of one host through shared memory, for host tensors on gloo.
 
-gloo moves a host tensor between two processes of one machine through a TCP socket over
-loopback: every byte is copied into the kernel and out again, around a ring of 2(N - 1) steps.
-Through memory that every rank maps, a rank reads its peers' terms where they wrote them. On
-this 2-core machine (one thread per rank, the ranks idle otherwise) an all-reduce of 7.4M
-float32 (29.6 MB) took 18.8 ms through gloo and 5.1 ms through shared memory at 2 ranks, 45 and
-19.6 ms at 4, and 2.1-2.8 against 0.6 ms for 2.7 MB at 2 ranks (`bench/collectives.py` times
-both).
+gloo moves a host tensor between two processes of one machine through TCP over loopback, every
+byte copied into the kernel and out, around a ring of 2(N - 1) steps; through memory every rank
+maps, a rank reads its peers' terms where they wrote them. An all-reduce of 29.6 MB took 5.1
+against gloo's 18.8 ms at 2 ranks, 19.6 against 45 ms at 4 (`bench/collectives.py`).
 
 **The transport.** Each rank of a group owns a region of ``/dev/shm`` that every rank of the
 group maps: a counter and two windows of `WINDOW_BYTES`. A collective runs window by window:
@@ -16,10 +13,11 @@ needs from every region. Consecutive windows alternate between the region's two,
 writes into one again only after every peer has raised its counter past the window it last
 read there: one wait per window and no other synchronisation. The regions keep their size
 whatever the buffer (two windows per rank, each rank mapping all N), so no bucket is held twice
-and the memory is the same every step. A worker with no collective left drops the windows'
-pages from its process's page tables (``MADV_DONTNEED``; a shared mapping's pages keep their
-contents), so they are not resident between collectives, where a step's activations peak; the
-next window maps them again, a minor fault per page (about 0.4 ms for 4 MiB).
+and the memory is the same every step. `release_windows` unmaps the windows' pages once the
+collectives before it are done (``MADV_DONTNEED``: the pages keep their contents); the plans
+call it where their collectives pause (after a step's reduction or update, after fully_shard's
+forward), so the windows are not resident where a step's activations peak. The next window
+maps them again, a minor fault per page (about 0.4 ms for 4 MiB): not after every collective.
 
 **Bits.** A sum adds each element's terms in the order gloo's ring all-reduce of the same
 buffer adds them (`fscale.distributed.exchange.ring_order`), so the results are gloo's, bit for
@@ -43,8 +41,7 @@ whose ranks are all on this host, not turned off. The first call per group gathe
 host and setting (a collective, at the same point on every rank, as every first collective of
 a step is); ranks of one host whose settings differ are refused there. Each region's pages are
 reserved when it is made, so a full ``/dev/shm`` keeps the group on gloo with a warning instead
-of faulting later. ``FSCALE_SHARED_MEMORY=0``
-in the environment, or `set_shared_memory(False)`, keeps gloo for groups decided afterwards.
+of faulting later. ``FSCALE_SHARED_MEMORY=0`` or `set_shared_memory(False)` keeps gloo.
 """
 
 from __future__ import annotations
@@ -77,6 +74,7 @@ from fscale.distributed.hosts import host_id
 __all__ = [
     "WINDOW_BYTES",
     "SharedWork",
+    "release_windows",
     "set_shared_memory",
     "shared_all_gather",
     "shared_all_reduce",
@@ -101,8 +99,7 @@ def _enabled_from_env() -> bool:
 
 
 _SETTING = {"enabled": _enabled_from_env()}
-# Process group -> its arena, or None where its collectives keep gloo (groups live as long as
-# the job; `tracking.reset` forgets them).
+# Process group -> its arena, or None where it keeps gloo (`tracking.reset` forgets them).
 _ARENAS: dict[Any, _Arena | None] = {}
 
 
@@ -133,14 +130,22 @@ def shares_memory(comm: Comm, flat: Tensor, *, sums: bool) -> bool:
     is a collective over it (see the module docstring)."""
     if comm.size == 1 or flat.device.type != "cpu":
         return False
-    # Called for every bucket of every step: the group's decision, backend included, is made
-    # once and looked up after that.
+    # Called for every bucket of every step: the group's decision is made once.
     if comm.group not in _ARENAS:
         gloo = dist.get_backend(comm.group) == "gloo"
         _ARENAS[comm.group] = _Arena.open(comm) if gloo else None
     if _ARENAS[comm.group] is None:
         return False
     return not sums or comm.size == 2 or ring_rule(comm) is not None
+
+
+@torch.compiler.disable(recursive=True)
+def release_windows() -> None:
+    """Unmap every group's windows from this process once its collectives in flight are done
+    (the pages keep their contents; the next collective maps them again). Returns at once."""
+    for arena in _ARENAS.values():
+        if arena is not None and not arena.closed:
+            arena.submit(arena._unmap_windows)
 
 
 class SharedWork:
@@ -319,9 +324,7 @@ class _Arena:
             _unlink(self._path)
             self._path = None
 
-    def _unmap_windows(self) -> None:
-        """Drop the windows' pages from this process's page tables (they keep their contents
-        in ``/dev/shm``) while no collective runs; see the module docstring."""
+    def _unmap_windows(self) -> None:  # on the worker: no window is in use
         for region in self._maps:
             region.madvise(mmap.MADV_DONTNEED, _HEADER, 2 * WINDOW_BYTES)
 
@@ -348,8 +351,6 @@ class _Arena:
             # The closure holds the collective's buffers: kept until the next one, it would keep
             # the step's last bucket alive between steps.
             del item, future, work
-            if self._queue.empty():
-                self._unmap_windows()
         while True:  # what was queued behind the close
             try:
                 item = self._queue.get_nowait()

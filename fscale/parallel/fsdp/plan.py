@@ -21,6 +21,7 @@ from fscale import optim as optim_lib
 from fscale import spmd
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
+from fscale.distributed.shared_memory import release_windows
 from fscale.functional import UnitParams
 from fscale.parallel.fsdp.gather import Gatherer, ShardedUnit
 from fscale.parallel.fsdp.materialize import has_meta, sharded_init
@@ -116,10 +117,18 @@ class GatherAtUse:
     def after_forward(self) -> None:
         for gatherer in self.gatherers:
             gatherer.drain()
+        # The gathers pause until backward reaches the last unit: the loss and its gradient,
+        # where the activations peak, run without the shared-memory windows resident. Not in a
+        # compiled step, where the call (host code) would break the graph: there the windows
+        # stay resident.
+        if not torch.compiler.is_compiling():
+            release_windows()
 
     def after_backward(self) -> None:
         for gatherer in self.gatherers:
             gatherer.drain_backward()
+        if not torch.compiler.is_compiling():  # as in `after_forward`
+            release_windows()
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
