@@ -350,32 +350,40 @@ def test_release_windows_unmaps_them_once_the_collectives_before_it_are_done():
         assert summed
 
 
-def _resident_after_steps(strategy: str) -> int:
+def _resident_at_the_loss_s_gradient() -> list[int]:
+    """The windows' resident bytes when each step's backward starts (the loss's gradient, an
+    LM's activation peak) under fully_shard, and once the step is done."""
     world = dist.get_world_size()
     mesh = fd.Mesh(dp=world)
     params = {"a": torch.randn(700, 1024), "b": torch.randn(300, 1024)}
+    seen: list[int] = []
+
+    def arena() -> shm._Arena:
+        return next(a for a in shm._ARENAS.values() if a is not None)
+
+    def measure(grad: torch.Tensor) -> None:
+        arena().submit(lambda: None).result(timeout=60)  # what was queued before has run
+        seen.append(_resident(arena()))
 
     def loss_fn(p, buffers, batch, key):
-        return (torch.tanh(batch @ p["a"].T) @ p["a"] @ p["b"].T).square().mean()
+        loss = (torch.tanh(batch @ p["a"].T) @ p["a"] @ p["b"].T).square().mean()
+        loss.register_hook(measure)
+        return loss
 
-    wrap = {
-        "ddp": fs.data_parallel,
-        "zero2": fs.shard_optimizer,
-        "zero3": lambda step, mesh: fs.fully_shard(step, mesh, units=["a", "b"]),
-    }[strategy]
-    step = wrap(fs.train_step(loss_fn, fs.optim.adamw(1e-3)), mesh)
+    step = fs.fully_shard(fs.train_step(loss_fn, fs.optim.adamw(1e-3)), mesh, units=["a", "b"])
     state = step.init(params)
     for _ in range(2):
         state, _ = step(state, torch.randn(4, 1024))
-    arena = next(a for a in shm._ARENAS.values() if a is not None)
-    arena.submit(lambda: None).result(timeout=60)  # what the step queued has run
-    return _resident(arena)
+    arena().submit(lambda: None).result(timeout=60)
+    return [*seen, _resident(arena())]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
-def test_a_step_leaves_the_windows_unmapped(strategy):
-    for resident in run_spmd(_resident_after_steps, 2, strategy):
-        assert resident <= 2 * 4096, resident
+def test_fully_shard_releases_the_windows_for_the_loss_and_its_gradient():
+    for at_first, at_second, after in run_spmd(_resident_at_the_loss_s_gradient, 2):
+        # Only the counter pages (one per region) stay mapped from the end of the forward's
+        # gathers to the backward's first; the backward's reduce-scatters map them again.
+        assert at_first <= 2 * 4096 and at_second <= 2 * 4096, (at_first, at_second)
+        assert after >= 2 * WINDOW_BYTES, after
 
 
 def _steps_case(strategy: str, shared: bool) -> list[torch.Tensor]:

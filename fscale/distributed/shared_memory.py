@@ -14,10 +14,9 @@ writes into one again only after every peer has raised its counter past the wind
 read there: one wait per window and no other synchronisation. The regions keep their size
 whatever the buffer (two windows per rank, each rank mapping all N), so no bucket is held twice
 and the memory is the same every step. `release_windows` unmaps the windows' pages once the
-collectives before it are done (``MADV_DONTNEED``: the pages keep their contents); the plans
-call it where their collectives pause (after a step's reduction or update, after fully_shard's
-forward), so the windows are not resident where a step's activations peak. The next window
-maps them again, a minor fault per page (about 0.4 ms for 4 MiB): not after every collective.
+collectives before it are done (``MADV_DONTNEED``: the pages keep their contents); fully_shard
+calls it after its forward, so they are not resident where an LM's activations peak (the loss).
+The next window maps them again, a minor fault per page: not after every collective.
 
 **Bits.** A sum adds each element's terms in the order gloo's ring all-reduce of the same
 buffer adds them (`fscale.distributed.exchange.ring_order`), so the results are gloo's, bit for

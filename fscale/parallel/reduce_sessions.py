@@ -45,7 +45,6 @@ import torch
 from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
-from fscale.distributed.shared_memory import release_windows
 from fscale.memory import LiveBytes
 from fscale.parallel.bucket_assign import Bucket, assign_buckets, forward_order
 from fscale.parallel.bucket_collectives import (
@@ -251,7 +250,6 @@ class AllReduceSession(_Session):
             self.reducer.hook_out["states"] = tuple(
                 self.new_states.get(b.index) for b in self.buckets
             )
-        release_windows()  # the step's reduction is done: not resident through the next forward
         return tree.unflatten(self.treedef, reduced)
 
     def metrics(self) -> dict[str, Any]:

@@ -24,7 +24,6 @@ from fscale import optim as optim_lib
 from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
-from fscale.distributed.shared_memory import release_windows
 from fscale.optim.base import Sharding
 from fscale.parallel.bucket_collectives import all_gather_bucket_start
 from fscale.parallel.bucket_layout import BucketLayout, layout_of
@@ -163,7 +162,6 @@ class ZeroOptimizer:
                     finish(*in_flight.popleft())
             while in_flight:
                 finish(*in_flight.popleft())
-        release_windows()  # the step's last collective: not resident through the next forward
         return new_flats  # type: ignore[return-value]
 
 
