@@ -300,6 +300,34 @@ def test_the_differentiable_gather_and_reduce_scatter_give_gloo_s_bits(world):
             assert torch.equal(bits(a), bits(b))
 
 
+def _late_worker_case() -> list[bool]:
+    """The differentiable gather and reduce-scatter when the worker writes their results after
+    their Functions returned and before the wait, and with an expanded gradient (a sum's)."""
+    world = dist.get_world_size()
+    mesh = fd.Mesh(dp=world)
+    comm = resolve_comm("dp", mesh, "test")
+    x = torch.ones(world * 8, requires_grad=True)
+    assert shares_memory(comm, x.detach(), sums=True)
+    arena = shm._ARENAS[comm.group]
+    assert arena is not None
+    out = []
+    for start, expected in (
+        (lambda: C.reduce_scatter_start(x * 1.0, "dp", mesh=mesh), float(world)),
+        (lambda: C.all_gather_start(x * 1.0, "dp", mesh=mesh), 1.0),
+    ):
+        pending = start()
+        arena.submit(lambda: None).result(timeout=60)  # the worker has written the result
+        result = pending.wait()
+        (grad,) = torch.autograd.grad(result.sum(), x)
+        out.append(bool((result == expected).all()) and grad.shape == x.shape)
+    return out
+
+
+def test_results_written_after_their_functions_return_are_no_autograd_error():
+    for checks in run_spmd(_late_worker_case, 2):
+        assert all(checks), checks
+
+
 def _resident(arena: shm._Arena) -> int:
     """The resident bytes of this process's mappings of the group's regions."""
     starts = [ctypes.addressof(ctypes.c_char.from_buffer(region)) for region in arena._maps]

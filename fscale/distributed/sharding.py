@@ -119,8 +119,14 @@ def _start_reduce_scatter(stacked: Tensor, comm: Comm, work: Work) -> Tensor:
     never writes it.
     """
     if shares_memory(comm, stacked, sums=True):
-        work.work, total = shared_reduce_scatter(stacked.reshape(-1), comm, 0)
-        return total.view(stacked.shape[1:])
+        # The output itself, not a view of a 1-D buffer: the worker writes into it after this
+        # Function returns, and autograd refuses a Function's output view whose base changed.
+        # A gradient may be an expanded one (the backward of a sum): the windows copy from a
+        # contiguous buffer.
+        flat = stacked.reshape(-1).contiguous()
+        shard = stacked.new_empty(stacked.shape[1:])
+        work.work, _ = shared_reduce_scatter(flat, comm, 0, out=shard)
+        return shard
     if exchanges_reduce_scatter(comm, stacked):
         work.work, total = exchange_reduce_scatter(stacked.reshape(-1), comm, work.ticket, 0)
         return total.view(stacked.shape[1:])

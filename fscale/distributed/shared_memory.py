@@ -69,6 +69,12 @@ from fscale import tracking
 from fscale.distributed.comm import Comm
 from fscale.distributed.exchange import chunks_between, ring_chunk, ring_order, ring_rule
 from fscale.distributed.hosts import host_id
+from fscale.distributed.shared_setting import (
+    ENV,
+    enabled_from_env,
+    set_shared_memory,
+    shared_memory_enabled,
+)
 
 __all__ = [
     "WINDOW_BYTES",
@@ -90,29 +96,8 @@ ranks, 4 MiB windows 5.3-5.8 ms (they leave the caches); each rank maps 2N of th
 
 _HEADER = 4096  # the counter, alone on its page
 _SHM_DIR = "/dev/shm"
-_ENV = "FSCALE_SHARED_MEMORY"
-
-
-def _enabled_from_env() -> bool:
-    return os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-_SETTING = {"enabled": _enabled_from_env()}
 # Process group -> its arena, or None where it keeps gloo (`tracking.reset` forgets them).
 _ARENAS: dict[Any, _Arena | None] = {}
-
-
-def set_shared_memory(enabled: bool) -> None:
-    """Use shared memory (or not) for the groups whose first collective comes after this call.
-    Every rank of a group must set the same."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_shared_memory: `enabled` must be a bool, got {enabled!r}")
-    _SETTING["enabled"] = enabled
-
-
-def shared_memory_enabled() -> bool:
-    """Whether groups decided from now on use shared memory where their ranks share a host."""
-    return _SETTING["enabled"]
 
 
 def _supported() -> bool:
@@ -182,16 +167,28 @@ def shared_all_reduce(flat: Tensor, comm: Comm) -> SharedWork:
     return SharedWork(arena.submit(lambda: arena.all_reduce(flat, 0, ring)))
 
 
-def shared_reduce_scatter(flat: Tensor, comm: Comm, trailing: int) -> tuple[SharedWork, Tensor]:
+def shared_reduce_scatter(
+    flat: Tensor, comm: Comm, trailing: int, out: Tensor | None = None
+) -> tuple[SharedWork, Tensor]:
     """Start summing `flat` over the ranks into this rank's part, in gloo's order: the first
     ``flat.numel() - trailing`` elements in N equal parts (part r summed on rank r), the last
-    `trailing` whole on every rank, in `flat`. Returns the work and the new tensor that holds
-    the part's sum once it is waited for; `flat` must not change until then."""
+    `trailing` whole on every rank, in `flat`. Returns the work and the tensor that holds the
+    part's sum once it is waited for: `out` (contiguous, of the part's size and dtype; e.g. an
+    autograd Function's output, which must not be a view written later) or a new 1-D one.
+    `flat` must not change until then."""
     _check_flat(flat, comm, "shared_reduce_scatter", trailing=trailing)
     arena, ring = _arena(comm, flat, sums=True)
-    part = torch.empty((flat.numel() - trailing) // comm.size, dtype=flat.dtype)
+    numel = (flat.numel() - trailing) // comm.size
+    if out is None:
+        out = torch.empty(numel, dtype=flat.dtype)
+    elif not (out.is_contiguous() and out.numel() == numel and out.dtype == flat.dtype):
+        raise ValueError(
+            f"shared_reduce_scatter: `out` must be a contiguous {numel}-element "
+            f"{flat.dtype} tensor, got shape {tuple(out.shape)} {out.dtype}"
+        )
+    part = out.view(-1)
     future = arena.submit(lambda: arena.reduce_scatter(flat, trailing, part, ring))
-    return SharedWork(future, [part]), part
+    return SharedWork(future, [out]), out
 
 
 def shared_all_gather(flat: Tensor, comm: Comm) -> SharedWork:
@@ -259,7 +256,7 @@ class _Arena:
     @classmethod
     def open(cls, comm: Comm) -> _Arena | None:
         """Every rank's region mapped, or None where the group keeps gloo (a collective)."""
-        setting = _SETTING["enabled"]
+        setting = shared_memory_enabled()
         size = _HEADER + 2 * WINDOW_BYTES
         path, fd, arena, failure = None, -1, None, None
         if setting and _supported():
@@ -282,7 +279,7 @@ class _Arena:
                 raise ValueError(
                     f"shared memory: the ranks of axis {comm.axis!r} share a host but not the "
                     f"setting: ranks {on} of the axis would use shared memory and the others "
-                    f"would not. Set {_ENV} (or set_shared_memory) alike on every rank"
+                    f"would not. Set {ENV} (or set_shared_memory) alike on every rank"
                 )
             if any(peer_path is None for _, _, peer_path, _ in everyone):
                 failures = [(q, why) for q, (_, _, _, why) in enumerate(everyone) if why]
@@ -341,15 +338,19 @@ class _Arena:
                 continue
             if not future.set_running_or_notify_cancel():
                 continue
+            failure = None
             try:
                 work()
             except BaseException as error:
-                future.set_exception(error)
-            else:
+                failure = error
+            # The closure holds the collective's buffers: dropped before the waiter wakes (kept
+            # until the next one, it kept the step's last bucket alive between steps).
+            del item, work
+            if failure is None:
                 future.set_result(None)
-            # The closure holds the collective's buffers: kept until the next one, it would keep
-            # the step's last bucket alive between steps.
-            del item, future, work
+            else:
+                future.set_exception(failure)
+            del future, failure
         while True:  # what was queued behind the close
             try:
                 item = self._queue.get_nowait()
@@ -453,7 +454,7 @@ def _reset() -> None:
         if arena is not None:
             arena.close()
     _ARENAS.clear()
-    _SETTING["enabled"] = _enabled_from_env()
+    set_shared_memory(enabled_from_env())
 
 
 tracking.register("fscale.distributed.shared_memory", _reset)
