@@ -522,6 +522,11 @@ def _bad_input() -> list[str]:
         lambda: shared_reduce_scatter(torch.ones(7), comm, True),
         lambda: shared_all_gather(torch.ones(5), comm),
         lambda: shared_all_gather("flat", comm),  # type: ignore[arg-type]
+        lambda: shared_reduce_scatter(torch.ones(8), comm, 0, out=torch.empty(5)),
+        lambda: shared_reduce_scatter(torch.ones(8), comm, 0, out=torch.empty(8)[::2]),
+        lambda: shared_reduce_scatter(
+            torch.ones(8), comm, 0, out=torch.empty(4, dtype=torch.int32)
+        ),
     ]
     return [_refusal(call) for call in calls]
 
@@ -543,6 +548,9 @@ def test_bad_buffers_are_refused_before_anything_is_sent():
     assert "`trailing` must be an int" in messages[4]
     assert "must leave a multiple of the 2 ranks" in messages[5]
     assert "got str" in messages[6]
+    # An `out` that cannot hold this rank's part: its size, layout or dtype.
+    for message in messages[7:]:
+        assert "`out` must be a contiguous 4-element torch.float32 tensor" in message, message
 
 
 def _full_shm_case() -> tuple[bool, bool, list[str]]:

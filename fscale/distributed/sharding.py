@@ -101,14 +101,15 @@ class _ReduceScatterStart(torch.autograd.Function):
 def _start_gather(gathered: Tensor, shard: Tensor, comm: Comm, work: Work) -> None:
     """Start filling the stacked `gathered` (N, *S) with every rank's `shard`."""
     flat = gathered.view(-1)
-    if shares_memory(comm, gathered, sums=False):
-        gathered[comm.index].copy_(shard)
-        work.work = shared_all_gather(flat, comm)
-    elif exchanges(comm, gathered):
-        gathered[comm.index].copy_(shard)
-        work.work = exchange_all_gather(flat, comm, work.ticket)
-    else:
+    shared = shares_memory(comm, gathered, sums=False)
+    if not shared and not exchanges(comm, gathered):
         work.work = all_gather_flat(flat, shard.reshape(-1), group=comm.group, async_op=True)
+        return
+    gathered[comm.index].copy_(shard)  # both gather around this rank's own row, in place
+    if shared:
+        work.work = shared_all_gather(flat, comm)
+    else:
+        work.work = exchange_all_gather(flat, comm, work.ticket)
 
 
 @torch.compiler.disable(recursive=True)

@@ -177,7 +177,6 @@ def shared_reduce_scatter(
     autograd Function's output, which must not be a view written later) or a new 1-D one.
     `flat` must not change until then."""
     _check_flat(flat, comm, "shared_reduce_scatter", trailing=trailing)
-    arena, ring = _arena(comm, flat, sums=True)
     numel = (flat.numel() - trailing) // comm.size
     if out is None:
         out = torch.empty(numel, dtype=flat.dtype)
@@ -187,6 +186,7 @@ def shared_reduce_scatter(
             f"{flat.dtype} tensor, got shape {tuple(out.shape)} {out.dtype}"
         )
     part = out.view(-1)
+    arena, ring = _arena(comm, flat, sums=True)
     future = arena.submit(lambda: arena.reduce_scatter(flat, trailing, part, ring))
     return SharedWork(future, [out]), out
 
