@@ -13,6 +13,10 @@ the same model (seed 0) on the same batches with AdamW at the same learning rate
   ``parameters_as_bucket_view=True`` (one broadcast per rank's bucket, not one per parameter);
 * ``FairScale OSS + ShardedDDP``: ``fairscale.optim.OSS`` over fused AdamW under
   ``fairscale.nn.ShardedDataParallel``, reset with ``model.zero_grad()`` as FairScale documents;
+* ``DeepSpeed ZeRO-2``: ``deepspeed.initialize`` with ZeRO stage 2 over fused AdamW as the client
+  optimizer, fp32, gradient clipping off (DeepSpeed's default clips at 1.0, which the others do
+  not), its other ZeRO settings at their defaults, on DeepSpeed's CPU accelerator (which uses
+  the gloo group the ranks already have);
 * ``torch FSDP2``: ``torch.distributed.fsdp.fully_shard`` on every unit, then on the root, with
   ``torch.optim.AdamW(fused=True)`` over its DTensor shards;
 * ``torch FSDP2 last kept``: the same with ``reshard_after_forward=False`` on the last
@@ -47,6 +51,7 @@ from torch import nn
 import fscale as fs
 
 __all__ = [
+    "DEEPSPEED",
     "FAIRSCALE",
     "FSCALE",
     "OVER_GLOO",
@@ -80,11 +85,14 @@ PEERS = (
     "torch DDP + checkpoint",
     "torch DDP + ZeRO-1",
     "FairScale OSS + ShardedDDP",
+    "DeepSpeed ZeRO-2",
     "torch FSDP2",
     "torch FSDP2 last kept",
 )
 FAIRSCALE = ("FairScale OSS + ShardedDDP",)
 """The variants that need ``import fairscale``."""
+DEEPSPEED = ("DeepSpeed ZeRO-2",)
+"""The variants that need ``import deepspeed``."""
 
 
 def fairscale_status() -> str | None:
@@ -98,16 +106,18 @@ def fairscale_status() -> str | None:
 
 
 def deepspeed_status() -> str | None:
-    """None when ``import deepspeed`` works, else why not; `build` makes no DeepSpeed variant.
+    """None when ``import deepspeed`` works, else why not (the DeepSpeed variants are skipped).
 
-    DeepSpeed is not installed where these benchmarks were written, so there is no DeepSpeed
-    step to compare yet: the benchmarks report it absent with this reason.
+    DeepSpeed is an optional peer: ``DS_BUILD_OPS=0 pip install deepspeed==0.19.8`` with the
+    torch constraint (see the README's benchmarks section).
     """
     try:
-        import deepspeed  # noqa: F401  # pyright: ignore[reportMissingImports]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import deepspeed  # noqa: F401  # pyright: ignore[reportMissingImports]
     except Exception as error:
         return (
-            f"DeepSpeed ZeRO-2 absent: `import deepspeed` failed ({type(error).__name__}: {error})"
+            f"DeepSpeed ZeRO-2 skipped: `import deepspeed` failed ({type(error).__name__}: {error})"
         )
     return None
 
@@ -218,7 +228,7 @@ def build(name: str, workload: Workload) -> Variant:
 
     Raises:
         ValueError: `name` is unknown, or a checkpoint variant on a workload without blocks.
-        ImportError: a FairScale variant while FairScale does not import.
+        ImportError: a FairScale or DeepSpeed variant while that library does not import.
     """
     if name not in FSCALE and name not in PEERS:
         raise ValueError(f"build: unknown variant {name!r}; have {FSCALE + PEERS}")
@@ -236,6 +246,8 @@ def build(name: str, workload: Workload) -> Variant:
         _fscale(variant, workload, model)
     elif name.startswith("torch FSDP2"):
         _fsdp2(variant, workload, model)
+    elif name in DEEPSPEED:
+        _deepspeed(variant, workload, model)
     else:
         _torch_ddp_family(variant, workload, model)
     return variant
@@ -332,6 +344,35 @@ def _fsdp2(variant: Variant, workload: Workload, model: nn.Module) -> None:
 
     reset = lambda: optimizer.zero_grad(set_to_none=True)  # noqa: E731
     variant._run = _eager_step(workload, model, optimizer, reset)
+
+
+def _deepspeed(variant: Variant, workload: Workload, model: nn.Module) -> None:
+    import logging
+
+    import deepspeed  # pyright: ignore[reportMissingImports]
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # its per-step INFO lines
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
+    config = {
+        "train_micro_batch_size_per_gpu": workload.per_rank,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**31,
+        "zero_optimization": {"stage": 2},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config, dist_init_required=False
+        )
+
+    def run(batch: Any) -> torch.Tensor:
+        loss = workload.loss(engine(workload.inputs(batch)), batch)
+        engine.backward(loss)
+        engine.step()  # the update, then the gradients are zeroed for the next step
+        return loss.detach()
+
+    variant._run = run
 
 
 def _eager_step(workload: Workload, model: nn.Module, optimizer: Any, reset: Any) -> Any:

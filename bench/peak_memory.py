@@ -14,8 +14,8 @@ memory (``VmHWM``) is that variant's alone. The strategies and their peers:
 * ZeRO-1: ``fscale ZeRO-1`` (``fscale.shard_optimizer(shard_grads=False)``) beside ``torch DDP
   + ZeRO-1`` (DDP + ``ZeroRedundancyOptimizer``, bucket view);
 * ZeRO-2: ``fscale ZeRO-2`` (``fscale.shard_optimizer()``) beside ``FairScale OSS +
-  ShardedDDP`` (when ``import fairscale`` works); DeepSpeed ZeRO-2 has no variant, the run
-  reports whether ``import deepspeed`` works;
+  ShardedDDP`` and ``DeepSpeed ZeRO-2`` (each when its library imports; the run says why one
+  is skipped);
 * ZeRO-3: ``fscale ZeRO-3`` (``fscale.fully_shard``) beside ``torch FSDP2`` (``fully_shard``
   per block, then the root) and ``torch FSDP2 last kept`` (the last block not resharded
   after forward, as fscale's default);
@@ -54,7 +54,7 @@ CLASSES = (
     # (strategy, fscale variants, peers)
     ("DDP", ("fscale DDP", "fscale DDP donate=False"), ("torch DDP",)),
     ("ZeRO-1", ("fscale ZeRO-1",), ("torch DDP + ZeRO-1",)),
-    ("ZeRO-2", ("fscale ZeRO-2",), ("FairScale OSS + ShardedDDP",)),
+    ("ZeRO-2", ("fscale ZeRO-2",), ("FairScale OSS + ShardedDDP", "DeepSpeed ZeRO-2")),
     ("ZeRO-3", ("fscale ZeRO-3",), ("torch FSDP2", "torch FSDP2 last kept")),
     ("remat", ("fscale DDP + checkpoint",), ("torch DDP + checkpoint",)),
 )
@@ -123,8 +123,6 @@ def verdicts(rows: list[dict[str, Any]], absent: dict[str, str]) -> list[dict[st
         measured = [p for p in peers if p in peak]
         best = min(measured, key=peak.__getitem__) if measured else None
         missing = {p: absent[p] for p in peers if p in absent}
-        if strategy == "ZeRO-2" and "DeepSpeed ZeRO-2" in absent:
-            missing["DeepSpeed ZeRO-2"] = absent["DeepSpeed ZeRO-2"]
         for name in ours:
             if name not in peak:
                 continue
@@ -167,9 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if fairscale:
         absent.update(dict.fromkeys(_variants.FAIRSCALE, fairscale))
     if deepspeed:
-        absent["DeepSpeed ZeRO-2"] = deepspeed
-    else:
-        print("DeepSpeed imports, but no DeepSpeed variant is built: ZeRO-2 has FairScale only")
+        absent.update(dict.fromkeys(_variants.DEEPSPEED, deepspeed))
     for reason in sorted(set(absent.values())):
         print(reason)
     names = [

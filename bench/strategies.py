@@ -12,9 +12,8 @@ precedes every step, and a round's time is the slowest rank's). All train the sa
 update):
 
 * ``torch DDP`` and ``fscale DDP`` (``fscale.data_parallel``, donated);
-* ``fscale ZeRO-2`` (``fscale.shard_optimizer``) beside ``FairScale OSS + ShardedDDP`` (when
-  ``import fairscale`` works; DeepSpeed ZeRO-2 has no variant: the run reports whether
-  ``import deepspeed`` works);
+* ``fscale ZeRO-2`` (``fscale.shard_optimizer``) beside ``FairScale OSS + ShardedDDP`` and
+  ``DeepSpeed ZeRO-2`` (each when its library imports; the run says why one is skipped);
 * ``fscale ZeRO-3`` (``fscale.fully_shard``, its default ``"except_last"``) beside ``torch
   FSDP2`` (its default: every unit resharded after forward), the same units (GPT blocks,
   ResNet stages) and root, and beside ``torch FSDP2 last kept`` (torchtitan's policy,
@@ -72,7 +71,7 @@ COMPARISONS = (
         "fscale ZeRO-2",
         "torch DDP",
         1.00,
-        ("FairScale OSS + ShardedDDP", "fscale ZeRO-2 over gloo"),
+        ("FairScale OSS + ShardedDDP", "DeepSpeed ZeRO-2", "fscale ZeRO-2 over gloo"),
     ),
     (
         "ZeRO-3",
@@ -88,6 +87,7 @@ VARIANTS = (
     "fscale DDP",
     "fscale ZeRO-2",
     "FairScale OSS + ShardedDDP",
+    "DeepSpeed ZeRO-2",
     "fscale ZeRO-3",
     "torch FSDP2",
     "torch FSDP2 last kept",
@@ -100,11 +100,15 @@ VARIANTS = (
 
 
 def variants_for(
-    model: str, with_fairscale: bool, strategies: list[str] | None = None, over_gloo: bool = False
+    model: str,
+    with_fairscale: bool,
+    strategies: list[str] | None = None,
+    over_gloo: bool = False,
+    with_deepspeed: bool = False,
 ) -> list[str]:
-    """The variants timed on `model`: no checkpoint pair on the CNN, FairScale when it imports,
-    the variants over gloo only when asked (`over_gloo`; they need processes of their own); with
-    `strategies`, only their fscale variants and peers."""
+    """The variants timed on `model`: no checkpoint pair on the CNN, FairScale and DeepSpeed
+    when they import, the variants over gloo only when asked (`over_gloo`; they need processes
+    of their own); with `strategies`, only their fscale variants and peers."""
     wanted = None
     if strategies is not None:
         wanted = {
@@ -118,6 +122,7 @@ def variants_for(
         for name in VARIANTS
         if (model == "gpt" or "checkpoint" not in name)
         and (with_fairscale or name not in _variants.FAIRSCALE)
+        and (with_deepspeed or name not in _variants.DEEPSPEED)
         and (over_gloo or name not in _variants.OVER_GLOO)
         and (wanted is None or name in wanted)
     ]
@@ -271,12 +276,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for reason in (fairscale, deepspeed):
         if reason:
             print(reason)
-    if deepspeed is None:
-        print("DeepSpeed imports, but no DeepSpeed variant is built: ZeRO-2 has FairScale only")
 
     runs, table, verdicts = [], [], []
     for model in args.models:
-        names = variants_for(model, fairscale is None, args.strategies, args.over_gloo)
+        names = variants_for(
+            model, fairscale is None, args.strategies, args.over_gloo, deepspeed is None
+        )
         if not names:
             continue
         for world in args.ranks:
@@ -385,7 +390,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "isolated": args.isolated,
         },
         "fairscale": fairscale or "imported",
-        "deepspeed": deepspeed or "imported (no DeepSpeed variant is built)",
+        "deepspeed": deepspeed or "imported",
         "runs": runs,
     }
     name = "strategies_keep_heap" if args.keep_heap else "strategies"
