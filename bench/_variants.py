@@ -108,8 +108,8 @@ def fairscale_status() -> str | None:
 def deepspeed_status() -> str | None:
     """None when ``import deepspeed`` works, else why not (the DeepSpeed variants are skipped).
 
-    DeepSpeed is an optional peer: ``DS_BUILD_OPS=0 pip install deepspeed==0.19.8`` with the
-    torch constraint (see the README's benchmarks section).
+    DeepSpeed is an optional peer: ``DS_BUILD_OPS=0 pip install --no-build-isolation
+    deepspeed==0.19.8`` with the torch constraint (the README's Dependencies section).
     """
     try:
         with warnings.catch_warnings():
