@@ -35,22 +35,29 @@ on a heap the other left. Writes ``bench/results/pipeline.json`` (``pipeline_kee
 then ``_isolated`` with ``--isolated``).
 
 Measured, from extra fscale steps run under `fscale.parallel.pipeline.record_timeline` after
-the timed rounds (so the recording costs the timed steps nothing): the bubble, each rank's
-``1 - busy / wall`` of its part of the step (busy: its actions' time less their waits on
-receives; median over the steps, mean over the ranks), timed without counting activations
-(the count slows every forward); then, in as many steps again, each rank's peak of the
-activation bytes autograd saves for backward (parameters excluded). The *floor* is fscale's
+the timed rounds (so the recording costs the timed steps nothing), each after one of torch's
+steps as in the rounds (without it fscale's actions ran faster than in the rounds, and the
+bounds below read low; not with ``--isolated``, where torch runs in other processes): the
+bubble, each rank's ``1 - busy / wall`` of its part of the step (busy: its actions' time less
+their waits on receives; median over the steps, mean over the ranks), timed without counting
+activations (the count slows every forward); then, in as many steps again, each rank's peak of
+the activation bytes autograd saves for backward (parameters excluded). The *floor* is fscale's
 table run on a clock where every action takes its measured cost (`fscale.parallel.pipeline.
 simulate`): the critical path of those actions in that order, with no time for messages, the
 update or anything else between them. ``fscale/floor`` and ``torch/floor`` say how far each
 step is above it; for ``zero_bubble`` torch runs another table (two stages per rank), so its
-figure compares schedules, not runtimes. The floor assumes a core per rank: with more ranks
+figure compares schedules, not runtimes. For GPipe and 1F1B the *chain* is a bound that needs no
+simulation: the first stage's first forward, all of the last stage's actions (one rank runs them
+in turn) and the first stage's last backward run one after the other in any runtime of the
+table, so no step is shorter (median over the measured steps; ``fscale/chain``,
+``torch/chain``). The floor assumes a core per rank: with more ranks
 than cores the ranks share them, an action's measured time includes the time it waited for a
 core, and the floor is no bound. Below the table, per (P, M): 1F1B's
 activation peak over GPipe's (the goal: at most P/M) and zero-bubble's measured bubble beside
 1F1B's (the goal: below it); and, where each rank has a core of its own, the cells whose 1.1x
-throughput goal no runtime with fscale's action costs could reach: ``torch/floor`` below 1.1
-means that even a step with nothing outside fscale's actions would be less than 1.1x torch's.
+throughput goal no runtime with fscale's action costs could reach: ``torch/chain`` (GPipe,
+1F1B) or ``torch/floor`` (interleaved) below 1.1 means that even a step with nothing outside
+fscale's actions would be less than 1.1x torch's.
 Writes ``bench/results/pipeline.json``.
 """
 
@@ -193,12 +200,20 @@ def _fscale_variant(cfg, balance, num_stages, schedule, micro_batches):
     return run, step.plan.schedule  # type: ignore[attr-defined]
 
 
-def _measure(run: Any, tokens: torch.Tensor, targets: torch.Tensor, steps: int) -> dict[str, Any]:
+def _measure(
+    run: Any, tokens: torch.Tensor, targets: torch.Tensor, steps: int, between: Any = None
+) -> dict[str, Any]:
     """This rank's measured bubble and action costs (medians over `steps` steps, timed without
     counting activations, which slows every forward), then its activation peak (max over as
-    many steps again, counted)."""
+    many steps again, counted). `between`, if given, runs before each timed step (torch's step,
+    so that fscale's actions are timed in the conditions of the rounds, where the two
+    alternate). Per step, also this rank's busy seconds and its first and last actions' (the
+    parts of `_chain`)."""
     with record_timeline(activations=False) as timeline:
         for _ in range(steps):
+            if between is not None:
+                dist.barrier()
+                between()
             dist.barrier()
             run(tokens, targets)
     with record_timeline() as counted:
@@ -206,7 +221,14 @@ def _measure(run: Any, tokens: torch.Tensor, targets: torch.Tensor, steps: int) 
             dist.barrier()
             run(tokens, targets)
     runs = [s.costs() for s in timeline.steps]
+
+    def busy(action: Any) -> float:
+        return action.end - action.start - action.waited
+
     return {
+        "step_busy_s": [s.busy for s in timeline.steps],
+        "step_first_s": [busy(s.actions[0]) for s in timeline.steps],
+        "step_last_s": [busy(s.actions[-1]) for s in timeline.steps],
         "bubble": statistics.median(s.bubble for s in timeline.steps),
         "activation_peak": max(s.activation_peak or 0 for s in counted.steps),
         "busy_s": statistics.median(s.busy for s in timeline.steps),
@@ -247,10 +269,11 @@ class _Setup:
             self.cfg, self.balance, self.num_stages, self.schedule, self.micro_batches
         )
 
-    def fscale_facts(self, run: Any, table: Any) -> dict[str, Any]:
+    def fscale_facts(self, run: Any, table: Any, between: Any = None) -> dict[str, Any]:
         """The measured bubble and costs of fscale's steps (`_measure`) and its table's facts."""
+        measure = self.options["measure"]
         return {
-            "measured": _measure(run, self.tokens, self.targets, self.options["measure"]),
+            "measured": _measure(run, self.tokens, self.targets, measure, between),
             "bubble": table.bubble_fraction(),
             "table": table,
             "activation_bound": list(table.activation_bound),
@@ -306,9 +329,16 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
         "cpu": {name: v.cpu[options["warmup"] :] for name, v in variants.items()},
         "peak_rss_growth": {name: v.peak for name, v in variants.items()},
         "torch_error": variants_error,
-        **setup.fscale_facts(fscale_run, table),
+        **setup.fscale_facts(fscale_run, table, _between(setup, variants.get("torch"))),
         "seconds": time.perf_counter() - start,
     }
+
+
+def _between(setup: _Setup, torch_step: _Timed | None) -> Any:
+    """torch's step on the batch, to run between fscale's measured steps (None without one)."""
+    if torch_step is None:
+        return None
+    return lambda: torch_step.run(setup.tokens, setup.targets)
 
 
 def build_isolated(name: str, options: dict[str, Any]) -> _Timed:
@@ -468,6 +498,7 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
     # time any runtime takes for these actions in this order (`simulate`).
     costs = {key: c for r in results for key, c in r["measured"]["costs"].items()}
     floor = simulate(results[0]["table"], costs).makespan
+    chain = _chain(schedule, results)
     # CPU seconds of all ranks per round: the work each variant does, which other processes'
     # load on the machine does not stretch as it stretches wall time.
     cpu = {
@@ -487,6 +518,11 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
         "floor_s": floor,
         "fscale_over_floor": medians["fscale"] / floor,
         "torch_over_floor": medians["torch"] / floor if "torch" in medians else None,
+        "chain_s": chain,
+        "fscale_over_chain": None if chain is None else medians["fscale"] / chain,
+        "torch_over_chain": None
+        if chain is None or "torch" not in medians
+        else medians["torch"] / chain,
         "fscale_peak_mib": [r["peak_rss_growth"].get("fscale", 0) / 2**20 for r in results],
         "torch_peak_mib": [r["peak_rss_growth"].get("torch", 0) / 2**20 for r in results],
         "table_bubble": results[0]["bubble"],
@@ -496,6 +532,26 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
         "activation_peak_mib": [r["measured"]["activation_peak"] / 2**20 for r in results],
         "torch_error": results[0]["torch_error"],
     }
+
+
+def _chain(schedule: str, results: list[dict[str, Any]]) -> float | None:
+    """The median over the measured steps of the chain of actions that any runtime of a
+    one-stage-per-rank GPipe or 1F1B table runs one after the other: the first stage's first
+    forward (every other action needs it), all of the last stage's actions (one rank runs them
+    in turn), then the first stage's last backward (it needs the last stage's last backward).
+    None for the other schedules, where the last stage's rank holds other stages too
+    (interleaved) or the first stage's last action does not wait for all of the last stage's
+    (zero-bubble's deferred W)."""
+    if schedule not in ("gpipe", "1f1b"):
+        return None
+    first, last = results[0]["measured"], results[-1]["measured"]
+    chains = [
+        head + busy + tail
+        for head, busy, tail in zip(
+            first["step_first_s"], last["step_busy_s"], first["step_last_s"]
+        )
+    ]
+    return statistics.median(chains)
 
 
 def _format(rows: list[dict[str, Any]]) -> str:
@@ -508,6 +564,9 @@ def _format(rows: list[dict[str, Any]]) -> str:
         "floor ms",
         "fscale/floor",
         "torch/floor",
+        "chain ms",
+        "fscale/chain",
+        "torch/chain",
         "fscale/torch thr",
         "thr 95% CI",
         "torch/fscale cpu",
@@ -528,6 +587,9 @@ def _format(rows: list[dict[str, Any]]) -> str:
             r["floor_s"] * 1e3,
             r["fscale_over_floor"],
             r["torch_over_floor"] if r["torch_over_floor"] is not None else "n/a",
+            r["chain_s"] * 1e3 if r["chain_s"] is not None else "-",
+            r["fscale_over_chain"] if r["fscale_over_chain"] is not None else "-",
+            r["torch_over_chain"] if r["torch_over_chain"] is not None else "-",
             r["throughput_ratio"] if r["throughput_ratio"] is not None else "n/a",
             _interval_cell(r["throughput_interval"], r["throughput_verdict"]),
             r["cpu_ratio"] if r["cpu_ratio"] is not None else "n/a",
@@ -575,13 +637,18 @@ def _goals(rows: list[dict[str, Any]]) -> str:
         lines.append(" ".join(parts))
     cores = os.cpu_count() or 1
     for r in rows:
-        ceiling = r["torch_over_floor"]
+        # The chain where the table has one (GPipe, 1F1B), else the floor.
+        chained = r["torch_over_chain"] is not None
+        ceiling = r["torch_over_chain"] if chained else r["torch_over_floor"]
         if r["schedule"] == "zero_bubble" or ceiling is None or r["ranks"] > cores:
-            continue  # torch runs another table; or the ranks share cores and the floor is no bound
+            continue  # torch runs another table; or the ranks share cores and neither bounds
         if ceiling < THROUGHPUT_GOAL:
+            bound = (
+                "the chain of fscale's actions that runs in turn" if chained else "fscale's floor"
+            )
             lines.append(
                 f"P={r['ranks']} M={r['micro_batches']} {r['schedule']}: torch took "
-                f"{ceiling:.3f}x fscale's floor, so no runtime with fscale's action costs reaches "
+                f"{ceiling:.3f}x {bound}, so no runtime with fscale's action costs reaches "
                 f"{THROUGHPUT_GOAL}x torch here"
             )
     return "\n".join(lines)

@@ -414,27 +414,51 @@ def test_pipeline_goals_name_cells_whose_ceiling_is_below_the_goal(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     pipeline = importlib.import_module("pipeline")
 
-    def row(ranks, schedule, torch_over_floor):
+    def row(ranks, schedule, torch_over_floor, torch_over_chain=None):
         return {
             "ranks": ranks,
             "micro_batches": 8,
             "schedule": schedule,
             "torch_over_floor": torch_over_floor,
+            "torch_over_chain": torch_over_chain,
             "activation_peak_mib": [1.0],
             "measured_bubble": 0.1,
         }
 
     text = pipeline._goals(
         [
-            row(2, "1f1b", 1.05),  # torch within 1.1x of fscale's floor: out of reach
-            row(2, "gpipe", 1.30),  # room above the goal
-            row(4, "1f1b", 1.02),  # 4 ranks on 2 cores: the floor is no bound
+            row(2, "1f1b", 1.30, 1.05),  # torch within 1.1x of the chain: out of reach
+            row(2, "gpipe", 1.30, 1.20),  # room above the goal
+            row(2, "interleaved", 1.05),  # no chain: the floor decides
+            row(4, "1f1b", 1.02, 1.01),  # 4 ranks on 2 cores: neither bounds
             row(2, "zero_bubble", 1.01),  # torch runs another table
         ]
     )
-    ceilings = [line for line in text.splitlines() if "floor" in line]
-    expected = (
-        "P=2 M=8 1f1b: torch took 1.050x fscale's floor, so no runtime with fscale's action "
-        "costs reaches 1.1x torch here"
+    ceilings = [line for line in text.splitlines() if "no runtime" in line]
+    chain_line = (
+        "P=2 M=8 1f1b: torch took 1.050x the chain of fscale's actions that runs in turn, so no "
+        "runtime with fscale's action costs reaches 1.1x torch here"
     )
-    assert ceilings == [expected]
+    floor_line = (
+        "P=2 M=8 interleaved: torch took 1.050x fscale's floor, so no runtime with fscale's "
+        "action costs reaches 1.1x torch here"
+    )
+    assert ceilings == [chain_line, floor_line]
+
+
+def test_pipeline_chain_is_the_first_forward_the_last_stage_and_the_last_backward(monkeypatch):
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    pipeline = importlib.import_module("pipeline")
+
+    def measured(first, busy, last):
+        return {"measured": {"step_first_s": first, "step_busy_s": busy, "step_last_s": last}}
+
+    results = [
+        measured([1.0, 2.0, 1.0], [50.0, 50.0, 50.0], [3.0, 3.0, 9.0]),  # the first stage
+        measured([0.0, 0.0, 0.0], [10.0, 20.0, 30.0], [0.0, 0.0, 0.0]),  # the last stage
+    ]
+    # Per step: 1 + 10 + 3, 2 + 20 + 3, 1 + 30 + 9; the median of 14, 25 and 40.
+    assert pipeline._chain("1f1b", results) == 25.0
+    assert pipeline._chain("gpipe", results) == 25.0
+    assert pipeline._chain("interleaved", results) is None
+    assert pipeline._chain("zero_bubble", results) is None
