@@ -221,14 +221,10 @@ def _measure(
             dist.barrier()
             run(tokens, targets)
     runs = [s.costs() for s in timeline.steps]
-
-    def busy(action: Any) -> float:
-        return action.end - action.start - action.waited
-
     return {
         "step_busy_s": [s.busy for s in timeline.steps],
-        "step_first_s": [busy(s.actions[0]) for s in timeline.steps],
-        "step_last_s": [busy(s.actions[-1]) for s in timeline.steps],
+        "step_first_s": [s.actions[0].busy for s in timeline.steps],
+        "step_last_s": [s.actions[-1].busy for s in timeline.steps],
         "bubble": statistics.median(s.bubble for s in timeline.steps),
         "activation_peak": max(s.activation_peak or 0 for s in counted.steps),
         "busy_s": statistics.median(s.busy for s in timeline.steps),

@@ -128,6 +128,7 @@ def test_times_can_be_recorded_without_counting_activations_and_give_the_costs()
         costs = step.costs()
         assert list(costs) == [(a.kind, a.micro_batch, a.stage) for a in step.actions]
         assert all(c == a.end - a.start - a.waited for c, a in zip(costs.values(), step.actions))
+        assert all(a.busy == a.end - a.start - a.waited for a in step.actions)
         assert sum(costs.values()) == pytest.approx(step.busy)
     with pytest.raises(TypeError, match="activations"), record_timeline(activations=1):  # type: ignore[arg-type]
         pass

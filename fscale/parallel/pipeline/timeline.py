@@ -53,6 +53,11 @@ class ActionTime:
     end: float
     waited: float
 
+    @property
+    def busy(self) -> float:
+        """Seconds spent computing: the action's time less its waits on receives."""
+        return self.end - self.start - self.waited
+
 
 @dataclasses.dataclass(frozen=True)
 class StepTimeline:
@@ -72,7 +77,7 @@ class StepTimeline:
     @property
     def busy(self) -> float:
         """Seconds spent computing: the actions' time less their waits on receives."""
-        return sum(a.end - a.start - a.waited for a in self.actions)
+        return sum(a.busy for a in self.actions)
 
     @property
     def bubble(self) -> float:
@@ -82,7 +87,7 @@ class StepTimeline:
     def costs(self) -> dict[tuple[str, int, int], float]:
         """Each action's busy seconds (its time less its waits), keyed (kind, micro-batch,
         stage): the costs `fscale.parallel.pipeline.makespan` takes."""
-        return {(a.kind, a.micro_batch, a.stage): a.end - a.start - a.waited for a in self.actions}
+        return {(a.kind, a.micro_batch, a.stage): a.busy for a in self.actions}
 
 
 class Timeline:
