@@ -343,6 +343,10 @@ def _mlp_pipeline(schedule, balance, **options):
 def _receive_policy(schedule, receive_ahead):
     from fscale.parallel.pipeline import transport
 
+    # gloo's posted receives (neighbours of one host otherwise use shared memory, which posts
+    # none).
+    fs.distributed.set_shared_memory(False)
+
     balance = [2, 3] if schedule != "interleaved" else [1, 1, 1, 2]
     step, state, batch = _mlp_pipeline(schedule, balance, receive_ahead=receive_ahead)
     outstanding: list[int] = []
@@ -358,6 +362,39 @@ def _receive_policy(schedule, receive_ahead):
     finally:
         transport.Mailbox.expect = expect  # type: ignore[method-assign]
     return fs.consolidate(step, state).params, float(metrics["loss"]), outstanding, repr(step)
+
+
+def _messages_through(schedule, shared):
+    from fscale.parallel.pipeline import transport
+
+    fs.distributed.set_shared_memory(shared)
+    balance = [2, 3] if schedule != "interleaved" else [1, 1, 1, 2]
+    step, state, batch = _mlp_pipeline(schedule, balance)
+    posted: list[int] = []
+    post_receive = transport._post_receive
+
+    def counted(*args):
+        posted.append(1)
+        return post_receive(*args)
+
+    transport._post_receive = counted
+    try:
+        state, metrics = step(state, batch)
+    finally:
+        transport._post_receive = post_receive
+    return fs.consolidate(step, state).params, float(metrics["loss"]), len(posted)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero_bubble"])
+def test_messages_through_shared_memory_give_gloo_s_bits_and_post_no_receive(schedule):
+    through_memory = run_spmd(_messages_through, 2, schedule, True)
+    over_gloo = run_spmd(_messages_through, 2, schedule, False)
+    for (params, loss, posted), (gloo_params, gloo_loss, gloo_posted) in zip(
+        through_memory, over_gloo
+    ):
+        assert_trees_equal(params, gloo_params)
+        assert loss == gloo_loss
+        assert posted == 0 and gloo_posted > 0
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])

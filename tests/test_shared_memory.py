@@ -24,7 +24,7 @@ from summation import SIZES, bits, heavy_tailed
 import fscale as fs
 from fscale import distributed as fd
 from fscale.distributed import collectives as C
-from fscale.distributed import hosts
+from fscale.distributed import hosts, shared_regions
 from fscale.distributed import shared_memory as shm
 from fscale.distributed.comm import resolve_comm
 from fscale.distributed.shared_memory import (
@@ -164,7 +164,8 @@ def test_the_setting_decides_and_must_agree_across_the_ranks_of_one_host():
 
 def _other_host_case() -> tuple[bool, bool]:
     if dist.get_rank() == 1:
-        shm.host_id = lambda: "host:elsewhere"  # restored below; the pool's ranks live on
+        # restored below; the pool's ranks live on
+        shared_regions.host_id = lambda: "host:elsewhere"
     try:
         comm = resolve_comm("dp", fd.Mesh(dp=2), "test")
         x = torch.ones(4)
@@ -172,7 +173,7 @@ def _other_host_case() -> tuple[bool, bool]:
         pending = all_reduce_bucket_start(x, "dp", comm.mesh, divided=True)
         return shared, torch.equal(pending.wait(), torch.full((4,), 2.0))
     finally:
-        shm.host_id = hosts.host_id
+        shared_regions.host_id = hosts.host_id
 
 
 def test_ranks_on_different_hosts_keep_gloo():

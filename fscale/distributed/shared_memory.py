@@ -46,17 +46,11 @@ of faulting later. ``FSCALE_SHARED_MEMORY=0`` or `set_shared_memory(False)` keep
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import datetime
 import mmap
-import os
-import platform
 import queue
-import sys
-import tempfile
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,12 +62,12 @@ import torch.distributed as dist
 from fscale import tracking
 from fscale.distributed.comm import Comm
 from fscale.distributed.exchange import chunks_between, ring_chunk, ring_order, ring_rule
-from fscale.distributed.hosts import host_id
+from fscale.distributed.shared_regions import map_region, open_regions
 from fscale.distributed.shared_setting import (
-    ENV,
     enabled_from_env,
     set_shared_memory,
     shared_memory_enabled,
+    unlink_region,
 )
 
 __all__ = [
@@ -95,17 +89,8 @@ WINDOW_BYTES = 1 << 20
 ranks, 4 MiB windows 5.3-5.8 ms (they leave the caches); each rank maps 2N of them."""
 
 _HEADER = 4096  # the counter, alone on its page
-_SHM_DIR = "/dev/shm"
 # Process group -> its arena, or None where it keeps gloo (`tracking.reset` forgets them).
 _ARENAS: dict[Any, _Arena | None] = {}
-
-
-def _supported() -> bool:
-    return (
-        sys.platform.startswith("linux")
-        and platform.machine().lower() in ("x86_64", "amd64")
-        and os.access(_SHM_DIR, os.W_OK)
-    )
 
 
 def shares_memory(comm: Comm, flat: Tensor, *, sums: bool) -> bool:
@@ -240,7 +225,7 @@ class _Arena:
         self.seq = 0  # the number of the last window this rank arrived at
         self.closed = False
         self._path: str | None = own_path  # unlinked once every peer has mapped it
-        weakref.finalize(self, _unlink, own_path)  # at the latest when the process exits
+        weakref.finalize(self, unlink_region, own_path)  # at the latest when the process exits
         self._maps = maps
         self._counters = [np.frombuffer(m, dtype=np.int64, count=1) for m in maps]
         self._bytes = [
@@ -256,56 +241,19 @@ class _Arena:
     @classmethod
     def open(cls, comm: Comm) -> _Arena | None:
         """Every rank's region mapped, or None where the group keeps gloo (a collective)."""
-        setting = shared_memory_enabled()
         size = _HEADER + 2 * WINDOW_BYTES
-        path, fd, arena, failure = None, -1, None, None
-        if setting and _supported():
-            fd, path = tempfile.mkstemp(prefix="fscale-", dir=_SHM_DIR)
-            try:
-                # Reserve the pages now: a page of a full tmpfs is otherwise a SIGBUS on its
-                # first touch, deep inside a collective (/dev/shm is 64 MiB in a default
-                # container, and DataLoader workers share tensors through it too).
-                os.posix_fallocate(fd, 0, size)
-            except OSError as error:
-                failure = f"{_SHM_DIR} could not hold {size} bytes ({error})"
+        regions = open_regions(comm, size, "fscale-", "the bucket collectives")
+        if regions is None:
+            return None
         try:
-            mine = (host_id(), setting, None if failure else path, failure)
-            everyone: list[Any] = [None] * comm.size
-            dist.all_gather_object(everyone, mine, group=comm.group)
-            if len({host for host, _, _, _ in everyone}) > 1:
-                return None
-            if len({on for _, on, _, _ in everyone}) > 1:
-                on = [q for q, (_, wants, _, _) in enumerate(everyone) if wants]
-                raise ValueError(
-                    f"shared memory: the ranks of axis {comm.axis!r} share a host but not the "
-                    f"setting: ranks {on} of the axis would use shared memory and the others "
-                    f"would not. Set {ENV} (or set_shared_memory) alike on every rank"
-                )
-            if any(peer_path is None for _, _, peer_path, _ in everyone):
-                failures = [(q, why) for q, (_, _, _, why) in enumerate(everyone) if why]
-                if failures and comm.index == 0:
-                    warnings.warn(
-                        f"shared memory: axis {comm.axis!r} keeps gloo, rank {failures[0][0]}: "
-                        f"{failures[0][1]}",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-                return None
-            maps = []
-            for q, (_, _, peer_path, _) in enumerate(everyone):
-                if q == comm.index:
-                    maps.append(mmap.mmap(fd, size))
-                else:
-                    with open(peer_path, "r+b") as peer:
-                        maps.append(mmap.mmap(peer.fileno(), size))
-            assert path is not None
-            arena = cls(comm, maps, path)
-            return arena
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            if path is not None and arena is None:  # not used: no name left behind
-                _unlink(path)
+            maps = [
+                regions.own if q == comm.index else map_region(path, size)
+                for q, path in enumerate(regions.paths)
+            ]
+        except BaseException:
+            unlink_region(regions.path)
+            raise
+        return cls(comm, maps, regions.path)
 
     def submit(self, work: Callable[[], None]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -317,7 +265,7 @@ class _Arena:
         self.closed = True
         self._queue.put(None)
         if self._path is not None:
-            _unlink(self._path)
+            unlink_region(self._path)
             self._path = None
 
     def _unmap_windows(self) -> None:  # on the worker: no window is in use
@@ -440,13 +388,8 @@ class _Arena:
             polls += 1
             time.sleep(0.0 if polls < 64 else min(2e-5 * (polls - 63), 5e-4))
         if self._path is not None:  # every peer mapped every region before it arrived
-            _unlink(self._path)
+            unlink_region(self._path)
             self._path = None
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 def _reset() -> None:

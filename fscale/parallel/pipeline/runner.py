@@ -43,6 +43,7 @@ import torch
 from fscale import random as fsrandom
 from fscale import tree
 from fscale.distributed.comm import Comm
+from fscale.distributed.shared_channels import open_channels
 from fscale.distributed.watchdog import collective_timeout
 from fscale.grad import normalize_loss_output
 from fscale.parallel.pipeline.deferred_linear import LinearStore, deferring
@@ -172,8 +173,12 @@ def run_schedule(
     recorder = StepRecorder(tree.leaves((params, buffers))) if recording() else None
     # A message can wait behind at most one action per tick of the table: with every action
     # shorter than the collective timeout, no wait lasts longer than the table's ticks times it.
+    # Neighbours of one host send through shared memory (a collective over the axis at the
+    # group's first step, which every rank of the axis runs).
     mailbox = Mailbox(
-        collective_timeout() * schedule.length, None if recorder is None else recorder.waited
+        collective_timeout() * schedule.length,
+        None if recorder is None else recorder.waited,
+        None if comm is None else open_channels(comm),
     )
     keys = [fsrandom.fold_in(key, m) for m in range(micro_batches)]
     adjacent = schedule.back_to_back(index)

@@ -15,6 +15,11 @@ wait, and a schedule that passes `fscale.parallel.pipeline.check` receives only 
 tick has sent. Every message is tagged by (direction, micro-batch, stage, leaf), so a rank may
 receive in another order than its peer sent.
 
+Between neighbouring ranks of one host the messages go through shared memory
+(`fscale.distributed.shared_channels`, when the runner passes the axis's channels to the
+`Mailbox`): a send copies into a ring, a receive takes what has arrived, nothing is posted
+ahead. What follows about posting is gloo's, the transport everywhere else.
+
 Receives are posted ahead (`Link.expect_activation` / `expect_gradients`): gloo moves a message
 only once both sides have posted it — a send that finds no posted receive waits for the
 receiver's notice and the sender's progress thread to write it — so a receive posted before
@@ -43,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -52,6 +58,11 @@ import torch.distributed as dist
 
 from fscale.distributed.comm import Comm
 from fscale.distributed.ledger import record
+from fscale.distributed.shared_channels import (
+    ChannelPeerExitedError,
+    Channels,
+    ChannelTimeoutError,
+)
 from fscale.distributed.watchdog import CollectiveTimeoutError, collective_timeout
 
 __all__ = [
@@ -156,20 +167,40 @@ class Mailbox:
     receives posted ahead of their use.
 
     `on_wait`, if given, receives the seconds each blocking receive through this mailbox
-    waited. `patience` bounds each wait, in seconds (`arrival`).
+    waited. `patience` bounds each wait, in seconds (`arrival`). Messages to and from the
+    ranks `channels` links (`fscale.distributed.shared_channels`) go through shared memory
+    instead of gloo: nothing is posted ahead there, and a send is done once in the ring.
     """
 
-    def __init__(self, patience: float, on_wait: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self,
+        patience: float,
+        on_wait: Callable[[float], None] | None = None,
+        channels: Channels | None = None,
+    ) -> None:
         self._pending: dict[tuple[int, int], tuple[Any, Tensor, Comm]] = {}
         self._expected: dict[tuple[int, int], tuple[Any, Tensor]] = {}
         self.patience = patience
         self.on_wait = on_wait
+        self._channels = channels
+        self._comm: Comm | None = None  # the axis the channels serve, once a message names it
+
+    def _shared(self, comm: Comm, peer: int) -> Channels | None:
+        channels = self._channels
+        if channels is None or not channels.links(peer):
+            return None
+        self._comm = comm
+        return channels
 
     def post(self, tensor: Tensor, comm: Comm, to: int, tag: int) -> None:
         payload = tensor.detach()
+        record("send", comm.axis, payload.dtype, payload.numel(), comm.size)
+        channels = self._shared(comm, to)
+        if channels is not None:
+            channels.send(to, tag, payload)
+            return
         if not payload.is_contiguous():
             payload = payload.contiguous()
-        record("send", comm.axis, payload.dtype, payload.numel(), comm.size)
         work = dist.isend(payload, group=comm.group, group_dst=to, tag=tag)
         self._pending[(to, tag)] = (work, payload, comm)  # the payload lives until delivered
 
@@ -189,6 +220,12 @@ class Mailbox:
                 "never used"
             )
         start = time.perf_counter()
+        if self._channels is not None and self._comm is not None:
+            try:
+                self._channels.flush(self.patience)
+            except (ChannelTimeoutError, ChannelPeerExitedError) as error:
+                what = "messages this rank sent"
+                raise _lost(self._comm, None, what, self.patience, error) from error
         pending, self._pending = self._pending, {}
         for (to, _), (work, _, comm) in pending.items():
             arrival(work, comm, to, "a message this rank sent", self.patience, sent=True)
@@ -196,6 +233,8 @@ class Mailbox:
 
     def expect(self, comm: Comm, spec: LeafSpec, source: int, tag: int) -> None:
         """Post the receive of the tensor tagged `tag` from index `source` now."""
+        if self._shared(comm, source) is not None:
+            return  # shared memory takes messages as they come
         self._expected[(source, tag)] = _post_receive(comm, spec, source, tag)
 
     def receive_later(
@@ -203,6 +242,8 @@ class Mailbox:
     ) -> Callable[[], Tensor]:
         """Post the receive of a message no action waits for (the step's loss) now; the
         function returned blocks until it has arrived and returns it."""
+        if self._shared(comm, source) is not None:
+            return lambda: self._take(comm, spec, source, tag, "the step's loss")
         work, buffer = _post_receive(comm, spec, source, tag)
 
         def arrived() -> Tensor:
@@ -217,13 +258,34 @@ class Mailbox:
         """Block until the tensor tagged `tag` from index `source` along the axis arrives
         (`what` it is names it in the error if it never does; see `arrival`)."""
         start = time.perf_counter()
-        posted = self._expected.pop((source, tag), None)
-        if posted is None:
-            posted = _post_receive(comm, spec, source, tag)
-        arrival(posted[0], comm, source, what, self.patience)
+        if self._shared(comm, source) is not None:
+            found = self._take(comm, spec, source, tag, what)
+        else:
+            posted = self._expected.pop((source, tag), None)
+            if posted is None:
+                posted = _post_receive(comm, spec, source, tag)
+            arrival(posted[0], comm, source, what, self.patience)
+            found = posted[1]
         if self.on_wait is not None:
             self.on_wait(time.perf_counter() - start)
-        return posted[1]
+        return found
+
+    def _take(self, comm: Comm, spec: LeafSpec, source: int, tag: int, what: str) -> Tensor:
+        """A message through shared memory, as the tensor `spec` describes."""
+        assert self._channels is not None
+        try:
+            data = self._channels.receive(source, tag, self.patience)
+        except (ChannelTimeoutError, ChannelPeerExitedError) as error:
+            raise _lost(comm, source, what, self.patience, error) from error
+        shape, dtype = spec
+        expected = math.prod(shape) * dtype.itemsize
+        if data.numel() != expected:
+            raise ValueError(
+                f"pipeline: {what} from index {source} of axis {comm.axis!r} holds "
+                f"{data.numel()} bytes, where a {tuple(shape)} {dtype} tensor has {expected}: "
+                "the two ranks disagree on what crosses this boundary"
+            )
+        return data.view(dtype).view(shape)
 
 
 def _post_receive(comm: Comm, spec: LeafSpec, source: int, tag: int) -> tuple[Any, Tensor]:
@@ -251,20 +313,37 @@ def arrival(
         return
     except RuntimeError as error:
         failure = error
+    raise _lost(comm, source, what, patience, failure, sent) from failure
+
+
+def _lost(
+    comm: Comm,
+    source: int | None,
+    what: str,
+    patience: float,
+    failure: Exception,
+    sent: bool = False,
+) -> CollectiveTimeoutError:
+    """The error for a wait that outlasted `patience`: the message, both ranks (`source`
+    None: any neighbour), the cause."""
     me = comm.mesh.global_rank(comm.axis, comm.index)
-    peer = comm.mesh.global_rank(comm.axis, source)
-    timed_out = "timed out" in str(failure).lower()
+    timed_out = isinstance(failure, TimeoutError) or "timed out" in str(failure).lower()
     reason = "the wait timed out" if timed_out else "the connection failed"
-    peer_named = f"rank {peer} ({comm.axis}={source})"
-    subject = f"{peer_named} to take {what}" if sent else f"{what} from {peer_named}"
-    raise CollectiveTimeoutError(
+    if source is None:
+        peer_named = f"a neighbour along axis {comm.axis!r}"
+    else:
+        peer = comm.mesh.global_rank(comm.axis, source)
+        peer_named = f"rank {peer} ({comm.axis}={source})"
+    taken = sent or source is None
+    subject = f"{peer_named} to take {what}" if taken else f"{what} from {peer_named}"
+    return CollectiveTimeoutError(
         f"pipeline: rank {me} ({comm.axis}={comm.index}) waited for {subject} in vain: "
         f"{reason} (this rank waits at most {patience:g} s: the step's ticks in the schedule's "
         f"table times FSCALE_COLLECTIVE_TIMEOUT, {collective_timeout():g} s, which no wait "
         "exceeds while every action takes less than that). The peer failed in this step (its "
         "own error says why), left, or waits elsewhere; for actions that take longer, raise "
-        f"FSCALE_COLLECTIVE_TIMEOUT. The backend reported: {failure}"
-    ) from failure
+        f"FSCALE_COLLECTIVE_TIMEOUT. The transport reported: {failure}"
+    )
 
 
 @dataclasses.dataclass
