@@ -15,9 +15,9 @@ import torch.distributed as dist
 from fscale import distributed as fd
 from fscale.distributed import shared_regions
 from fscale.distributed.comm import resolve_comm
+from fscale.distributed.doorbell import SPIN_SECONDS
 from fscale.distributed.shared_channels import (
     RING_BYTES,
-    SPIN_SECONDS,
     Channels,
     ChannelTimeoutError,
     open_channels,

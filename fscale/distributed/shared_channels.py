@@ -41,7 +41,6 @@ pages cannot be reserved keep the group on gloo, with a warning.
 from __future__ import annotations
 
 import collections
-import ctypes
 import mmap
 import os
 import time
@@ -54,6 +53,7 @@ import torch.distributed as dist
 
 from fscale import tracking
 from fscale.distributed.comm import Comm
+from fscale.distributed.doorbell import Doorbell
 from fscale.distributed.shared_regions import map_region, open_regions
 from fscale.distributed.shared_setting import (
     unlink_region,
@@ -61,7 +61,6 @@ from fscale.distributed.shared_setting import (
 
 __all__ = [
     "RING_BYTES",
-    "SPIN_SECONDS",
     "ChannelPeerExitedError",
     "ChannelTimeoutError",
     "Channels",
@@ -73,11 +72,6 @@ Tensor = torch.Tensor
 
 RING_BYTES = 1 << 20
 """Each ring's bytes: 16 of the pipeline bench's 64 KiB activations, or one 1 MiB record."""
-
-SPIN_SECONDS = 50e-6
-"""How long a waiting rank watches its doorbell before it sleeps in the kernel: a futex's
-wakeup took about 50-100 us on a 2-core host, a message's round trip 150-220 us without the
-watch and 70 us with it (64 KiB, 2 ranks)."""
 
 _PAGE = 4096  # the doorbell, and each ring's counters, alone on a page
 _RECORD = 64  # a record's header; records start at multiples of it
@@ -109,55 +103,6 @@ def open_channels(comm: Comm) -> Channels | None:
         gloo = dist.get_backend(comm.group) == "gloo"
         _CHANNELS[comm.group] = Channels.open(comm) if gloo else None
     return _CHANNELS[comm.group]
-
-
-# ---- the futex: a sleep in the kernel until a shared 32-bit word changes ---------------------
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_SYS_FUTEX = 202  # x86-64 (the only host `host_supports_shared_memory` admits)
-_FUTEX_WAIT, _FUTEX_WAKE_OP = 0, 5  # not the _PRIVATE forms: the word is shared by processes
-# FUTEX_WAKE_OP's operation: add 1 to the word (its conditional second wake wakes no one).
-_ADD_ONE = (1 << 28) | (1 << 12)
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-class _Doorbell:
-    """A rank's 32-bit event counter on a shared page, as one mapping of it sees it."""
-
-    def __init__(self, region: mmap.mmap) -> None:
-        self._word = ctypes.c_int32.from_buffer(region, 0)
-        self._address = ctypes.c_void_p(ctypes.addressof(self._word))
-
-    def read(self) -> int:
-        return self._word.value
-
-    def ring(self) -> None:
-        """Raise the counter by one and wake its rank: one atomic operation of the kernel's
-        (two neighbours may ring at once; a plain read-and-store would lose one)."""
-        _LIBC.syscall(
-            _SYS_FUTEX,
-            self._address,
-            _FUTEX_WAKE_OP,
-            ctypes.c_int(1 << 30),
-            None,
-            self._address,
-            ctypes.c_int(_ADD_ONE),
-        )
-
-    def sleep(self, seen: int, seconds: float) -> None:
-        """Sleep until the counter is no longer `seen`, at most `seconds` (returns at once
-        if it has moved already; may return early)."""
-        whole = int(seconds)
-        timeout = _Timespec(whole, int((seconds - whole) * 1e9))
-        _LIBC.syscall(
-            _SYS_FUTEX, self._address, _FUTEX_WAIT, ctypes.c_int(seen), ctypes.byref(timeout)
-        )
-
-    def release(self) -> None:
-        del self._word  # the mapping can close only once no ctypes object exports it
 
 
 # ---- one ring ------------------------------------------------------------------------------
@@ -258,7 +203,7 @@ class Channels:
         self.axis, self.index, self.closed = comm.axis, comm.index, False
         self.neighbours = ring_neighbours(comm.index, comm.size)
         self._maps = maps
-        self._doorbells = {q: _Doorbell(m) for q, m in maps.items()}
+        self._doorbells = {q: Doorbell(m) for q, m in maps.items()}
         # The ring from a writer q to reader p lives in q's region, at p's place among q's
         # neighbours.
         place = {q: ring_neighbours(q, comm.size) for q in maps}
@@ -337,11 +282,10 @@ class Channels:
                 return
             self._sleep(own, seen, deadline, f"room for messages to index {late[0]}")
 
-    def _sleep(self, own: _Doorbell, seen: int, deadline: float, what: str) -> None:
+    def _sleep(self, own: Doorbell, seen: int, deadline: float, what: str) -> None:
         if self.closed:
             raise RuntimeError("shared-memory channels: closed while waiting (tracking.reset)")
-        now = time.monotonic()
-        left = deadline - now
+        left = deadline - time.monotonic()
         if left <= 0:
             raise ChannelTimeoutError(f"shared-memory channels over axis {self.axis!r}: {what}")
         gone = [(q, pid) for q, pid in self._pids.items() if not _alive(pid)]
@@ -350,10 +294,7 @@ class Channels:
                 f"shared-memory channels over axis {self.axis!r}: waiting for {what}, the "
                 f"process of index {gone[0][0]} (pid {gone[0][1]}) has exited"
             )
-        spin_until = now + SPIN_SECONDS
-        while own.read() == seen and time.monotonic() < spin_until:
-            pass
-        own.sleep(seen, min(left, 0.05))  # woken by an event, or to look again and time out
+        own.wait(seen, min(left, 0.05))  # woken by an event, or to look again and time out
 
     def _progress(self) -> None:
         """Take what the neighbours wrote, write what is queued; tell whom it concerns."""
