@@ -4,12 +4,13 @@ its timeout, and a ring from another thread or process is seen."""
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import time
 
 import pytest
 
-from fscale.distributed.doorbell import SPIN_SECONDS, Doorbell
+from fscale.distributed.doorbell import SPIN_SECONDS, Doorbell, spin_for
 
 
 def _region() -> mmap.mmap:
@@ -56,3 +57,13 @@ def test_a_sleeper_wakes_when_another_thread_rings():
     bell.release()
     with pytest.raises(AssertionError, match="released"):
         bell.read()
+
+
+def test_a_waiter_watches_only_where_every_rank_has_a_core():
+    cores = len(os.sched_getaffinity(0))
+    assert spin_for(1) == SPIN_SECONDS and spin_for(cores) == SPIN_SECONDS
+    assert spin_for(cores + 1) == 0.0
+    bell = Doorbell(_region())
+    start = time.monotonic()
+    bell.wait(bell.read(), 0.001, spin=0.0)  # straight to the kernel's timed sleep
+    assert time.monotonic() - start < 0.5

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from fscale import tracking
 from fscale.distributed.comm import Comm
-from fscale.distributed.doorbell import Doorbell
+from fscale.distributed.doorbell import Doorbell, spin_for
 from fscale.distributed.shared_regions import map_region, open_regions
 from fscale.distributed.shared_setting import (
     unlink_region,
@@ -216,6 +216,7 @@ class Channels:
         self._arrived: dict[int, dict[int, collections.deque]] = {q: {} for q in self._in}
         self._partial: dict[int, list[Any]] = {q: [None] for q in self._in}
         self._pids = pids  # the neighbours' processes (this host's)
+        self._spin = spin_for(_ranks_on_host(comm))
         self._path: str | None = own_path
         weakref.finalize(self, unlink_region, own_path)
 
@@ -294,7 +295,8 @@ class Channels:
                 f"shared-memory channels over axis {self.axis!r}: waiting for {what}, the "
                 f"process of index {gone[0][0]} (pid {gone[0][1]}) has exited"
             )
-        own.wait(seen, min(left, 0.05))  # woken by an event, or to look again and time out
+        # Woken by an event, or after a while to look again and time out.
+        own.wait(seen, min(left, 0.05), self._spin)
 
     def _progress(self) -> None:
         """Take what the neighbours wrote, write what is queued; tell whom it concerns."""
@@ -326,6 +328,14 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # it exists, under another user
         return True
     return True
+
+
+def _ranks_on_host(comm: Comm) -> int:
+    """The ranks this host runs: torchrun's ``LOCAL_WORLD_SIZE``, else every rank of the job
+    (`fscale.launch` starts them all here), at least the axis's own (all on this host)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    ranks = int(local) if local and local.isdigit() else dist.get_world_size()
+    return max(ranks, comm.size)
 
 
 def _ring_offset(place: int) -> int:
