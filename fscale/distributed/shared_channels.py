@@ -26,11 +26,12 @@ receive gloo posted ahead would) and writes what it has queued; so no ring stays
 its reader waits, and no two ranks can wait on each other through full rings.
 
 **Waiting.** Every event for a rank (a record written for it, space freed in a ring it writes)
-raises that rank's doorbell, a 32-bit counter in its region, and wakes it through a futex on
-the shared page. A waiting rank reads its doorbell, looks for what it waits for, and sleeps in
-the kernel until the doorbell moves, so a rank in a bubble costs no processor time, as in
-gloo's blocking receive. Each wait is bounded by the caller's patience: `ChannelTimeoutError` then
-names the peer.
+raises that rank's doorbell (`fscale.distributed.doorbell`), a 32-bit counter in its region,
+and wakes it. A waiting rank reads its doorbell, looks for what it waits for, watches the
+doorbell briefly where every rank of the host has a core, and sleeps in the kernel until it
+moves, so a rank in a bubble costs no processor time, as in gloo's blocking receive. Each wait
+is bounded by the caller's patience (`ChannelTimeoutError`), and a neighbour whose process has
+ended is named within 50 ms (`ChannelPeerExitedError`).
 
 **Choice.** `open_channels` makes the channels of a group at its first call (a collective over
 the group, at the same point on every rank): gloo groups whose ranks share a host, the setting
@@ -55,9 +56,7 @@ from fscale import tracking
 from fscale.distributed.comm import Comm
 from fscale.distributed.doorbell import Doorbell, spin_for
 from fscale.distributed.shared_regions import map_region, open_regions
-from fscale.distributed.shared_setting import (
-    unlink_region,
-)
+from fscale.distributed.shared_setting import unlink_region
 
 __all__ = [
     "RING_BYTES",
