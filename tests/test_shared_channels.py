@@ -20,6 +20,7 @@ from fscale.distributed.shared_channels import (
     RING_BYTES,
     Channels,
     ChannelTimeoutError,
+    ChannelWaitError,
     open_channels,
     ring_neighbours,
 )
@@ -90,8 +91,9 @@ def _never_sent_case() -> float:
     channels = open_channels(_comm(2))
     assert channels is not None
     start = time.monotonic()
-    with pytest.raises(ChannelTimeoutError, match="message 5 from index"):
+    with pytest.raises(ChannelTimeoutError, match="message 5 from index") as raised:
         channels.receive(1 - dist.get_rank(), 5, 0.3)
+    assert isinstance(raised.value, ChannelWaitError)  # what the pipeline's mailbox catches
     waited = time.monotonic() - start
     dist.barrier()
     return waited

@@ -62,6 +62,7 @@ __all__ = [
     "RING_BYTES",
     "ChannelPeerExitedError",
     "ChannelTimeoutError",
+    "ChannelWaitError",
     "Channels",
     "open_channels",
     "ring_neighbours",
@@ -79,11 +80,15 @@ _PADDING = -1  # the tag of a record that skips to the ring's end
 _CHANNELS: dict[Any, Channels | None] = {}
 
 
-class ChannelTimeoutError(TimeoutError):
+class ChannelWaitError(OSError):
+    """A wait on a shared-memory channel that ended without what it waited for."""
+
+
+class ChannelTimeoutError(ChannelWaitError, TimeoutError):
     """A wait on a shared-memory channel outlasted the caller's patience."""
 
 
-class ChannelPeerExitedError(ConnectionError):
+class ChannelPeerExitedError(ChannelWaitError, ConnectionError):
     """A neighbour's process ended while this rank waited on it (as a closed socket tells a
     gloo receive at once, instead of at the end of the patience)."""
 
@@ -201,7 +206,7 @@ class Channels:
     ) -> None:
         self.axis, self.index, self.closed = comm.axis, comm.index, False
         self.neighbours = ring_neighbours(comm.index, comm.size)
-        self._maps = maps
+        self._maps = maps  # kept mapped for the rings' and doorbells' views of them
         self._doorbells = {q: Doorbell(m) for q, m in maps.items()}
         # The ring from a writer q to reader p lives in q's region, at p's place among q's
         # neighbours.

@@ -58,11 +58,7 @@ import torch.distributed as dist
 
 from fscale.distributed.comm import Comm
 from fscale.distributed.ledger import record
-from fscale.distributed.shared_channels import (
-    ChannelPeerExitedError,
-    Channels,
-    ChannelTimeoutError,
-)
+from fscale.distributed.shared_channels import Channels, ChannelWaitError
 from fscale.distributed.watchdog import CollectiveTimeoutError, collective_timeout
 
 __all__ = [
@@ -223,7 +219,7 @@ class Mailbox:
         if self._channels is not None and self._comm is not None:
             try:
                 self._channels.flush(self.patience)
-            except (ChannelTimeoutError, ChannelPeerExitedError) as error:
+            except ChannelWaitError as error:
                 what = "messages this rank sent"
                 raise _lost(self._comm, None, what, self.patience, error) from error
         pending, self._pending = self._pending, {}
@@ -275,7 +271,7 @@ class Mailbox:
         assert self._channels is not None
         try:
             data = self._channels.receive(source, tag, self.patience)
-        except (ChannelTimeoutError, ChannelPeerExitedError) as error:
+        except ChannelWaitError as error:
             raise _lost(comm, source, what, self.patience, error) from error
         shape, dtype = spec
         expected = math.prod(shape) * dtype.itemsize
