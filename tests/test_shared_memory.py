@@ -272,8 +272,9 @@ def test_shared_work_bounds_its_wait_as_c10d_work_does():
 
 
 def _differentiable_case(shared: bool) -> tuple[bool, list[torch.Tensor]]:
-    """all_gather and reduce_scatter forward and backward (each the other's dual), with grad
-    mode on, from one window to several; whether they went through shared memory."""
+    """all_gather and reduce_scatter forward and backward (each the other's dual), all_reduce
+    and replicate (whose backward all-reduces), with grad mode on, from one window to several;
+    whether they went through shared memory."""
     set_shared_memory(shared)
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = fd.Mesh(dp=world)
@@ -284,15 +285,21 @@ def _differentiable_case(shared: bool) -> tuple[bool, list[torch.Tensor]]:
         weight = heavy_tailed(rank + world, numel)
         gathered = C.all_gather(x[: numel // world], "dp", mesh=mesh)
         reduced = C.reduce_scatter(x, "dp", op="mean", mesh=mesh)
+        summed = C.all_reduce(x, "dp", mesh=mesh)
+        averaged = C.all_reduce(x, "dp", op="mean", mesh=mesh)
+        shared_use = C.replicate(x, "dp", mesh=mesh)
         loss = (gathered * weight).sum() + (reduced * weight[: numel // world]).sum()
+        # A loss that differs across the ranks: replicate's backward sums the ranks' weights.
+        loss = loss + (summed * weight).sum() + (averaged * weight).sum()
+        loss = loss + (shared_use * weight).sum()
         (grad,) = torch.autograd.grad(loss, x)
-        out += [gathered.detach(), reduced.detach(), grad]
+        out += [gathered.detach(), reduced.detach(), summed.detach(), averaged.detach(), grad]
     comm = resolve_comm("dp", mesh, "test")
     return shares_memory(comm, torch.ones(world), sums=True), out
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_the_differentiable_gather_and_reduce_scatter_give_gloo_s_bits(world):
+def test_the_differentiable_collectives_give_gloo_s_bits(world):
     through_memory = run_spmd(_differentiable_case, world, True, timeout=120)
     over_gloo = run_spmd(_differentiable_case, world, False, timeout=120)
     for (shared, ours), (plain, theirs) in zip(through_memory, over_gloo):
@@ -301,9 +308,35 @@ def test_the_differentiable_gather_and_reduce_scatter_give_gloo_s_bits(world):
             assert torch.equal(bits(a), bits(b))
 
 
+def _windows_of_the_differentiable_all_reduce() -> list[int]:
+    """The windows the group's arena ran for an all-reduce of three windows and a bit, and for
+    replicate's backward of the same size, and whether both sums are right."""
+    world = dist.get_world_size()
+    mesh = fd.Mesh(dp=world)
+    comm = resolve_comm("dp", mesh, "test")
+    x = torch.ones(3 * WINDOW_BYTES // 4 + 5, requires_grad=True)
+    assert shares_memory(comm, x.detach(), sums=True)
+    arena = shm._ARENAS[comm.group]
+    assert arena is not None
+    before = arena.seq
+    summed = C.all_reduce(x, "dp", mesh=mesh)
+    forward = arena.seq - before
+    (grad,) = torch.autograd.grad(C.replicate(x, "dp", mesh=mesh).sum(), x)
+    backward = arena.seq - before - forward
+    right = bool((summed == world).all()) and bool((grad == world).all())
+    return [forward, backward, int(right)]
+
+
+def test_the_differentiable_all_reduce_and_replicate_s_backward_run_through_the_windows():
+    # Tensor parallelism's activation all-reduces (Megatron's g and the gradient of f).
+    for windows in run_spmd(_windows_of_the_differentiable_all_reduce, 2):
+        assert windows == [4, 4, 1]
+
+
 def _late_worker_case() -> list[bool]:
-    """The differentiable gather and reduce-scatter when the worker writes their results after
-    their Functions returned and before the wait, and with an expanded gradient (a sum's)."""
+    """The differentiable gather, reduce-scatter and all-reduce when the worker writes their
+    results after their Functions returned and before the wait, and with an expanded gradient
+    (a sum's)."""
     world = dist.get_world_size()
     mesh = fd.Mesh(dp=world)
     comm = resolve_comm("dp", mesh, "test")
@@ -315,6 +348,7 @@ def _late_worker_case() -> list[bool]:
     for start, expected in (
         (lambda: C.reduce_scatter_start(x * 1.0, "dp", mesh=mesh), float(world)),
         (lambda: C.all_gather_start(x * 1.0, "dp", mesh=mesh), 1.0),
+        (lambda: C.all_reduce_start(x * 1.0, "dp", mesh=mesh), float(world)),
     ):
         pending = start()
         arena.submit(lambda: None).result(timeout=60)  # the worker has written the result

@@ -6,8 +6,13 @@ backward (Megatron's "g"), where the identity is written as ``replicate(op="sum"
 second derivative sums over the ranks again. ``all_reduce_start`` is the asynchronous form
 (`fscale.distributed.pending`).
 
-c10d reduces in place, so the all-reduce works on a copy of its input; for op="mean" that copy
-is ``x / N``, dividing before the sum, which is exact for power-of-two N.
+The all-reduce works on a copy of its input (both transports reduce in place); for op="mean"
+that copy is ``x / N``, dividing before the sum, which is exact for power-of-two N. Where every
+rank of the axis is on this host (host tensors, a gloo group) it runs through shared memory
+(`fscale.distributed.shared_memory`), in gloo's order of addition, so with gloo's bits: at 2
+ranks an all-reduce of 256 KiB (tensor parallelism's activations) took 0.36 ms there against
+1.2-1.4 ms over gloo's loopback sockets, one of 1 MiB 0.5 against 1.8-2.2 ms (a diagnostic
+script, medians of 280 calls).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from fscale.distributed.comm import REDUCTIONS, Comm, axes, check_op, check_tens
 from fscale.distributed.debug import issue
 from fscale.distributed.mesh import Axis, Mesh
 from fscale.distributed.pending import Pending, Work
+from fscale.distributed.shared_memory import shared_all_reduce, shares_memory
 
 __all__ = ["all_reduce", "all_reduce_start", "replicate"]
 
@@ -53,7 +59,7 @@ class _AllReduceStart(torch.autograd.Function):
             buffer = torch.div(x, comm.size).contiguous()
         else:
             buffer = x.clone(memory_format=torch.contiguous_format)
-        work.work = dist.all_reduce(buffer, group=comm.group, async_op=True)
+        _start_all_reduce(buffer, comm, work)
         return buffer
 
     @staticmethod
@@ -67,6 +73,18 @@ class _AllReduceStart(torch.autograd.Function):
         if ctx.op == "mean":
             grad = grad / ctx.comm.size
         return grad, None, None, None
+
+
+# Outside a compiled graph, as the gathers' starts (`fscale.distributed.sharding`): Dynamo
+# refuses gloo's async calls, and the shared-memory transport is host code.
+@torch.compiler.disable(recursive=True)
+def _start_all_reduce(buffer: Tensor, comm: Comm, work: Work) -> None:
+    """Start summing the contiguous `buffer` over the ranks into itself."""
+    flat = buffer.view(-1)
+    if shares_memory(comm, flat, sums=True):
+        work.work = shared_all_reduce(flat, comm)
+    else:
+        work.work = dist.all_reduce(buffer, group=comm.group, async_op=True)
 
 
 def _all_reduce_start(x: Tensor, comm: Comm, op: str) -> Pending:
