@@ -33,6 +33,7 @@ from fscale.distributed.shared_memory import (
     set_shared_memory,
     shared_all_gather,
     shared_all_reduce,
+    shared_all_to_all,
     shared_memory_enabled,
     shared_reduce_scatter,
     shares_memory,
@@ -273,8 +274,8 @@ def test_shared_work_bounds_its_wait_as_c10d_work_does():
 
 def _differentiable_case(shared: bool) -> tuple[bool, list[torch.Tensor]]:
     """all_gather and reduce_scatter forward and backward (each the other's dual), all_reduce
-    and replicate (whose backward all-reduces), with grad mode on, from one window to several;
-    whether they went through shared memory."""
+    and replicate (whose backward all-reduces), all_to_all (its own dual), with grad mode on,
+    from one window to several; whether they went through shared memory."""
     set_shared_memory(shared)
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = fd.Mesh(dp=world)
@@ -288,12 +289,15 @@ def _differentiable_case(shared: bool) -> tuple[bool, list[torch.Tensor]]:
         summed = C.all_reduce(x, "dp", mesh=mesh)
         averaged = C.all_reduce(x, "dp", op="mean", mesh=mesh)
         shared_use = C.replicate(x, "dp", mesh=mesh)
+        exchanged = C.all_to_all(x, "dp", mesh=mesh)
         loss = (gathered * weight).sum() + (reduced * weight[: numel // world]).sum()
+        loss = loss + (exchanged * weight).sum()
         # A loss that differs across the ranks: replicate's backward sums the ranks' weights.
         loss = loss + (summed * weight).sum() + (averaged * weight).sum()
         loss = loss + (shared_use * weight).sum()
         (grad,) = torch.autograd.grad(loss, x)
-        out += [gathered.detach(), reduced.detach(), summed.detach(), averaged.detach(), grad]
+        out += [gathered.detach(), reduced.detach(), summed.detach(), averaged.detach()]
+        out += [exchanged.detach(), grad]
     comm = resolve_comm("dp", mesh, "test")
     return shares_memory(comm, torch.ones(world), sums=True), out
 
@@ -331,6 +335,39 @@ def test_the_differentiable_all_reduce_and_replicate_s_backward_run_through_the_
     # Tensor parallelism's activation all-reduces (Megatron's g and the gradient of f).
     for windows in run_spmd(_windows_of_the_differentiable_all_reduce, 2):
         assert windows == [4, 4, 1]
+
+
+def _windows_of_the_all_to_all(world: int) -> list[int]:
+    """The windows the group's arena ran for an all-to-all whose parts each fill two windows
+    and a bit, forward and backward, and whether every row went where it belongs."""
+    rank = dist.get_rank()
+    mesh = fd.Mesh(dp=world)
+    comm = resolve_comm("dp", mesh, "test")
+    step = WINDOW_BYTES // (4 * world)  # elements of one part that one window carries
+    part = 2 * step + 5
+    # Row j holds (this rank, j) in every element: rank j must receive rank i's at row i.
+    sent = torch.tensor([[rank * world + j] * part for j in range(world)], dtype=torch.float32)
+    x = sent.requires_grad_()
+    assert shares_memory(comm, x.detach().view(-1), sums=False)
+    arena = shm._ARENAS[comm.group]
+    assert arena is not None
+    before = arena.seq
+    received = C.all_to_all(x, "dp", mesh=mesh)
+    forward = arena.seq - before
+    weight = torch.arange(world * part, dtype=torch.float32).view(world, part)
+    (grad,) = torch.autograd.grad((received * weight).sum(), x)
+    backward = arena.seq - before - forward
+    rows = all(bool((received[i] == i * world + rank).all()) for i in range(world))
+    # The gradient of row j comes back from rank j, which weighted it by its row `rank`.
+    back = all(torch.equal(grad[j], weight[rank]) for j in range(world))
+    return [forward, backward, int(rows), int(back)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_all_to_all_runs_through_the_windows_and_moves_every_row_where_it_belongs(world):
+    # Mixture-of-experts dispatch and combine.
+    for windows in run_spmd(_windows_of_the_all_to_all, world, world):
+        assert windows == [3, 3, 1, 1]
 
 
 def _late_worker_case() -> list[bool]:
@@ -531,6 +568,7 @@ def _buffers_released() -> list[bool]:
         lambda x: all_reduce_bucket_start(x, "dp", mesh, divided=True),
         lambda x: shared_reduce_scatter(x, comm, 0)[0],
         lambda x: shared_all_gather(x, comm),
+        lambda x: shared_all_to_all(x, comm, torch.empty_like(x)),
     ):
         flat = torch.ones(3 * WINDOW_BYTES // 8)
         alive = weakref.ref(flat)
@@ -562,6 +600,10 @@ def _bad_input() -> list[str]:
         lambda: shared_reduce_scatter(
             torch.ones(8), comm, 0, out=torch.empty(4, dtype=torch.int32)
         ),
+        lambda: shared_all_to_all(torch.ones(7), comm, torch.empty(7)),
+        lambda: shared_all_to_all(torch.ones(8), comm, torch.empty(6)),
+        lambda: shared_all_to_all(torch.ones(8), comm, torch.empty(16)[::2]),
+        lambda: shared_all_to_all(torch.ones(8), comm, torch.empty(8, dtype=torch.int32)),
     ]
     return [_refusal(call) for call in calls]
 
@@ -584,8 +626,12 @@ def test_bad_buffers_are_refused_before_anything_is_sent():
     assert "must leave a multiple of the 2 ranks" in messages[5]
     assert "got str" in messages[6]
     # An `out` that cannot hold this rank's part: its size, layout or dtype.
-    for message in messages[7:]:
+    for message in messages[7:10]:
         assert "`out` must be a contiguous 4-element torch.float32 tensor" in message, message
+    assert "must leave a multiple of the 2 ranks" in messages[10]
+    # The all-to-all's `out` holds what every rank sends this one: `flat`'s size and dtype.
+    for message in messages[11:]:
+        assert "`out` must be a contiguous 8-element torch.float32 tensor" in message, message
 
 
 def _full_shm_case() -> tuple[bool, bool, list[str]]:

@@ -4,6 +4,10 @@ The mixture-of-experts dispatch primitive. The exchange is a permutation of rows
 ranks in the stacked layout (N, *C): row j goes to rank j, row i of the result comes from rank
 i. Its inverse sends every row back where it came from, which is the same exchange, so the
 backward is `all_to_all` of the gradient with `split_dim` and `concat_dim` swapped.
+
+Where every rank of the axis is on this host (host tensors, a gloo group) the exchange goes
+through shared memory (`fscale.distributed.shared_memory`), as the gathers do; elsewhere through
+the backend's ``all_to_all_single``. Either way the rows arrive unchanged.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from fscale.distributed.comm import (
 )
 from fscale.distributed.debug import issue
 from fscale.distributed.mesh import Mesh
+from fscale.distributed.shared_memory import shared_all_to_all, shares_memory
 from fscale.distributed.watchdog import wait
 
 __all__ = ["all_to_all"]
@@ -36,10 +41,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(stacked: Tensor, comm: Comm) -> Tensor:
         ticket = issue(comm, "all_to_all", stacked, stacked.numel())
         received = torch.empty_like(stacked, memory_format=torch.contiguous_format)
-        work = dist.all_to_all_single(
-            received, stacked.contiguous(), group=comm.group, async_op=True
-        )
-        wait(work, ticket)
+        wait(_start_all_to_all(stacked.contiguous(), received, comm), ticket)
         return received
 
     @staticmethod
@@ -49,6 +51,17 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         return _AllToAll.apply(grad, ctx.comm), None
+
+
+# Outside a compiled graph, as the other collectives' starts: the shared-memory transport is
+# host code.
+@torch.compiler.disable(recursive=True)
+def _start_all_to_all(stacked: Tensor, received: Tensor, comm: Comm) -> Any:
+    """Start the exchange of the contiguous `stacked` into `received`; the work to wait for."""
+    flat = stacked.view(-1)
+    if shares_memory(comm, flat, sums=False):
+        return shared_all_to_all(flat, comm, received.view(-1))
+    return dist.all_to_all_single(received, stacked, group=comm.group, async_op=True)
 
 
 def all_to_all(

@@ -3,7 +3,11 @@
 gloo moves a host tensor between two processes of one machine through TCP over loopback, every
 byte copied into the kernel and out, around a ring of 2(N - 1) steps; through memory every rank
 maps, a rank reads its peers' terms where they wrote them. An all-reduce of 29.6 MB took 5.1
-against gloo's 18.8 ms at 2 ranks, 19.6 against 45 ms at 4 (`bench/collectives.py`).
+against gloo's 18.8 ms at 2 ranks, 19.6 against 45 ms at 4 (`bench/collectives.py`). Served
+here: all-reduce, reduce-scatter and all-gather (the gradient buckets', and the differentiable
+ones of `fscale.distributed.replication` and `.sharding`) and the even all-to-all
+(`fscale.distributed.dispatch`, mixture-of-experts dispatch); the all-to-all with per-rank sizes
+(`fscale.distributed.uneven`) stays on the backend.
 
 **The transport.** Each rank of a group owns a region of ``/dev/shm`` that every rank of the
 group maps: a counter and two windows of `WINDOW_BYTES`. A collective runs window by window:
@@ -77,6 +81,7 @@ __all__ = [
     "set_shared_memory",
     "shared_all_gather",
     "shared_all_reduce",
+    "shared_all_to_all",
     "shared_memory_enabled",
     "shared_reduce_scatter",
     "shares_memory",
@@ -182,6 +187,20 @@ def shared_all_gather(flat: Tensor, comm: Comm) -> SharedWork:
     _check_flat(flat, comm, "shared_all_gather", trailing=0)
     arena, _ = _arena(comm, flat, sums=False)
     return SharedWork(arena.submit(lambda: arena.all_gather(flat)))
+
+
+def shared_all_to_all(flat: Tensor, comm: Comm, out: Tensor) -> SharedWork:
+    """Start sending part j of `flat` (N equal parts) to rank j, rank i's part landing as part
+    i of `out` (contiguous, `flat`'s size and dtype). Check `shares_memory(comm, flat,
+    sums=False)` first; neither tensor may be used until the work is waited for."""
+    _check_flat(flat, comm, "shared_all_to_all", trailing=0)
+    if not (out.is_contiguous() and out.numel() == flat.numel() and out.dtype == flat.dtype):
+        raise ValueError(
+            f"shared_all_to_all: `out` must be a contiguous {flat.numel()}-element "
+            f"{flat.dtype} tensor, got shape {tuple(out.shape)} {out.dtype}"
+        )
+    arena, _ = _arena(comm, flat, sums=False)
+    return SharedWork(arena.submit(lambda: arena.all_to_all(flat, out.view(-1))), [out])
 
 
 def _check_flat(flat: Any, comm: Comm, caller: str, *, trailing: int | None = None) -> None:
@@ -351,6 +370,21 @@ class _Arena:
             for q in range(self.size):
                 if q != self.rank:
                     parts[q, start : start + n].copy_(window[q][:n])
+
+    def all_to_all(self, flat: Tensor, out: Tensor) -> None:
+        """Part q of `out` = part `rank` of rank q's `flat`; each window carries a slice of
+        every part, laid out as the reduce-scatter's."""
+        part = flat.numel() // self.size
+        parts, received = flat.view(self.size, part), out.view(self.size, part)
+        step = WINDOW_BYTES // (flat.element_size() * self.size)
+        for start in range(0, part, step):
+            n = min(step, part - start)
+            window = self._next_window(flat.dtype)
+            slots = [w[: self.size * step].view(self.size, step) for w in window]
+            slots[self.rank][:, :n].copy_(parts[:, start : start + n])
+            self._arrive()
+            for q in range(self.size):
+                received[q, start : start + n].copy_(slots[q][self.rank, :n])
 
     def _sum(self, out: Tensor, terms: list[Tensor], first: int, ring: int) -> None:
         """``out`` = the sum of `terms` (one per rank) for buffer elements [first, first + n),
