@@ -24,7 +24,7 @@ from summation import SIZES, bits, heavy_tailed
 import fscale as fs
 from fscale import distributed as fd
 from fscale.distributed import collectives as C
-from fscale.distributed import hosts, shared_regions
+from fscale.distributed import hosts, shared_arena, shared_regions
 from fscale.distributed import shared_memory as shm
 from fscale.distributed.comm import resolve_comm
 from fscale.distributed.shared_memory import (
@@ -337,39 +337,6 @@ def test_the_differentiable_all_reduce_and_replicate_s_backward_run_through_the_
         assert windows == [4, 4, 1]
 
 
-def _windows_of_the_all_to_all(world: int) -> list[int]:
-    """The windows the group's arena ran for an all-to-all whose parts each fill two windows
-    and a bit, forward and backward, and whether every row went where it belongs."""
-    rank = dist.get_rank()
-    mesh = fd.Mesh(dp=world)
-    comm = resolve_comm("dp", mesh, "test")
-    step = WINDOW_BYTES // (4 * world)  # elements of one part that one window carries
-    part = 2 * step + 5
-    # Row j holds (this rank, j) in every element: rank j must receive rank i's at row i.
-    sent = torch.tensor([[rank * world + j] * part for j in range(world)], dtype=torch.float32)
-    x = sent.requires_grad_()
-    assert shares_memory(comm, x.detach().view(-1), sums=False)
-    arena = shm._ARENAS[comm.group]
-    assert arena is not None
-    before = arena.seq
-    received = C.all_to_all(x, "dp", mesh=mesh)
-    forward = arena.seq - before
-    weight = torch.arange(world * part, dtype=torch.float32).view(world, part)
-    (grad,) = torch.autograd.grad((received * weight).sum(), x)
-    backward = arena.seq - before - forward
-    rows = all(bool((received[i] == i * world + rank).all()) for i in range(world))
-    # The gradient of row j comes back from rank j, which weighted it by its row `rank`.
-    back = all(torch.equal(grad[j], weight[rank]) for j in range(world))
-    return [forward, backward, int(rows), int(back)]
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_the_all_to_all_runs_through_the_windows_and_moves_every_row_where_it_belongs(world):
-    # Mixture-of-experts dispatch and combine.
-    for windows in run_spmd(_windows_of_the_all_to_all, world, world):
-        assert windows == [3, 3, 1, 1]
-
-
 def _late_worker_case() -> list[bool]:
     """The differentiable gather, reduce-scatter and all-reduce when the worker writes their
     results after their Functions returned and before the wait, and with an expanded gradient
@@ -400,7 +367,7 @@ def test_results_written_after_their_functions_return_are_no_autograd_error():
         assert all(checks), checks
 
 
-def _resident(arena: shm._Arena) -> int:
+def _resident(arena: shared_arena.Arena) -> int:
     """The resident bytes of this process's mappings of the group's regions."""
     starts = [ctypes.addressof(ctypes.c_char.from_buffer(region)) for region in arena._maps]
     total, counting = 0, False
@@ -458,7 +425,7 @@ def _resident_at_the_loss_s_gradient() -> list[int]:
     params = {"a": torch.randn(700, 1024), "b": torch.randn(300, 1024)}
     seen: list[int] = []
 
-    def arena() -> shm._Arena:
+    def arena() -> shared_arena.Arena:
         return next(a for a in shm._ARENAS.values() if a is not None)
 
     def measure(grad: torch.Tensor) -> None:

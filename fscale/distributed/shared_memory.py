@@ -6,8 +6,8 @@ maps, a rank reads its peers' terms where they wrote them. An all-reduce of 29.6
 against gloo's 18.8 ms at 2 ranks, 19.6 against 45 ms at 4 (`bench/collectives.py`). Served
 here: all-reduce, reduce-scatter and all-gather (the gradient buckets', and the differentiable
 ones of `fscale.distributed.replication` and `.sharding`) and the even all-to-all
-(`fscale.distributed.dispatch`, mixture-of-experts dispatch); the all-to-all with per-rank sizes
-(`fscale.distributed.uneven`) stays on the backend.
+(`fscale.distributed.dispatch`) and the one with per-rank sizes (`fscale.distributed.uneven`),
+mixture-of-experts dispatch.
 
 **The transport.** Each rank of a group owns a region of ``/dev/shm`` that every rank of the
 group maps: a counter and two windows of `WINDOW_BYTES`. A collective runs window by window:
@@ -51,27 +51,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import mmap
-import queue
-import threading
-import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from fscale import tracking
 from fscale.distributed.comm import Comm
-from fscale.distributed.exchange import chunks_between, ring_chunk, ring_order, ring_rule
-from fscale.distributed.shared_regions import map_region, open_regions
+from fscale.distributed.exchange import ring_chunk, ring_rule
+from fscale.distributed.shared_arena import WINDOW_BYTES, Arena
 from fscale.distributed.shared_setting import (
     enabled_from_env,
     set_shared_memory,
     shared_memory_enabled,
-    unlink_region,
 )
 
 __all__ = [
@@ -82,6 +75,7 @@ __all__ = [
     "shared_all_gather",
     "shared_all_reduce",
     "shared_all_to_all",
+    "shared_all_to_all_uneven",
     "shared_memory_enabled",
     "shared_reduce_scatter",
     "shares_memory",
@@ -89,13 +83,8 @@ __all__ = [
 
 Tensor = torch.Tensor
 
-WINDOW_BYTES = 1 << 20
-"""The bytes a rank writes per wait. 1 MiB windows took 5.1 ms for a 29.6 MB all-reduce over 2
-ranks, 4 MiB windows 5.3-5.8 ms (they leave the caches); each rank maps 2N of them."""
-
-_HEADER = 4096  # the counter, alone on its page
 # Process group -> its arena, or None where it keeps gloo (`tracking.reset` forgets them).
-_ARENAS: dict[Any, _Arena | None] = {}
+_ARENAS: dict[Any, Arena | None] = {}
 
 
 def shares_memory(comm: Comm, flat: Tensor, *, sums: bool) -> bool:
@@ -107,7 +96,7 @@ def shares_memory(comm: Comm, flat: Tensor, *, sums: bool) -> bool:
     # Called for every bucket of every step: the group's decision is made once.
     if comm.group not in _ARENAS:
         gloo = dist.get_backend(comm.group) == "gloo"
-        _ARENAS[comm.group] = _Arena.open(comm) if gloo else None
+        _ARENAS[comm.group] = Arena.open(comm) if gloo else None
     if _ARENAS[comm.group] is None:
         return False
     return not sums or comm.size == 2 or ring_rule(comm) is not None
@@ -119,7 +108,7 @@ def release_windows() -> None:
     (the pages keep their contents; the next collective maps them again). Returns at once."""
     for arena in _ARENAS.values():
         if arena is not None and not arena.closed:
-            arena.submit(arena._unmap_windows)
+            arena.submit(arena.unmap_windows)
 
 
 class SharedWork:
@@ -203,6 +192,44 @@ def shared_all_to_all(flat: Tensor, comm: Comm, out: Tensor) -> SharedWork:
     return SharedWork(arena.submit(lambda: arena.all_to_all(flat, out.view(-1))), [out])
 
 
+def shared_all_to_all_uneven(
+    flat: Tensor,
+    comm: Comm,
+    sends: Sequence[int],
+    out: Tensor,
+    receives: Sequence[int],
+    largest: int,
+) -> SharedWork:
+    """Start sending the next ``sends[j]`` elements of `flat` to rank j, in rank order, and
+    writing the ``receives[q]`` elements from rank q into `out`, rank 0's first. The counts
+    must agree across the ranks (``sends[j]`` here is ``receives[this rank]`` on rank j), and
+    `largest`, the largest count any rank sends any rank, is the same on every rank: the
+    windows every rank runs are counted from it (`fscale.distributed.uneven` gathers the counts
+    first). `out` is contiguous and holds ``sum(receives)``. Check `shares_memory(comm, flat,
+    sums=False)` first; neither tensor may be used until the work is waited for."""
+    _check_flat(flat, comm, "shared_all_to_all_uneven")
+    if len(sends) != comm.size or len(receives) != comm.size or sum(sends) != flat.numel():
+        raise ValueError(
+            f"shared_all_to_all_uneven: `sends` {list(sends)} must hold one count per rank of "
+            f"axis {comm.axis!r} ({comm.size}) summing to `flat`'s {flat.numel()} elements, "
+            f"and `receives` {list(receives)} one per rank"
+        )
+    if not (out.is_contiguous() and out.numel() == sum(receives) and out.dtype == flat.dtype):
+        raise ValueError(
+            f"shared_all_to_all_uneven: `out` must be a contiguous {sum(receives)}-element "
+            f"{flat.dtype} tensor, got shape {tuple(out.shape)} {out.dtype}"
+        )
+    if largest < max(*sends, *receives):
+        raise ValueError(
+            f"shared_all_to_all_uneven: `largest` {largest} is below this rank's own counts "
+            f"{list(sends)} / {list(receives)}; it must be the largest count of every rank"
+        )
+    arena, _ = _arena(comm, flat, sums=False)
+    counts = (tuple(sends), tuple(receives), largest)
+    work = arena.submit(lambda: arena.all_to_all_uneven(flat, out.view(-1), *counts))
+    return SharedWork(work, [out])
+
+
 def _check_flat(flat: Any, comm: Comm, caller: str, *, trailing: int | None = None) -> None:
     """Raise unless `flat` is a contiguous 1-D tensor whose first ``numel - trailing`` elements
     split into one equal part per rank (`trailing` None: no parts)."""
@@ -220,7 +247,7 @@ def _check_flat(flat: Any, comm: Comm, caller: str, *, trailing: int | None = No
         )
 
 
-def _arena(comm: Comm, flat: Tensor, *, sums: bool) -> tuple[_Arena, int]:
+def _arena(comm: Comm, flat: Tensor, *, sums: bool) -> tuple[Arena, int]:
     """The group's arena and the length of gloo's ring chunks for `flat` (0 when unused)."""
     if not shares_memory(comm, flat, sums=sums):
         raise RuntimeError(
@@ -234,196 +261,6 @@ def _arena(comm: Comm, flat: Tensor, *, sums: bool) -> tuple[_Arena, int]:
     rule = "count_first" if comm.size == 2 else ring_rule(comm)
     assert rule is not None
     return arena, ring_chunk(flat.numel(), comm.size, flat.element_size(), rule)
-
-
-class _Arena:
-    """One group's regions, mapped by this rank, and the worker that runs its windows."""
-
-    def __init__(self, comm: Comm, maps: list[mmap.mmap], own_path: str) -> None:
-        self.size, self.rank = comm.size, comm.index
-        self.seq = 0  # the number of the last window this rank arrived at
-        self.closed = False
-        self._path: str | None = own_path  # unlinked once every peer has mapped it
-        weakref.finalize(self, unlink_region, own_path)  # at the latest when the process exits
-        self._maps = maps
-        self._counters = [np.frombuffer(m, dtype=np.int64, count=1) for m in maps]
-        self._bytes = [
-            torch.frombuffer(m, dtype=torch.uint8, offset=_HEADER, count=2 * WINDOW_BYTES)
-            for m in maps
-        ]
-        self._windows: dict[torch.dtype, list[list[Tensor]]] = {}
-        # A daemon thread of its own, not an executor's: an executor's threads are joined at
-        # exit, which would hang a process whose peer never arrived.
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="fscale-shared-memory", daemon=True).start()
-
-    @classmethod
-    def open(cls, comm: Comm) -> _Arena | None:
-        """Every rank's region mapped, or None where the group keeps gloo (a collective)."""
-        size = _HEADER + 2 * WINDOW_BYTES
-        regions = open_regions(comm, size, "fscale-", "the bucket collectives")
-        if regions is None:
-            return None
-        try:
-            maps = [
-                regions.own if q == comm.index else map_region(path, size)
-                for q, path in enumerate(regions.paths)
-            ]
-        except BaseException:
-            unlink_region(regions.path)
-            raise
-        return cls(comm, maps, regions.path)
-
-    def submit(self, work: Callable[[], None]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((future, work))
-        return future
-
-    def close(self) -> None:
-        """Stop the worker: the collective it runs fails, the ones queued are cancelled."""
-        self.closed = True
-        self._queue.put(None)
-        if self._path is not None:
-            unlink_region(self._path)
-            self._path = None
-
-    def _unmap_windows(self) -> None:  # on the worker: no window is in use
-        for region in self._maps:
-            region.madvise(mmap.MADV_DONTNEED, _HEADER, 2 * WINDOW_BYTES)
-
-    def _serve(self) -> None:
-        # Grad mode is per thread: the windows' copies write into buffers (a gathered shard's
-        # rows) that autograd must not see, as the collective's caller did under no_grad.
-        torch.set_grad_enabled(False)
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            future, work = item
-            if self.closed:
-                future.cancel()
-                continue
-            if not future.set_running_or_notify_cancel():
-                continue
-            failure = None
-            try:
-                work()
-            except BaseException as error:
-                failure = error
-            # The closure holds the collective's buffers: dropped before the waiter wakes (kept
-            # until the next one, it kept the step's last bucket alive between steps).
-            del item, work
-            if failure is None:
-                future.set_result(None)
-            else:
-                future.set_exception(failure)
-            del future, failure
-        while True:  # what was queued behind the close
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                item[0].cancel()
-
-    # ---- on the worker --------------------------------------------------------------------
-
-    def all_reduce(self, flat: Tensor, base: int, ring: int) -> None:
-        """`flat` = the sum of every rank's `flat`, in place; `base` is `flat`'s offset in the
-        buffer whose ring chunks (of `ring` elements) set each element's order."""
-        step = WINDOW_BYTES // flat.element_size()
-        for start in range(0, flat.numel(), step):
-            n = min(step, flat.numel() - start)
-            window = self._next_window(flat.dtype)
-            window[self.rank][:n].copy_(flat[start : start + n])
-            self._arrive()
-            terms = [w[:n] for w in window]
-            self._sum(flat[start : start + n], terms, base + start, ring)
-
-    def reduce_scatter(self, flat: Tensor, trailing: int, out: Tensor, ring: int) -> None:
-        numel = flat.numel() - trailing
-        part = numel // self.size
-        parts = flat[:numel].view(self.size, part)
-        step = WINDOW_BYTES // (flat.element_size() * self.size)
-        mine = slice(self.rank * step, (self.rank + 1) * step)
-        for start in range(0, part, step):
-            n = min(step, part - start)
-            window = self._next_window(flat.dtype)
-            window[self.rank][: self.size * step].view(self.size, step)[:, :n].copy_(
-                parts[:, start : start + n]
-            )
-            self._arrive()
-            terms = [w[mine][:n] for w in window]
-            self._sum(out[start : start + n], terms, self.rank * part + start, ring)
-        if trailing:
-            self.all_reduce(flat[numel:], numel, ring)
-
-    def all_gather(self, flat: Tensor) -> None:
-        part = flat.numel() // self.size
-        parts = flat.view(self.size, part)
-        step = WINDOW_BYTES // flat.element_size()
-        for start in range(0, part, step):
-            n = min(step, part - start)
-            window = self._next_window(flat.dtype)
-            window[self.rank][:n].copy_(parts[self.rank, start : start + n])
-            self._arrive()
-            for q in range(self.size):
-                if q != self.rank:
-                    parts[q, start : start + n].copy_(window[q][:n])
-
-    def all_to_all(self, flat: Tensor, out: Tensor) -> None:
-        """Part q of `out` = part `rank` of rank q's `flat`; each window carries a slice of
-        every part, laid out as the reduce-scatter's."""
-        part = flat.numel() // self.size
-        parts, received = flat.view(self.size, part), out.view(self.size, part)
-        step = WINDOW_BYTES // (flat.element_size() * self.size)
-        for start in range(0, part, step):
-            n = min(step, part - start)
-            window = self._next_window(flat.dtype)
-            slots = [w[: self.size * step].view(self.size, step) for w in window]
-            slots[self.rank][:, :n].copy_(parts[:, start : start + n])
-            self._arrive()
-            for q in range(self.size):
-                received[q, start : start + n].copy_(slots[q][self.rank, :n])
-
-    def _sum(self, out: Tensor, terms: list[Tensor], first: int, ring: int) -> None:
-        """``out`` = the sum of `terms` (one per rank) for buffer elements [first, first + n),
-        added in gloo's ring order (`ring`: its chunk length)."""
-        if self.size == 2:  # one addition: the same bits in either order
-            torch.add(terms[0], terms[1], out=out)
-            return
-        for start, stop, chunk in chunks_between(first, first + out.numel(), ring, self.size):
-            a, b = start - first, stop - first
-            one, two, *rest = ring_order(chunk, self.size)
-            total = out[a:b]
-            torch.add(terms[one][a:b], terms[two][a:b], out=total)
-            for q in rest:
-                total.add_(terms[q][a:b])
-
-    def _next_window(self, dtype: torch.dtype) -> list[Tensor]:
-        """Every rank's window for the next arrival, as `dtype`."""
-        windows = self._windows.get(dtype)
-        if windows is None:
-            half = WINDOW_BYTES
-            windows = self._windows[dtype] = [
-                [b[g * half : (g + 1) * half].view(dtype) for b in self._bytes] for g in (0, 1)
-            ]
-        return windows[(self.seq + 1) % 2]
-
-    def _arrive(self) -> None:
-        """Tell the peers this rank's window is written; return once theirs are."""
-        self.seq += 1
-        seq = self.seq
-        self._counters[self.rank][0] = seq
-        polls = 0
-        while min(int(c[0]) for c in self._counters) < seq:
-            if self.closed:
-                raise RuntimeError("shared memory: the group's regions were closed")
-            polls += 1
-            time.sleep(0.0 if polls < 64 else min(2e-5 * (polls - 63), 5e-4))
-        if self._path is not None:  # every peer mapped every region before it arrived
-            unlink_region(self._path)
-            self._path = None
 
 
 def _reset() -> None:

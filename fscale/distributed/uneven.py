@@ -14,6 +14,12 @@ Ledger: recorded as an ``"all_to_all"`` whose bytes are exactly the rows this ra
 other ranks (every chunk but its own leaves the rank, the even all-to-all's ring count applied
 to unequal chunks); ``numel`` is the elements of this rank's input. With the debug check on,
 the ranks compare the row shape (every dim but the first) and the dtype before the exchange.
+The watchdog counts it under that signature too, and bounds its wait as every collective's.
+
+Where every rank of the axis is on this host (host tensors, a gloo group) the rows go through
+shared memory (`fscale.distributed.shared_memory`): the ranks first gather every rank's sizes,
+refuse sizes that disagree (on every rank alike), and all run the windows of the largest;
+elsewhere through the backend's ``all_to_all_single`` with split sizes.
 """
 
 from __future__ import annotations
@@ -29,6 +35,12 @@ from fscale.distributed.comm import Comm, check_tensor, resolve_comm
 from fscale.distributed.debug import check_group, debug_enabled
 from fscale.distributed.ledger import CommRecord, open_ledgers
 from fscale.distributed.mesh import Mesh
+from fscale.distributed.shared_memory import (
+    shared_all_gather,
+    shared_all_to_all_uneven,
+    shares_memory,
+)
+from fscale.distributed.watchdog import admit, wait
 from fscale.readback import to_list
 
 __all__ = ["all_to_all_uneven"]
@@ -58,14 +70,21 @@ class _AllToAllUneven(torch.autograd.Function):
         x: Tensor, comm: Comm, send_sizes: tuple[int, ...], recv_sizes: tuple[int, ...]
     ) -> Tensor:
         _record(comm, x, send_sizes)
-        received = x.new_empty((sum(recv_sizes), *x.shape[1:]))
-        dist.all_to_all_single(
-            received,
-            x.contiguous(),
-            output_split_sizes=list(recv_sizes),
-            input_split_sizes=list(send_sizes),
-            group=comm.group,
+        # Counted and bounded as every collective, under the one signature the ranks share:
+        # the shape of a row and the dtype.
+        row = x.new_empty((0, *x.shape[1:]))
+        peers = comm.mesh.peers
+        ticket = admit(
+            comm.group,
+            lambda: peers(comm.axis),
+            comm.axis,
+            "all_to_all",
+            row,
+            0,
+            not debug_enabled(),
         )
+        received = x.new_empty((sum(recv_sizes), *x.shape[1:]))
+        wait(_start(x.contiguous(), received, comm, send_sizes, recv_sizes, ticket), ticket)
         return received
 
     @staticmethod
@@ -80,6 +99,60 @@ class _AllToAllUneven(torch.autograd.Function):
             None,
             None,
         )
+
+
+# Outside a compiled graph, as the other collectives' starts: the shared-memory transport is
+# host code.
+@torch.compiler.disable(recursive=True)
+def _start(
+    x: Tensor,
+    received: Tensor,
+    comm: Comm,
+    send: tuple[int, ...],
+    recv: tuple[int, ...],
+    ticket: Any,
+) -> Any:
+    """Start the exchange of the contiguous `x` into `received`; the work to wait for.
+
+    Through shared memory every rank first gathers every rank's sizes (one window): the
+    windows each runs are counted from the largest, and sizes that disagree are refused on
+    every rank alike, where a backend would hang or abort.
+    """
+    flat = x.view(-1)
+    if not shares_memory(comm, flat, sums=False):
+        return dist.all_to_all_single(
+            received,
+            x,
+            output_split_sizes=list(recv),
+            input_split_sizes=list(send),
+            group=comm.group,
+            async_op=True,
+        )
+    table = torch.zeros(comm.size, 2 * comm.size, dtype=torch.int64)
+    table[comm.index] = torch.tensor([*send, *recv])
+    wait(shared_all_gather(table.view(-1), comm), ticket)
+    _check_agreed(to_list(table), comm)
+    row = math.prod(x.shape[1:])
+    sends, receives = [n * row for n in send], [n * row for n in recv]
+    largest = int(table.max()) * row
+    return shared_all_to_all_uneven(flat, comm, sends, received.view(-1), receives, largest)
+
+
+def _check_agreed(table: list[list[int]], comm: Comm) -> None:
+    """Raise, on every rank alike, unless each rank receives from each what it sends there
+    (`table` row i: rank i's send sizes, then its receive sizes)."""
+    size = comm.size
+    for i in range(size):
+        for j in range(size):
+            sent, expected = table[i][j], table[j][size + i]
+            if sent != expected:
+                source = comm.mesh.global_rank(comm.axis, i)
+                raise ValueError(
+                    f"all_to_all_uneven: rank {source} ({comm.axis}={i}) sends {sent} rows to "
+                    f"{comm.axis}={j}, which expects {expected} from it; `recv_sizes[i]` on "
+                    f"each rank must equal `send_sizes[that rank]` on rank i (exchange the "
+                    "sizes first)"
+                )
 
 
 def _sizes(sizes: Any, name: str, comm: Comm) -> tuple[int, ...]:

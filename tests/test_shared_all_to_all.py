@@ -1,0 +1,182 @@
+"""The all-to-alls through shared memory: every row where it belongs, the windows they run,
+gloo's results, a bounded wait, bad counts refused."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from summation import heavy_tailed
+
+from fscale import distributed as fd
+from fscale.distributed import collectives as C
+from fscale.distributed import shared_memory as shm
+from fscale.distributed.comm import resolve_comm
+from fscale.distributed.shared_memory import (
+    WINDOW_BYTES,
+    set_shared_memory,
+    shared_all_to_all_uneven,
+    shares_memory,
+)
+from fscale.testing import run_spmd
+
+
+def _windows_of_the_all_to_all(world: int) -> list[int]:
+    """The windows the group's arena ran for an all-to-all whose parts each fill two windows
+    and a bit, forward and backward, and whether every row went where it belongs."""
+    rank = dist.get_rank()
+    mesh = fd.Mesh(dp=world)
+    comm = resolve_comm("dp", mesh, "test")
+    step = WINDOW_BYTES // (4 * world)  # elements of one part that one window carries
+    part = 2 * step + 5
+    # Row j holds (this rank, j) in every element: rank j must receive rank i's at row i.
+    sent = torch.tensor([[rank * world + j] * part for j in range(world)], dtype=torch.float32)
+    x = sent.requires_grad_()
+    assert shares_memory(comm, x.detach().view(-1), sums=False)
+    arena = shm._ARENAS[comm.group]
+    assert arena is not None
+    before = arena.seq
+    received = C.all_to_all(x, "dp", mesh=mesh)
+    forward = arena.seq - before
+    weight = torch.arange(world * part, dtype=torch.float32).view(world, part)
+    (grad,) = torch.autograd.grad((received * weight).sum(), x)
+    backward = arena.seq - before - forward
+    rows = all(bool((received[i] == i * world + rank).all()) for i in range(world))
+    # The gradient of row j comes back from rank j, which weighted it by its row `rank`.
+    back = all(torch.equal(grad[j], weight[rank]) for j in range(world))
+    return [forward, backward, int(rows), int(back)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_all_to_all_runs_through_the_windows_and_moves_every_row_where_it_belongs(world):
+    # Mixture-of-experts dispatch and combine.
+    for windows in run_spmd(_windows_of_the_all_to_all, world, world):
+        assert windows == [3, 3, 1, 1]
+
+
+def _uneven_sizes(world: int, step: int) -> list[list[int]]:
+    """Rows rank i sends rank j: none for some pairs, one window's worth and a bit for others,
+    up to two windows and a bit for the largest (rows of 3 elements)."""
+    rows = (2 * step + 7) // 3
+    return [
+        [(0 if (i + j) % 3 == 0 else rows // (1 + (i * world + j) % 4)) for j in range(world)]
+        for i in range(world)
+    ]
+
+
+def _uneven_case(shared: bool) -> tuple[bool, int, list[torch.Tensor]]:
+    """all_to_all_uneven forward and backward over rows of 3 elements: whether it went through
+    shared memory, the windows the arena ran, the rows received and the input's gradient."""
+    set_shared_memory(shared)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = fd.Mesh(ep=world)
+    comm = resolve_comm("ep", mesh, "test")
+    sizes = _uneven_sizes(world, WINDOW_BYTES // (4 * world))
+    send, recv = sizes[rank], [sizes[i][rank] for i in range(world)]
+    x = heavy_tailed(rank, sum(send) * 3).view(-1, 3).requires_grad_()
+    through = shares_memory(comm, x.detach().view(-1), sums=False)
+    arena = shm._ARENAS[comm.group]
+    before = arena.seq if arena is not None else 0
+    received = fd.all_to_all_uneven(x, "ep", send, recv, mesh=mesh)
+    weight = heavy_tailed(rank + world, received.numel()).view_as(received)
+    (grad,) = torch.autograd.grad((received * weight).sum(), x)
+    windows = arena.seq - before if arena is not None else 0
+    return through, windows, [received.detach(), grad]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_uneven_all_to_all_gives_gloo_s_rows_and_gradients(world):
+    through_memory = run_spmd(_uneven_case, world, True, timeout=120)
+    over_gloo = run_spmd(_uneven_case, world, False, timeout=120)
+    step = WINDOW_BYTES // (4 * world)
+    sizes = _uneven_sizes(world, step)
+    largest = max(max(row) for row in sizes) * 3
+    for (shared, windows, ours), (plain, _, theirs) in zip(through_memory, over_gloo):
+        assert shared and not plain
+        # Forward and backward: one window gathers every rank's sizes, then the largest
+        # pair's count of windows (every rank runs them, sending or not).
+        assert windows == 2 * (1 + -(-largest // step)), windows
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)
+
+
+def _absent_peer_uneven() -> tuple[str, float] | None:
+    C.set_debug(False)
+    C.set_collective_timeout(1.0)
+    rank = dist.get_rank()
+    mesh = fd.Mesh(ep=2)
+    x = torch.ones(4, 2)
+    sizes = [1, 3] if rank == 0 else [3, 1]  # rank 0 keeps 1 row and sends 3, rank 1 too
+    for _ in range(2):
+        fd.all_to_all_uneven(x, "ep", sizes, sizes, mesh=mesh)
+    dist.barrier()
+    if rank == 1:
+        return None  # returns from its function instead of exchanging once more
+    start = time.monotonic()
+    try:
+        fd.all_to_all_uneven(x, "ep", sizes, sizes, mesh=mesh)
+    except fd.CollectiveTimeoutError as error:
+        return str(error), time.monotonic() - start
+    return "completed", 0.0
+
+
+def test_a_peer_that_never_comes_to_the_uneven_all_to_all_is_reported_in_bounded_time():
+    caught, absent = run_spmd(_absent_peer_uneven, 2, timeout=60)
+    assert absent is None and caught is not None
+    message, seconds = caught
+    assert "rank 1: returned from its function" in message, message
+    assert seconds < 10
+
+
+def _bad_uneven_counts() -> list[str]:
+    comm = resolve_comm("ep", fd.Mesh(ep=2), "test")
+    calls = [
+        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [2, 3], torch.empty(5), [2, 3], 3),
+        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [6], torch.empty(6), [3, 3], 6),
+        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [3, 3], torch.empty(6), [6], 6),
+        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [3, 3], torch.empty(5), [2, 4], 4),
+        lambda: shared_all_to_all_uneven(
+            torch.ones(6), comm, [3, 3], torch.empty(6, dtype=torch.float64), [3, 3], 3
+        ),
+        lambda: shared_all_to_all_uneven(torch.ones(6, 1), comm, [3, 3], torch.empty(6), [3, 3], 3),
+        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [3, 3], torch.empty(6), [2, 4], 3),
+    ]
+    return [_refusal(call) for call in calls]
+
+
+def _refusal(call) -> str:
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_counts_that_do_not_fit_the_buffers_are_refused_before_anything_is_sent():
+    messages = run_spmd(_bad_uneven_counts, 2)[0]
+    for message in messages[:3]:
+        assert "must hold one count per rank of axis 'ep' (2) summing to `flat`'s 6" in message
+    for message in messages[3:5]:
+        assert "`out` must be a contiguous 6-element torch.float32 tensor" in message, message
+    assert "`flat` must be a contiguous 1-D tensor, got shape (6, 1)" in messages[5]
+    assert "`largest` 3 is below this rank's own counts [3, 3] / [2, 4]" in messages[6]
+
+
+def _disagreeing_sizes() -> str:
+    rank = dist.get_rank()
+    mesh = fd.Mesh(ep=2)
+    x = torch.ones(4, 2)
+    # Rank 0 sends rank 1 three rows; rank 1 expects two from it.
+    send, recv = ([1, 3], [1, 3]) if rank == 0 else ([3, 1], [2, 1])
+    try:
+        fd.all_to_all_uneven(x, "ep", send, recv, mesh=mesh)
+    except ValueError as error:
+        return str(error)
+    return "exchanged"
+
+
+def test_sizes_the_ranks_disagree_on_are_refused_on_every_rank_through_shared_memory():
+    for message in run_spmd(_disagreeing_sizes, 2):
+        assert "rank 0 (ep=0) sends 3 rows to ep=1, which expects 2 from it" in message, message
