@@ -13,8 +13,11 @@ import torch.distributed as dist
 from torch import nn
 
 import fscale as fs
+from fscale import distributed as fd
 from fscale import spmd
 from fscale.distributed import collectives as C
+from fscale.distributed.comm import resolve_comm
+from fscale.distributed.debug import count
 from fscale.testing import RankError, run_spmd
 
 PATIENCE = 1.0
@@ -176,3 +179,25 @@ def test_collective_timeout_is_validated_and_reset():
     assert C.collective_timeout() == 3.0
     fs.tracking.reset()
     assert C.collective_timeout() == fs.distributed.watchdog.timeout_from_env()
+
+
+def _counted():
+    _, mesh = _default_path()
+    comm = resolve_comm("dp", mesh, "test")
+    with fd.comm_ledger() as ledger:
+        first = count(comm, "all_to_all", torch.empty(0, 3))
+        second = count(comm, "all_to_all", torch.empty(0, 3))
+    return second.seq - first.seq, first.op, tuple(first.shape), len(ledger.records)
+
+
+def _count_rows_of(rank, mesh):
+    # The signature a collective with per-rank row counts is counted under: the row's shape.
+    count(resolve_comm("dp", mesh, "test"), "all_to_all", torch.empty(0, 3 + rank))
+
+
+def test_count_numbers_a_collective_and_agrees_on_it_without_a_ledger_record():
+    for counted in run_spmd(_counted, 2):
+        assert counted == (1, "all_to_all", (0, 3), 0)
+    for caught in run_spmd(_caught, 2, _count_rows_of):
+        assert caught is not None and caught[0] == "CollectiveMismatchError", caught
+        assert caught[2] < 10

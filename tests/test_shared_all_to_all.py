@@ -1,5 +1,5 @@
 """The all-to-alls through shared memory: every row where it belongs, the windows they run,
-gloo's results, a bounded wait, bad counts refused."""
+gloo's results, a bounded wait, sizes that disagree refused (bad buffers: test_shared_memory)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from fscale.distributed.comm import resolve_comm
 from fscale.distributed.shared_memory import (
     WINDOW_BYTES,
     set_shared_memory,
-    shared_all_to_all_uneven,
     shares_memory,
 )
 from fscale.testing import run_spmd
@@ -128,40 +127,6 @@ def test_a_peer_that_never_comes_to_the_uneven_all_to_all_is_reported_in_bounded
     message, seconds = caught
     assert "rank 1: returned from its function" in message, message
     assert seconds < 10
-
-
-def _bad_uneven_counts() -> list[str]:
-    comm = resolve_comm("ep", fd.Mesh(ep=2), "test")
-    calls = [
-        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [2, 3], torch.empty(5), [2, 3], 3),
-        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [6], torch.empty(6), [3, 3], 6),
-        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [3, 3], torch.empty(6), [6], 6),
-        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [3, 3], torch.empty(5), [2, 4], 4),
-        lambda: shared_all_to_all_uneven(
-            torch.ones(6), comm, [3, 3], torch.empty(6, dtype=torch.float64), [3, 3], 3
-        ),
-        lambda: shared_all_to_all_uneven(torch.ones(6, 1), comm, [3, 3], torch.empty(6), [3, 3], 3),
-        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [3, 3], torch.empty(6), [2, 4], 3),
-    ]
-    return [_refusal(call) for call in calls]
-
-
-def _refusal(call) -> str:
-    try:
-        call()
-    except ValueError as error:
-        return str(error)
-    return "accepted"
-
-
-def test_counts_that_do_not_fit_the_buffers_are_refused_before_anything_is_sent():
-    messages = run_spmd(_bad_uneven_counts, 2)[0]
-    for message in messages[:3]:
-        assert "must hold one count per rank of axis 'ep' (2) summing to `flat`'s 6" in message
-    for message in messages[3:5]:
-        assert "`out` must be a contiguous 6-element torch.float32 tensor" in message, message
-    assert "`flat` must be a contiguous 1-D tensor, got shape (6, 1)" in messages[5]
-    assert "`largest` 3 is below this rank's own counts [3, 3] / [2, 4]" in messages[6]
 
 
 def _disagreeing_sizes() -> str:

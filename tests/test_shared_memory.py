@@ -34,6 +34,7 @@ from fscale.distributed.shared_memory import (
     shared_all_gather,
     shared_all_reduce,
     shared_all_to_all,
+    shared_all_to_all_uneven,
     shared_memory_enabled,
     shared_reduce_scatter,
     shares_memory,
@@ -599,6 +600,32 @@ def test_bad_buffers_are_refused_before_anything_is_sent():
     # The all-to-all's `out` holds what every rank sends this one: `flat`'s size and dtype.
     for message in messages[11:]:
         assert "`out` must be a contiguous 8-element torch.float32 tensor" in message, message
+
+
+def _bad_uneven_counts() -> list[str]:
+    comm = resolve_comm("ep", fd.Mesh(ep=2), "test")
+    calls = [
+        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [2, 3], torch.empty(5), [2, 3], 3),
+        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [6], torch.empty(6), [3, 3], 6),
+        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [3, 3], torch.empty(6), [6], 6),
+        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [3, 3], torch.empty(5), [2, 4], 4),
+        lambda: shared_all_to_all_uneven(
+            torch.ones(6), comm, [3, 3], torch.empty(6, dtype=torch.float64), [3, 3], 3
+        ),
+        lambda: shared_all_to_all_uneven(torch.ones(6, 1), comm, [3, 3], torch.empty(6), [3, 3], 3),
+        lambda: shared_all_to_all_uneven(torch.ones(6), comm, [3, 3], torch.empty(6), [2, 4], 3),
+    ]
+    return [_refusal(call) for call in calls]
+
+
+def test_counts_that_do_not_fit_the_buffers_are_refused_before_anything_is_sent():
+    messages = run_spmd(_bad_uneven_counts, 2)[0]
+    for message in messages[:3]:
+        assert "must hold one count per rank of axis 'ep' (2) summing to `flat`'s 6" in message
+    for message in messages[3:5]:
+        assert "`out` must be a contiguous 6-element torch.float32 tensor" in message, message
+    assert "`flat` must be a contiguous 1-D tensor, got shape (6, 1)" in messages[5]
+    assert "`largest` 3 is below this rank's own counts [3, 3] / [2, 4]" in messages[6]
 
 
 def _full_shm_case() -> tuple[bool, bool, list[str]]:

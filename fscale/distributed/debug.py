@@ -37,6 +37,7 @@ __all__ = [
     "CollectiveMismatchError",
     "check_group",
     "check_pair",
+    "count",
     "debug_enabled",
     "debug_from_env",
     "issue",
@@ -179,11 +180,19 @@ def issue(comm: Comm, op: str, x: Tensor, numel: int, extra: int = 0) -> Ticket:
     (`fscale.distributed.watchdog.admit`). `numel` is the element count the ledger records
     (see `fscale.distributed.ledger`). Returns the ticket that bounds the collective's wait.
     """
-    ticket = admit(comm.group, _peers(comm), comm.axis, op, x, extra, not _DEBUG)
+    ticket = count(comm, op, x, extra)
     if _DEBUG:
         check_group(comm, op, x, extra, ticket)
     record(op, comm.axis, x.dtype, numel, comm.size)
     return ticket
+
+
+def count(comm: Comm, op: str, x: Tensor, extra: int = 0) -> Ticket:
+    """Count a collective on `x` over `comm`'s group and return the ticket that bounds its
+    wait (`fscale.distributed.watchdog.admit`: agreed through the store when the debug check
+    is off), without the debug check or the ledger record, which `issue` adds and a collective
+    with per-rank shapes makes its own way (`fscale.distributed.uneven`)."""
+    return admit(comm.group, _peers(comm), comm.axis, op, x, extra, not _DEBUG)
 
 
 def _peers(comm: Comm) -> Any:

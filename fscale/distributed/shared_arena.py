@@ -174,19 +174,11 @@ class Arena:
                     parts[q, start : start + n].copy_(window[q][:n])
 
     def all_to_all(self, flat: Tensor, out: Tensor) -> None:
-        """Part q of `out` = part `rank` of rank q's `flat`; each window carries a slice of
-        every part, laid out as the reduce-scatter's."""
+        """Part q of `out` = part `rank` of rank q's `flat`: `all_to_all_uneven` with N equal
+        parts."""
         part = flat.numel() // self.size
-        parts, received = flat.view(self.size, part), out.view(self.size, part)
-        step = WINDOW_BYTES // (flat.element_size() * self.size)
-        for start in range(0, part, step):
-            n = min(step, part - start)
-            window = self._next_window(flat.dtype)
-            slots = [w[: self.size * step].view(self.size, step) for w in window]
-            slots[self.rank][:, :n].copy_(parts[:, start : start + n])
-            self._arrive()
-            for q in range(self.size):
-                received[q, start : start + n].copy_(slots[q][self.rank, :n])
+        equal = (part,) * self.size
+        self.all_to_all_uneven(flat, out, equal, equal, part)
 
     def all_to_all_uneven(
         self,
@@ -196,8 +188,10 @@ class Arena:
         receives: tuple[int, ...],
         largest: int,
     ) -> None:
-        """As `all_to_all` with a count per pair; every rank runs the windows of the largest
-        pair's count, `largest` (the same on every rank), sending or receiving or not."""
+        """The next ``sends[j]`` elements of `flat` to rank j, the ``receives[q]`` from rank q
+        into `out`, in rank order. Each window carries a slice of every destination's part,
+        laid out as the reduce-scatter's; every rank runs the windows of the largest pair's
+        count, `largest` (the same on every rank), sending or receiving or not."""
         step = WINDOW_BYTES // (flat.element_size() * self.size)
         send_at = [sum(sends[:j]) for j in range(self.size)]
         receive_at = [sum(receives[:q]) for q in range(self.size)]

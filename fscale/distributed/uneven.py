@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fscale.distributed.comm import Comm, check_tensor, resolve_comm
-from fscale.distributed.debug import check_group, debug_enabled
+from fscale.distributed.debug import check_group, count, debug_enabled
 from fscale.distributed.ledger import CommRecord, open_ledgers
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.shared_memory import (
@@ -40,7 +40,7 @@ from fscale.distributed.shared_memory import (
     shared_all_to_all_uneven,
     shares_memory,
 )
-from fscale.distributed.watchdog import admit, wait
+from fscale.distributed.watchdog import wait
 from fscale.readback import to_list
 
 __all__ = ["all_to_all_uneven"]
@@ -72,17 +72,7 @@ class _AllToAllUneven(torch.autograd.Function):
         _record(comm, x, send_sizes)
         # Counted and bounded as every collective, under the one signature the ranks share:
         # the shape of a row and the dtype.
-        row = x.new_empty((0, *x.shape[1:]))
-        peers = comm.mesh.peers
-        ticket = admit(
-            comm.group,
-            lambda: peers(comm.axis),
-            comm.axis,
-            "all_to_all",
-            row,
-            0,
-            not debug_enabled(),
-        )
+        ticket = count(comm, "all_to_all", x.new_empty((0, *x.shape[1:])))
         received = x.new_empty((sum(recv_sizes), *x.shape[1:]))
         wait(_start(x.contiguous(), received, comm, send_sizes, recv_sizes, ticket), ticket)
         return received
