@@ -16,7 +16,7 @@ This costs no graph walk and no extra autograd call per weight, unlike different
 kept graph from recorded frontier nodes (`fscale.parallel.pipeline.split_backward`, which
 stays the general method: stage functions, a stage with no plain linear layer, a checkpointed
 micro-batch, weights seen through a cast). The products are those autograd's own linear
-backward computes (``(xᵀ·g)ᵀ`` and the sum over rows), in the same order, so the gradients
+backward computes (``gᵀ·x`` and the sum over rows), in the same order, so the gradients
 equal the unsplit backward's bit for bit.
 """
 
@@ -66,7 +66,10 @@ class LinearStore:
                     "schedule that does not split B and W"
                 )
             g = grad.reshape(-1, grad.shape[-1])
-            parts = [(weight_at, x.reshape(-1, x.shape[-1]).t().mm(g).t())]
+            # gᵀ·x, autograd's own product for a linear layer's weight (its mm backward
+            # computes it so for a transposed weight): contiguous, where (xᵀ·g)ᵀ would be a
+            # transposed view that every later sum reads across the grain.
+            parts = [(weight_at, g.t().mm(x.reshape(-1, x.shape[-1])))]
             if bias_at is not None:
                 parts.append((bias_at, g.sum(0)))
             for at, value in parts:

@@ -354,7 +354,7 @@ def run_schedule(
 
 def _as_grad(found: Tensor | None, leaf: Tensor) -> Tensor:
     """The step's gradient of `leaf`: zeros if nothing reached it, contiguous as the leaf
-    (a deferred linear layer's weight gradient is a transposed product)."""
+    (a weight gradient autograd returns may be a transposed view)."""
     if found is None:
         return torch.zeros_like(leaf)
     return found if found.is_contiguous() else found.contiguous()
