@@ -27,8 +27,11 @@ Analytical traffic, ``S = batch * seq_len * d_model * 4`` bytes, ``N`` ranks, ``
 activation all-reduces per block (``g`` after each row-parallel layer in the forward, ``f``
 before each column-parallel layer in the backward), ``4 L * 2 (N-1)/N * S``. With sequence
 parallelism each all-reduce becomes a reduce-scatter plus an all-gather (the same bytes), plus
-one all-gather of the final stream and its dual at the split after the embeddings:
-``(4 L * 2 + 2) * (N-1)/N * S``. Writes ``bench/results/tensor.json``.
+one all-gather of the final stream and its dual at the split after the embeddings, and the
+gradients of the parameters used on sequence shards (partial on each rank, one all-reduce per
+module): ``2 L + 1`` norms' weights and biases and ``2 L`` row-parallel biases, ``P = (4 L + 2 +
+2 L) * d_model * 4`` bytes, so ``(4 L * 2 + 2) * (N-1)/N * S + 2 (N-1)/N * P``.
+Writes ``bench/results/tensor.json``.
 """
 
 from __future__ import annotations
@@ -212,7 +215,12 @@ def analytical_bytes(cfg: Any, batch: int, world: int, sequence_parallel: bool) 
     activation = batch * cfg.seq_len * cfg.d_model * 4
     share = (world - 1) / world * activation
     if sequence_parallel:
-        return (4 * cfg.n_layers * 2 + 2) * share
+        # The parameters used on this rank's sequence shard only get partial gradients, each
+        # module's summed over the ranks by one all-reduce, as under Megatron's sequence
+        # parallelism: the norms' weights and biases (two norms per block, one final) and the
+        # row-parallel layers' biases, added after the reduce-scatter (two per block).
+        partial = ((2 * cfg.n_layers + 1) * 2 + 2 * cfg.n_layers) * cfg.d_model * 4
+        return (4 * cfg.n_layers * 2 + 2) * share + 2 * (world - 1) / world * partial
     return 4 * cfg.n_layers * 2 * share
 
 
