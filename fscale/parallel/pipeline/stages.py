@@ -45,6 +45,8 @@ class Stages:
 
     Attributes:
         calls: one call per stage.
+        deferrable: per stage, whether its backward can leave its linear layers' weight
+            gradients for later (module stages with plain ``nn.Linear`` layers).
         param_names: for the modules form, the Sequential's parameter names of each stage, and
             `buffer_names` its buffer names; None for the functions form.
     """
@@ -52,6 +54,7 @@ class Stages:
     calls: tuple[StageCall, ...]
     param_names: tuple[tuple[str, ...], ...] | None = None
     buffer_names: tuple[tuple[str, ...], ...] | None = None
+    deferrable: tuple[bool, ...] = ()
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -107,7 +110,7 @@ def function_stages(functions: Sequence[Any], caller: str) -> Stages:
                 f" got {type(fn).__name__}"
             )
         calls.append(_function_call(fn, index))
-    return Stages(tuple(calls))
+    return Stages(tuple(calls), deferrable=(False,) * len(calls))
 
 
 def _function_call(fn: Callable[..., Any], index: int) -> StageCall:
@@ -132,14 +135,15 @@ def module_stages(module: Any, balance: Any, caller: str) -> Stages:
         )
     bounds = _check_balance(balance, len(named), caller)
     _check_untied(named, caller)
-    calls, param_names, buffer_names = [], [], []
+    calls, param_names, buffer_names, deferrable = [], [], [], []
     for start, stop in bounds:
         container = _StageLayers([(i, named[i][0], named[i][1]) for i in range(start, stop)])
         apply, params, buffers = functionalize(container)
         calls.append(_stage_call(apply))
         param_names.append(tuple(params))
         buffer_names.append(tuple(buffers))
-    return Stages(tuple(calls), tuple(param_names), tuple(buffer_names))
+        deferrable.append(bool(container._linears))
+    return Stages(tuple(calls), tuple(param_names), tuple(buffer_names), tuple(deferrable))
 
 
 class _StageLayers(nn.Module):
