@@ -10,7 +10,9 @@ computes the input's gradient only, and a hook on the output leaves the pair (in
 gradient) in the micro-batch's `LinearStore`. B is
 then one ordinary backward over the whole graph — the input's gradient and every other
 parameter's (layer norms, embeddings: cheap) — which frees the graph; W
-(`LinearStore.weight_grads`) is a matrix product per recorded layer.
+(`LinearStore.weight_grads`) is a matrix product per recorded layer. The unsplit schedules use
+the same store to send a stage's input gradient before its linear layers' weight gradients,
+which the runner then computes at once, in the same B.
 
 This costs no graph walk and no extra autograd call per weight, unlike differentiating the
 kept graph from recorded frontier nodes (`fscale.parallel.pipeline.split_backward`, which
