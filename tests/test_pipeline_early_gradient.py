@@ -12,7 +12,7 @@ from torch import nn
 import fscale as fs
 from fscale.parallel.pipeline import pipeline
 from fscale.parallel.pipeline.stages import module_stages
-from fscale.testing import assert_trees_equal, run_spmd
+from fscale.testing import assert_trees_close, assert_trees_equal, run_spmd
 
 
 def _mse(out, target):
@@ -151,3 +151,35 @@ def test_only_module_stages_with_plain_linear_layers_can_defer():
     assert module_stages(model, [1, 1, 1], "t").deferrable == (True, False, True)
     functions = fs.parallel.pipeline.stages.function_stages([lambda p, b, x, k: x] * 2, "t")
     assert functions.deferrable == (False, False)
+
+
+class _SharedWeight(nn.Module):
+    """A linear layer whose weight the stage also uses outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x) + (x @ self.out.weight.T).sin()
+
+
+def _trained_shared(early):
+    torch.manual_seed(13)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), _SharedWeight(), nn.Linear(6, 3))
+    _, params, buffers = fs.functionalize(model)
+    step = _step(model, "1f1b", [2, 2], checkpoint="never")
+    if not early:
+        step = _without_the_early_send(step)
+    state = step.init(params, buffers)
+    for _ in range(3):
+        state, _ = step(state, _batch())
+    return state.params
+
+
+def test_a_weight_also_used_outside_its_layer_gets_both_parts():
+    # Its two parts join the sum one after the other: equal to one backward within rounding.
+    for early, plain in zip(
+        run_spmd(_trained_shared, 2, True), run_spmd(_trained_shared, 2, False)
+    ):
+        assert_trees_close(early, plain, rtol=1e-6, atol=1e-7)

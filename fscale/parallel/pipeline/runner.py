@@ -18,7 +18,9 @@ For each (micro-batch m, stage s) the rank holds:
   stage whose input came from another rank sends the input's gradient first: its linear
   layers' weight gradients wait (`deferred_linear`) and are added right after the send, in
   the same B, so the previous stage's rank starts its own B that much sooner. The table is
-  unchanged and so are the bits (the same products, added in the same order).
+  unchanged and so are the bits (the same products, added in the same order), wherever a
+  linear layer's weight serves that layer alone; a weight its stage also uses elsewhere gets
+  its two parts added to the sum one after the other, equal within rounding.
 - ``W`` (split schedules): B computed the input gradient only and kept the graph; W computes
   the weights' gradients from the same graph without running any of B's work again
   (`fscale.parallel.pipeline.split_backward`). A checkpointed micro-batch would be recomputed

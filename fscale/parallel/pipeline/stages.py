@@ -56,6 +56,10 @@ class Stages:
     buffer_names: tuple[tuple[str, ...], ...] | None = None
     deferrable: tuple[bool, ...] = ()
 
+    def __post_init__(self) -> None:
+        if not self.deferrable:  # nothing said: no stage defers
+            object.__setattr__(self, "deferrable", (False,) * len(self.calls))
+
     def __len__(self) -> int:
         return len(self.calls)
 
@@ -110,7 +114,7 @@ def function_stages(functions: Sequence[Any], caller: str) -> Stages:
                 f" got {type(fn).__name__}"
             )
         calls.append(_function_call(fn, index))
-    return Stages(tuple(calls), deferrable=(False,) * len(calls))
+    return Stages(tuple(calls))
 
 
 def _function_call(fn: Callable[..., Any], index: int) -> StageCall:
