@@ -65,9 +65,10 @@ def _uneven_sizes(world: int, step: int) -> list[list[int]]:
     ]
 
 
-def _uneven_case(shared: bool) -> tuple[bool, int, list[torch.Tensor]]:
+def _uneven_case(shared: bool, with_table: bool = False) -> tuple[bool, int, list[torch.Tensor]]:
     """all_to_all_uneven forward and backward over rows of 3 elements: whether it went through
-    shared memory, the windows the arena ran, the rows received and the input's gradient."""
+    shared memory, the windows the arena ran, the rows received and the input's gradient
+    (`with_table`: every rank's sizes given as `all_sizes`)."""
     set_shared_memory(shared)
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = fd.Mesh(ep=world)
@@ -78,7 +79,8 @@ def _uneven_case(shared: bool) -> tuple[bool, int, list[torch.Tensor]]:
     through = shares_memory(comm, x.detach().view(-1), sums=False)
     arena = shm._ARENAS[comm.group]
     before = arena.seq if arena is not None else 0
-    received = fd.all_to_all_uneven(x, "ep", send, recv, mesh=mesh)
+    table = sizes if with_table else None
+    received = fd.all_to_all_uneven(x, "ep", send, recv, mesh=mesh, all_sizes=table)
     weight = heavy_tailed(rank + world, received.numel()).view_as(received)
     (grad,) = torch.autograd.grad((received * weight).sum(), x)
     windows = arena.seq - before if arena is not None else 0
@@ -99,6 +101,44 @@ def test_the_uneven_all_to_all_gives_gloo_s_rows_and_gradients(world):
         assert windows == 2 * (1 + -(-largest // step)), windows
         for a, b in zip(ours, theirs):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_s_sizes_given_spare_their_gather_and_change_no_bit(world):
+    # The mixture-of-experts exchange holds the whole table already: no window gathers it.
+    given = run_spmd(_uneven_case, world, True, True, timeout=120)
+    gathered = run_spmd(_uneven_case, world, True, False, timeout=120)
+    step = WINDOW_BYTES // (4 * world)
+    largest = max(max(row) for row in _uneven_sizes(world, step)) * 3
+    for (shared, windows, ours), (_, _, theirs) in zip(given, gathered):
+        assert shared
+        assert windows == 2 * -(-largest // step), windows
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)
+
+
+def _table_that_disagrees() -> list[str]:
+    rank = dist.get_rank()
+    mesh = fd.Mesh(ep=2)
+    x = torch.ones(4, 2)
+    send, recv = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [3, 2])
+
+    def attempt(table: list[list[int]]) -> str:
+        try:
+            fd.all_to_all_uneven(x, "ep", send, recv, mesh=mesh, all_sizes=table)
+        except ValueError as error:
+            return str(error)
+        return "exchanged"
+
+    return [attempt(t) for t in ([[1, 3], [2, 2]], [[1, 3]], [[1, 3], [2, -2]], [[1, 2], [3, 2]])]
+
+
+def test_a_table_of_sizes_that_does_not_fit_is_refused_before_anything_is_sent():
+    for rank, (fits, short, negative, swapped) in enumerate(run_spmd(_table_that_disagrees, 2)):
+        assert fits == "exchanged"
+        assert "`all_sizes` must hold 2 rows" in short, short
+        assert "`all_sizes[1]` must hold 2 non-negative ints" in negative, negative
+        assert f"`all_sizes` says ep={rank} sends" in swapped, swapped
 
 
 def _absent_peer_uneven() -> tuple[str, float] | None:

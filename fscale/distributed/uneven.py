@@ -19,7 +19,10 @@ The watchdog counts it under that signature too, and bounds its wait as every co
 Where every rank of the axis is on this host (host tensors, a gloo group) the rows go through
 shared memory (`fscale.distributed.shared_memory`): the ranks first gather every rank's sizes,
 refuse sizes that disagree (on every rank alike), and all run the windows of the largest;
-elsewhere through the backend's ``all_to_all_single`` with split sizes.
+elsewhere through the backend's ``all_to_all_single`` with split sizes. A caller that already
+holds every rank's sizes (the mixture-of-experts exchange gathers its counts first) passes them
+as `all_sizes`, and the gather is skipped: each rank checks that its own sizes are its row and
+column of that table, and the windows are counted from it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from fscale.readback import to_list
 __all__ = ["all_to_all_uneven"]
 
 Tensor = torch.Tensor
+Table = tuple[tuple[int, ...], ...]  # row i: the rows rank i sends to each rank
 
 
 def _record(comm: Comm, x: Tensor, send_sizes: tuple[int, ...]) -> None:
@@ -67,24 +71,32 @@ class _AllToAllUneven(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        x: Tensor, comm: Comm, send_sizes: tuple[int, ...], recv_sizes: tuple[int, ...]
+        x: Tensor,
+        comm: Comm,
+        send_sizes: tuple[int, ...],
+        recv_sizes: tuple[int, ...],
+        table: Table | None,
     ) -> Tensor:
         _record(comm, x, send_sizes)
         # Counted and bounded as every collective, under the one signature the ranks share:
         # the shape of a row and the dtype.
         ticket = count(comm, "all_to_all", x.new_empty((0, *x.shape[1:])))
         received = x.new_empty((sum(recv_sizes), *x.shape[1:]))
-        wait(_start(x.contiguous(), received, comm, send_sizes, recv_sizes, ticket), ticket)
+        work = _start(x.contiguous(), received, comm, send_sizes, recv_sizes, table, ticket)
+        wait(work, ticket)
         return received
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        _, ctx.comm, ctx.send_sizes, ctx.recv_sizes = inputs
+        _, ctx.comm, ctx.send_sizes, ctx.recv_sizes, ctx.table = inputs
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        # Every row goes back where it came from: the sizes swapped, the table transposed.
+        back = None if ctx.table is None else tuple(zip(*ctx.table))
         return (
-            _AllToAllUneven.apply(grad, ctx.comm, ctx.recv_sizes, ctx.send_sizes),
+            _AllToAllUneven.apply(grad, ctx.comm, ctx.recv_sizes, ctx.send_sizes, back),
+            None,
             None,
             None,
             None,
@@ -100,13 +112,15 @@ def _start(
     comm: Comm,
     send: tuple[int, ...],
     recv: tuple[int, ...],
+    table: Table | None,
     ticket: Any,
 ) -> Any:
     """Start the exchange of the contiguous `x` into `received`; the work to wait for.
 
-    Through shared memory every rank first gathers every rank's sizes (one window): the
-    windows each runs are counted from the largest, and sizes that disagree are refused on
-    every rank alike, where a backend would hang or abort.
+    Through shared memory every rank first gathers every rank's sizes (one window), unless
+    the caller gave them all (`table`): the windows each runs are counted from the largest,
+    and sizes that disagree are refused on every rank alike, where a backend would hang or
+    abort.
     """
     flat = x.view(-1)
     if not shares_memory(comm, flat, sums=False):
@@ -118,14 +132,17 @@ def _start(
             group=comm.group,
             async_op=True,
         )
-    table = torch.zeros(comm.size, 2 * comm.size, dtype=torch.int64)
-    table[comm.index] = torch.tensor([*send, *recv])
-    wait(shared_all_gather(table.view(-1), comm), ticket)
-    _check_agreed(to_list(table), comm)
+    if table is None:
+        gathered = torch.zeros(comm.size, 2 * comm.size, dtype=torch.int64)
+        gathered[comm.index] = torch.tensor([*send, *recv])
+        wait(shared_all_gather(gathered.view(-1), comm), ticket)
+        _check_agreed(to_list(gathered), comm)
+        most = int(gathered.max())
+    else:
+        most = max(max(sizes) for sizes in table)
     row = math.prod(x.shape[1:])
     sends, receives = [n * row for n in send], [n * row for n in recv]
-    largest = int(table.max()) * row
-    return shared_all_to_all_uneven(flat, comm, sends, received.view(-1), receives, largest)
+    return shared_all_to_all_uneven(flat, comm, sends, received.view(-1), receives, most * row)
 
 
 def _check_agreed(table: list[list[int]], comm: Comm) -> None:
@@ -164,6 +181,30 @@ def _sizes(sizes: Any, name: str, comm: Comm) -> tuple[int, ...]:
     return values
 
 
+def _table(
+    all_sizes: Any, send: tuple[int, ...], recv: tuple[int, ...], comm: Comm
+) -> Table | None:
+    """`all_sizes` as a tuple of rows, checked against this rank's own sizes; None if None."""
+    if all_sizes is None:
+        return None
+    if isinstance(all_sizes, Tensor):
+        all_sizes = to_list(all_sizes)
+    if not isinstance(all_sizes, Sequence) or len(all_sizes) != comm.size:
+        raise ValueError(
+            f"all_to_all_uneven: `all_sizes` must hold {comm.size} rows (row i: the send_sizes "
+            f"of rank i of axis {comm.axis!r}), got {all_sizes!r}"
+        )
+    table = tuple(_sizes(sizes, f"all_sizes[{i}]", comm) for i, sizes in enumerate(all_sizes))
+    me = comm.index
+    if table[me] != send or tuple(sizes[me] for sizes in table) != recv:
+        raise ValueError(
+            f"all_to_all_uneven: `all_sizes` says {comm.axis}={me} sends {list(table[me])} and "
+            f"receives {[sizes[me] for sizes in table]}, but `send_sizes` is {list(send)} and "
+            f"`recv_sizes` {list(recv)}; pass this rank's row and column of the same table"
+        )
+    return table
+
+
 def all_to_all_uneven(
     x: Tensor,
     axis: str,
@@ -171,6 +212,7 @@ def all_to_all_uneven(
     recv_sizes: Sequence[int] | Tensor,
     *,
     mesh: Mesh | None = None,
+    all_sizes: Sequence[Sequence[int]] | Tensor | None = None,
 ) -> Tensor:
     """Send rows ``[sum(send_sizes[:j]), sum(send_sizes[:j+1]))`` of `x` to rank j; return the
     rows received, rank 0's first.
@@ -185,6 +227,9 @@ def all_to_all_uneven(
         recv_sizes: rows received from each rank; ``recv_sizes[i]`` here must equal
             ``send_sizes[this rank]`` on rank i (exchange the sizes first).
         mesh: the mesh; None for the current one.
+        all_sizes: optionally every rank's `send_sizes`, row i from rank i, the same table on
+            every rank (one the caller already gathered): the exchange then skips gathering
+            the sizes. This rank's row must be `send_sizes` and its column `recv_sizes`.
 
     Returns:
         A tensor of ``sum(recv_sizes)`` rows.
@@ -192,12 +237,14 @@ def all_to_all_uneven(
     Raises:
         TypeError: `x` is not a tensor with at least one dimension, or sizes are not sequences.
         ValueError: sizes of the wrong length or negative, `send_sizes` not summing to
-            ``x.shape[0]``, unknown axis, or no mesh.
+            ``x.shape[0]``, `all_sizes` that disagrees with this rank's sizes, unknown axis,
+            or no mesh.
     """
     check_tensor(x, "x", "all_to_all_uneven", min_dim=1)
     comm = resolve_comm(axis, mesh, "all_to_all_uneven")
     send = _sizes(send_sizes, "send_sizes", comm)
     recv = _sizes(recv_sizes, "recv_sizes", comm)
+    table = _table(all_sizes, send, recv, comm)
     if sum(send) != x.shape[0]:
         raise ValueError(
             f"all_to_all_uneven: `send_sizes` {list(send)} sum to {sum(send)}, but `x` has "
@@ -210,4 +257,4 @@ def all_to_all_uneven(
                 f"equal `send_sizes` {list(send)}"
             )
         return x
-    return _AllToAllUneven.apply(x, comm, send, recv)
+    return _AllToAllUneven.apply(x, comm, send, recv, table)

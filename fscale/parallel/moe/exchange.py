@@ -140,14 +140,17 @@ def through_experts_dropless(
     per_expert = to_list(received_counts.sum(0))
     if ranks == 1:  # already grouped by expert: no exchange, no regrouping
         return torch.cat(run_experts(expert_fn, experts, list(torch.split(rows, per_expert))))
-    send = to_list(sizes.counts[me].view(ranks, local).sum(1))
-    recv = to_list(received_counts.sum(1))
-    received = all_to_all_uneven(rows, axis, send, recv, mesh=mesh)
+    # Rows rank i sends rank j: its assignments to j's experts. Every rank holds the whole
+    # table (the counts were gathered), so the exchange need not gather its sizes again.
+    table = to_list(sizes.counts.view(ranks, ranks, local).sum(2))
+    send, recv = table[me], [row[me] for row in table]
+    received = all_to_all_uneven(rows, axis, send, recv, mesh=mesh, all_sizes=table)
     order = _regroup(received_counts).to(rows.device)
     grouped = received.index_select(0, order)
     outputs = torch.cat(
         run_experts(expert_fn, experts, list(torch.split(grouped, per_expert))), dim=0
     )
     outputs = outputs.index_select(0, torch.argsort(order))
-    outputs = all_to_all_uneven(outputs, axis, recv, send, mesh=mesh)
+    back = [list(column) for column in zip(*table)]
+    outputs = all_to_all_uneven(outputs, axis, recv, send, mesh=mesh, all_sizes=back)
     return outputs
