@@ -68,8 +68,9 @@ def _uneven_sizes(world: int, step: int) -> list[list[int]]:
 def _uneven_case(shared: bool, with_table: bool = False) -> tuple[bool, int, list[torch.Tensor]]:
     """all_to_all_uneven forward and backward over rows of 3 elements: whether it went through
     shared memory, the windows the arena ran, the rows received and the input's gradient
-    (`with_table`: every rank's sizes given as `all_sizes`)."""
+    (`with_table`: every rank's sizes given as `all_sizes`, the debug check off)."""
     set_shared_memory(shared)
+    C.set_debug(not with_table)
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = fd.Mesh(ep=world)
     comm = resolve_comm("ep", mesh, "test")
@@ -115,6 +116,25 @@ def test_every_rank_s_sizes_given_spare_their_gather_and_change_no_bit(world):
         assert windows == 2 * -(-largest // step), windows
         for a, b in zip(ours, theirs):
             assert torch.equal(a, b)
+
+
+def _tables_that_differ_between_ranks() -> str:
+    rank = dist.get_rank()
+    mesh = fd.Mesh(ep=2)
+    x = torch.ones(4, 2)
+    # Each rank's table fits its own sizes, but rank 1 expects 2 rows where rank 0 sends 3.
+    send, recv = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [2, 2])
+    table = [[1, 3], [2, 2]] if rank == 0 else [[1, 2], [2, 2]]
+    try:
+        fd.all_to_all_uneven(x, "ep", send, recv, mesh=mesh, all_sizes=table)
+    except ValueError as error:
+        return str(error)
+    return "exchanged"
+
+
+def test_with_the_debug_check_on_tables_that_differ_between_ranks_are_refused_on_every_rank():
+    for message in run_spmd(_tables_that_differ_between_ranks, 2):
+        assert "rank 0 (ep=0) sends 3 rows to ep=1, which expects 2 from it" in message, message
 
 
 def _table_that_disagrees() -> list[str]:

@@ -22,7 +22,8 @@ refuse sizes that disagree (on every rank alike), and all run the windows of the
 elsewhere through the backend's ``all_to_all_single`` with split sizes. A caller that already
 holds every rank's sizes (the mixture-of-experts exchange gathers its counts first) passes them
 as `all_sizes`, and the gather is skipped: each rank checks that its own sizes are its row and
-column of that table, and the windows are counted from it.
+column of that table, and the windows are counted from it (with the debug check on, the sizes
+are gathered and checked all the same).
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def _start(
             group=comm.group,
             async_op=True,
         )
-    if table is None:
+    # With the debug check on, a given table is checked too: the sizes are gathered anyway.
+    if table is None or debug_enabled():
         gathered = torch.zeros(comm.size, 2 * comm.size, dtype=torch.int64)
         gathered[comm.index] = torch.tensor([*send, *recv])
         wait(shared_all_gather(gathered.view(-1), comm), ticket)
