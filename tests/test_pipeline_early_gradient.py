@@ -7,16 +7,12 @@ import dataclasses
 
 import pytest
 import torch
+from mlp_pipeline import mlp_on_two_ranks
 from torch import nn
 
 import fscale as fs
-from fscale.parallel.pipeline import pipeline
 from fscale.parallel.pipeline.stages import module_stages
 from fscale.testing import assert_trees_close, assert_trees_equal, run_spmd
-
-
-def _mse(out, target):
-    return ((out - target) ** 2).mean()
 
 
 def _model() -> nn.Sequential:
@@ -26,22 +22,12 @@ def _model() -> nn.Sequential:
     )
 
 
-def _step(model, schedule, balance, **options):
-    return pipeline(
-        model,
-        _mse,
-        fs.optim.adam(1e-2),
-        fs.Mesh(pp=2),
-        micro_batches=4,
-        schedule=schedule,
-        balance=balance,
-        **options,
+def _step(model, schedule, balance, checkpoint="never"):
+    """`model` on two ranks, 4 micro-batches, and a batch of 8 samples."""
+    step, (_, params, buffers), batch = mlp_on_two_ranks(
+        model, 8, schedule, balance, 4, 12, checkpoint=checkpoint
     )
-
-
-def _batch():
-    g = torch.Generator().manual_seed(12)
-    return torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+    return step, params, buffers, batch
 
 
 def _without_the_early_send(step):
@@ -53,15 +39,13 @@ def _without_the_early_send(step):
 
 
 def _trained(schedule, balance, checkpoint, early):
-    model = _model()
-    _, params, buffers = fs.functionalize(model)
-    step = _step(model, schedule, balance, checkpoint=checkpoint)
+    step, params, buffers, batch = _step(_model(), schedule, balance, checkpoint)
     if not early:
         step = _without_the_early_send(step)
     state = step.init(params, buffers)
     losses = []
     for _ in range(3):
-        state, metrics = step(state, _batch())
+        state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     return state.params, state.opt_state, losses
 
@@ -83,10 +67,8 @@ def test_the_early_send_gives_the_bits_of_one_backward(schedule, balance, checkp
 def _events(schedule, balance):
     from fscale.parallel.pipeline import deferred_linear, transport
 
-    model = _model()
-    _, params, buffers = fs.functionalize(model)
-    step = _step(model, schedule, balance, checkpoint="never")
-    state, _ = step(step.init(params, buffers), _batch())  # the first step checks contracts
+    step, params, buffers, batch = _step(_model(), schedule, balance)
+    state, _ = step(step.init(params, buffers), batch)  # the first step checks contracts
     events: list[str] = []
     post, weight_grads = transport.Mailbox.post, deferred_linear.LinearStore.weight_grads
 
@@ -101,7 +83,7 @@ def _events(schedule, balance):
     transport.Mailbox.post = posted  # type: ignore[method-assign]
     deferred_linear.LinearStore.weight_grads = deferred  # type: ignore[method-assign]
     try:
-        step(state, _batch())
+        step(state, batch)
     finally:
         transport.Mailbox.post = post  # type: ignore[method-assign]
         deferred_linear.LinearStore.weight_grads = weight_grads  # type: ignore[method-assign]
@@ -121,11 +103,9 @@ def test_a_stage_sends_its_input_gradient_before_its_weight_gradients():
 def _deferred_under_policy():
     from fscale.parallel.pipeline import deferred_linear
 
-    model = _model()
-    _, params, buffers = fs.functionalize(model)
-    step = _step(model, "1f1b", [2, 3], checkpoint="never")
+    step, params, buffers, batch = _step(_model(), "1f1b", [2, 3])
     step = fs.mixed_precision(step, param_dtype=torch.bfloat16)
-    state, _ = step(step.init(params, buffers), _batch())
+    state, _ = step(step.init(params, buffers), batch)
     calls: list[int] = []
     weight_grads = deferred_linear.LinearStore.weight_grads
 
@@ -135,7 +115,7 @@ def _deferred_under_policy():
 
     deferred_linear.LinearStore.weight_grads = deferred  # type: ignore[method-assign]
     try:
-        step(state, _batch())
+        step(state, batch)
     finally:
         deferred_linear.LinearStore.weight_grads = weight_grads  # type: ignore[method-assign]
     return calls
@@ -167,13 +147,12 @@ class _SharedWeight(nn.Module):
 def _trained_shared(early):
     torch.manual_seed(13)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), _SharedWeight(), nn.Linear(6, 3))
-    _, params, buffers = fs.functionalize(model)
-    step = _step(model, "1f1b", [2, 2], checkpoint="never")
+    step, params, buffers, batch = _step(model, "1f1b", [2, 2])
     if not early:
         step = _without_the_early_send(step)
     state = step.init(params, buffers)
     for _ in range(3):
-        state, _ = step(state, _batch())
+        state, _ = step(state, batch)
     return state.params
 
 

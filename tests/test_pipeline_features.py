@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from mlp_pipeline import mlp_on_two_ranks, mse
 from torch import nn
 
 import fscale as fs
@@ -250,46 +251,17 @@ def _one_rank_pipeline(model, **options):
     return pipeline(model, loss, fs.optim.sgd(0.1), fs.Mesh(pp=1), balance=balance, **options)
 
 
-# ---- a small MLP on two ranks ----------------------------------------------------------------
-
-
-def _mse(out, targets):
-    return ((out - targets) ** 2).mean()
-
-
-def _mlp_on_two_ranks(model, size, schedule, balance, micro_batches, batch_seed, **options):
-    """`model` (an nn.Sequential of linear layers) as a pipeline on 2 ranks, MSE and Adam, with
-    a batch of `size` samples; also its functional form."""
-    apply, params, buffers = fs.functionalize(model)
-    g = torch.Generator().manual_seed(batch_seed)
-    batch = (
-        torch.randn(size, model[0].in_features, generator=g),
-        torch.randn(size, model[-1].out_features, generator=g),
-    )
-    step = pipeline(
-        model,
-        _mse,
-        fs.optim.adam(1e-2),
-        fs.Mesh(pp=2),
-        micro_batches=micro_batches,
-        schedule=schedule,
-        balance=balance,
-        **options,
-    )
-    return step, (apply, params, buffers), batch
-
-
 # ---- padding ---------------------------------------------------------------------------------
 
 
 def _padded(size, micro_batches, schedule):
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
-    step, (apply, params, buffers), batch = _mlp_on_two_ranks(
+    step, (apply, params, buffers), batch = mlp_on_two_ranks(
         model, size, schedule, [2, 1], micro_batches, 6, pad=True
     )
     state = step.init(params, buffers)
-    plain = fs.train_step(lambda p, b, d, k: _mse(apply(p, b, d[0])[0], d[1]), fs.optim.adam(1e-2))
+    plain = fs.train_step(lambda p, b, d, k: mse(apply(p, b, d[0])[0], d[1]), fs.optim.adam(1e-2))
     expected = plain.init(params, buffers)
     losses, expected_losses = [], []
     for _ in range(2):
@@ -333,7 +305,7 @@ def _mlp_pipeline(schedule, balance, **options):
     the stage contracts), and its batch."""
     torch.manual_seed(7)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
-    step, (_, params, buffers), batch = _mlp_on_two_ranks(
+    step, (_, params, buffers), batch = mlp_on_two_ranks(
         model, 8, schedule, balance, 4, 8, **options
     )
     state, _ = step(step.init(params, buffers), batch)
@@ -469,7 +441,7 @@ def _stage_fails_in_the_second_step():
         torch.manual_seed(0)
         failing = _FailsWhenArmed(4, 4)
         model = nn.Sequential(nn.Linear(4, 4), failing)
-        step, (_, params, buffers), batch = _mlp_on_two_ranks(model, 8, "1f1b", [1, 1], 4, 0)
+        step, (_, params, buffers), batch = mlp_on_two_ranks(model, 8, "1f1b", [1, 1], 4, 0)
         state, _ = step(step.init(params, buffers), batch)
         failing.armed = True  # on rank 1, which runs it: its first forward of step 2 raises
         try:

@@ -4,6 +4,7 @@ gloo's results, a bounded wait, sizes that disagree refused (bad buffers: test_s
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -118,18 +119,24 @@ def test_every_rank_s_sizes_given_spare_their_gather_and_change_no_bit(world):
             assert torch.equal(a, b)
 
 
-def _tables_that_differ_between_ranks() -> str:
-    rank = dist.get_rank()
-    mesh = fd.Mesh(ep=2)
-    x = torch.ones(4, 2)
-    # Each rank's table fits its own sizes, but rank 1 expects 2 rows where rank 0 sends 3.
-    send, recv = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [2, 2])
-    table = [[1, 3], [2, 2]] if rank == 0 else [[1, 2], [2, 2]]
+def _exchanged_or_refused(send: list[int], recv: list[int], table: Any = None) -> str:
+    """An uneven all-to-all of 4 rows of 2 over two ranks: its `ValueError`'s message, or
+    "exchanged"."""
     try:
-        fd.all_to_all_uneven(x, "ep", send, recv, mesh=mesh, all_sizes=table)
+        fd.all_to_all_uneven(
+            torch.ones(4, 2), "ep", send, recv, mesh=fd.Mesh(ep=2), all_sizes=table
+        )
     except ValueError as error:
         return str(error)
     return "exchanged"
+
+
+def _tables_that_differ_between_ranks() -> str:
+    rank = dist.get_rank()
+    # Each rank's table fits its own sizes, but rank 1 expects 2 rows where rank 0 sends 3.
+    send, recv = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [2, 2])
+    table = [[1, 3], [2, 2]] if rank == 0 else [[1, 2], [2, 2]]
+    return _exchanged_or_refused(send, recv, table)
 
 
 def test_with_the_debug_check_on_tables_that_differ_between_ranks_are_refused_on_every_rank():
@@ -138,19 +145,9 @@ def test_with_the_debug_check_on_tables_that_differ_between_ranks_are_refused_on
 
 
 def _table_that_disagrees() -> list[str]:
-    rank = dist.get_rank()
-    mesh = fd.Mesh(ep=2)
-    x = torch.ones(4, 2)
-    send, recv = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [3, 2])
-
-    def attempt(table: list[list[int]]) -> str:
-        try:
-            fd.all_to_all_uneven(x, "ep", send, recv, mesh=mesh, all_sizes=table)
-        except ValueError as error:
-            return str(error)
-        return "exchanged"
-
-    return [attempt(t) for t in ([[1, 3], [2, 2]], [[1, 3]], [[1, 3], [2, -2]], [[1, 2], [3, 2]])]
+    send, recv = ([1, 3], [1, 2]) if dist.get_rank() == 0 else ([2, 2], [3, 2])
+    tables = ([[1, 3], [2, 2]], [[1, 3]], [[1, 3], [2, -2]], [[1, 2], [3, 2]])
+    return [_exchanged_or_refused(send, recv, table) for table in tables]
 
 
 def test_a_table_of_sizes_that_does_not_fit_is_refused_before_anything_is_sent():
@@ -190,16 +187,9 @@ def test_a_peer_that_never_comes_to_the_uneven_all_to_all_is_reported_in_bounded
 
 
 def _disagreeing_sizes() -> str:
-    rank = dist.get_rank()
-    mesh = fd.Mesh(ep=2)
-    x = torch.ones(4, 2)
     # Rank 0 sends rank 1 three rows; rank 1 expects two from it.
-    send, recv = ([1, 3], [1, 3]) if rank == 0 else ([3, 1], [2, 1])
-    try:
-        fd.all_to_all_uneven(x, "ep", send, recv, mesh=mesh)
-    except ValueError as error:
-        return str(error)
-    return "exchanged"
+    send, recv = ([1, 3], [1, 3]) if dist.get_rank() == 0 else ([3, 1], [2, 1])
+    return _exchanged_or_refused(send, recv)
 
 
 def test_sizes_the_ranks_disagree_on_are_refused_on_every_rank_through_shared_memory():
