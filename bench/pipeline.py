@@ -44,13 +44,15 @@ activations (the count slows every forward); then, in as many steps again, each 
 the activation bytes autograd saves for backward (parameters excluded). The *floor* is fscale's
 table run on a clock where every action takes its measured cost (`fscale.parallel.pipeline.
 simulate`): the critical path of those actions in that order, with no time for messages, the
-update or anything else between them. ``fscale/floor`` and ``torch/floor`` say how far each
+update or anything else between them; a backward that sent its input's gradient before its
+linear layers' weight gradients hands it on at that point (`StepTimeline.sends`), not at its
+end. ``fscale/floor`` and ``torch/floor`` say how far each
 step is above it; for ``zero_bubble`` torch runs another table (two stages per rank), so its
 figure compares schedules, not runtimes. For GPipe and 1F1B the *chain* is a bound that needs no
 simulation: the first stage's first forward, all of the last stage's actions (one rank runs them
-in turn) and the first stage's last backward run one after the other in any runtime of the
-table, so no step is shorter (median over the measured steps; ``fscale/chain``,
-``torch/chain``). The floor assumes a core per rank: with more ranks
+in turn) up to its last backward's send and the first stage's last backward run one after the
+other in any runtime of the table, so no step is shorter (median over the measured steps;
+``fscale/chain``, ``torch/chain``). The floor assumes a core per rank: with more ranks
 than cores the ranks share them, an action's measured time includes the time it waited for a
 core, and the floor is no bound. Below the table, per (P, M): 1F1B's
 activation peak over GPipe's (the goal: at most P/M) and zero-bubble's measured bubble beside
@@ -221,16 +223,26 @@ def _measure(
             dist.barrier()
             run(tokens, targets)
     runs = [s.costs() for s in timeline.steps]
+    # Actions that sent their result before they ended (a backward's early send): the median
+    # busy seconds until then, for the floor (`simulate`'s `sends`).
+    sent = [s.sends() for s in timeline.steps]
     return {
         "step_busy_s": [s.busy for s in timeline.steps],
         "step_first_s": [s.actions[0].busy for s in timeline.steps],
         "step_last_s": [s.actions[-1].busy for s in timeline.steps],
+        "step_after_send_s": [_after_send(s.actions[-1]) for s in timeline.steps],
         "bubble": statistics.median(s.bubble for s in timeline.steps),
         "activation_peak": max(s.activation_peak or 0 for s in counted.steps),
         "busy_s": statistics.median(s.busy for s in timeline.steps),
         "wall_s": statistics.median(s.wall for s in timeline.steps),
         "costs": {key: statistics.median(r[key] for r in runs) for key in runs[0]},
+        "sends": {key: statistics.median(r[key] for r in sent) for key in sent[0]},
     }
+
+
+def _after_send(action: Any) -> float:
+    """The busy seconds `action` spent after it sent its result on (0 if it sent none early)."""
+    return 0.0 if action.sent is None else action.busy - action.sent
 
 
 class _Setup:
@@ -493,7 +505,8 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
     # The critical path of fscale's table with each action at its measured cost: the least
     # time any runtime takes for these actions in this order (`simulate`).
     costs = {key: c for r in results for key, c in r["measured"]["costs"].items()}
-    floor = simulate(results[0]["table"], costs).makespan
+    sends = {key: c for r in results for key, c in r["measured"]["sends"].items()}
+    floor = simulate(results[0]["table"], costs, sends=sends).makespan
     chain = _chain(schedule, results)
     # CPU seconds of all ranks per round: the work each variant does, which other processes'
     # load on the machine does not stretch as it stretches wall time.
@@ -534,7 +547,9 @@ def _chain(schedule: str, results: list[dict[str, Any]]) -> float | None:
     """The median over the measured steps of the chain of actions that any runtime of a
     one-stage-per-rank GPipe or 1F1B table runs one after the other: the first stage's first
     forward (every other action needs it), all of the last stage's actions (one rank runs them
-    in turn), then the first stage's last backward (it needs the last stage's last backward).
+    in turn) up to its last backward's send of the input's gradient (what fscale computes
+    after that send, the weight gradients of its linear layers, is off the chain), then the
+    first stage's last backward (it needs that gradient).
     None for the other schedules, where the last stage's rank holds other stages too
     (interleaved) or the first stage's last action does not wait for all of the last stage's
     (zero-bubble's deferred W)."""
@@ -542,9 +557,12 @@ def _chain(schedule: str, results: list[dict[str, Any]]) -> float | None:
         return None
     first, last = results[0]["measured"], results[-1]["measured"]
     chains = [
-        head + busy + tail
-        for head, busy, tail in zip(
-            first["step_first_s"], last["step_busy_s"], first["step_last_s"]
+        head + busy - after + tail
+        for head, busy, after, tail in zip(
+            first["step_first_s"],
+            last["step_busy_s"],
+            last["step_after_send_s"],
+            first["step_last_s"],
         )
     ]
     return statistics.median(chains)

@@ -11,6 +11,7 @@ from mlp_pipeline import mlp_on_two_ranks
 from torch import nn
 
 import fscale as fs
+from fscale.parallel.pipeline import one_f_one_b, simulate
 from fscale.parallel.pipeline.stages import module_stages
 from fscale.testing import assert_trees_close, assert_trees_equal, run_spmd
 
@@ -98,6 +99,49 @@ def test_a_stage_sends_its_input_gradient_before_its_weight_gradients():
     # The second (two linear layers and a norm) sends each micro-batch's input gradient, then
     # computes the two layers' weight gradients; the loss goes once, after its last forward.
     assert stage1 == ["send", "W2"] * 3 + ["send"] + ["send", "W2"]
+
+
+def _timed_with_slow_weight_gradients():
+    import time
+
+    from fscale.parallel.pipeline import deferred_linear, record_timeline
+
+    step, params, buffers, batch = _step(_model(), "1f1b", [2, 3])
+    state, _ = step(step.init(params, buffers), batch)
+    weight_grads = deferred_linear.LinearStore.weight_grads
+
+    def slow(self, num_weights):
+        time.sleep(0.02)
+        return weight_grads(self, num_weights)
+
+    deferred_linear.LinearStore.weight_grads = slow  # type: ignore[method-assign]
+    try:
+        with record_timeline(activations=False) as timeline:
+            step(state, batch)
+    finally:
+        deferred_linear.LinearStore.weight_grads = weight_grads  # type: ignore[method-assign]
+    return timeline.steps[0]
+
+
+def test_the_timeline_records_when_a_backward_sent_before_its_weight_gradients():
+    first, second = run_spmd(_timed_with_slow_weight_gradients, 2)
+    # The first stage sends nothing early (its backward is one call).
+    assert first.sends() == {} and all(a.sent is None for a in first.actions)
+    backwards = [a for a in second.actions if a.kind == "B"]
+    assert set(second.sends()) == {("B", m, 1) for m in range(4)}
+    for action in backwards:
+        # Sent, then at least the 20 ms of its weight gradients.
+        assert action.sent is not None and 0 <= action.sent <= action.busy - 0.02
+    # Simulated with the sends, the first stage's last backward starts that much sooner.
+    table = one_f_one_b(2, 4)
+    costs = {**first.costs(), **second.costs()}
+    late = simulate(table, costs)
+    early = simulate(table, costs, sends=second.sends())
+    last = ("B", 3, 1)
+    assert (
+        early.starts[("B", 3, 0)]
+        <= late.starts[("B", 3, 0)] - (costs[last] - second.sends()[last]) + 1e-9
+    )
 
 
 def _deferred_under_policy():

@@ -40,6 +40,32 @@ def test_1f1b_with_uneven_stages_waits_where_the_slower_stage_holds_it():
     assert run.bubble == pytest.approx(1 - (108 + 100) / (2 * 131))
 
 
+def test_a_backward_that_sends_early_lets_the_stage_before_it_start_sooner():
+    # The same costs, but stage 1's B sends the input's gradient 9 into its 15 (its linear
+    # layers' weight gradients follow). Worked by hand: rank 0's B0 starts at 29 (not 35),
+    # B1 at 56 (rank 0 is busy until then), B2 at 83, and B3 at 95 + 9 = 104; 121 in all.
+    cost = {"F": (10, 10), "B": (17, 15)}
+    sends = {("B", m, 1): 9.0 for m in range(4)}
+    run = simulate(one_f_one_b(2, 4), lambda kind, m, s: cost[kind][s], sends=sends)
+    assert [run.starts[("B", m, 0)] for m in range(4)] == [29, 56, 83, 104]
+    assert run.makespan == 121
+    assert run.rank_end == (121, 110)
+    assert run.rank_busy == (4 * 27, 4 * 25)  # the work is the same, only its order moved
+    # A send time past the action's end counts as its end.
+    late = dict.fromkeys(sends, 99.0)
+    assert simulate(one_f_one_b(2, 4), lambda k, m, s: cost[k][s], sends=late).makespan == 131
+
+
+def test_bad_send_times_get_clear_errors():
+    table = gpipe(2, 2)
+    with pytest.raises(ValueError, match=r"names \('B', 5, 1\), which the schedule"):
+        simulate(table, lambda *_: 1.0, sends={("B", 5, 1): 0.5})
+    with pytest.raises(ValueError, match=r"send time of \('B', 0, 1\) must be"):
+        simulate(table, lambda *_: 1.0, sends={("B", 0, 1): -0.5})
+    with pytest.raises(TypeError, match="`sends` must be a mapping"):
+        simulate(table, lambda *_: 1.0, sends=[0.5])  # type: ignore[arg-type]
+
+
 def test_latency_delays_every_cross_rank_input():
     table = gpipe(2, 1)  # F(stage 0), F(stage 1), B(stage 1), B(stage 0): two messages
     run = simulate(table, lambda kind, m, s: 1.0, latency=0.5)

@@ -309,6 +309,8 @@ def run_schedule(
         if not split:
             del units[(m, stage)]
             if unit.store is not None:  # an early stage: its linear layers' turn, after the send
+                if recorder is not None:
+                    recorder.sent()
                 _accumulate(weights, unit.store.weight_grads(len(weights)))
 
     def weight_grads(m: int, stage: int) -> None:

@@ -17,8 +17,13 @@ one `StepTimeline` to ``timeline.steps``:
   forward's actions take longer under it), so ``record_timeline(activations=False)`` leaves
   it out when the times are what is measured; the peak is then None.
 
-`StepTimeline.costs` gives each action's busy seconds, which `fscale.parallel.pipeline.
-makespan` turns into the time the schedule would take with no overhead between the actions.
+- for an action that sent its result to another rank before it ended (a B that sends the
+  input's gradient before its linear layers' weight gradients), the busy seconds until that
+  send.
+
+`StepTimeline.costs` gives each action's busy seconds and `StepTimeline.sends` the busy
+seconds until its early send, which `fscale.parallel.pipeline.simulate` turns into the time
+the schedule would take with no overhead between the actions.
 
 Recording is off unless a block is open; a step then pays one truth test per action.
 """
@@ -44,7 +49,9 @@ _TIMELINES = tracking.stack("fscale.parallel.pipeline.timeline")
 @dataclasses.dataclass(frozen=True)
 class ActionTime:
     """One action of the schedule as it ran: kind ("F", "B", "W"), micro-batch, stage, its start
-    and end (seconds, ``time.perf_counter``) and the seconds of it spent blocked on a receive."""
+    and end (seconds, ``time.perf_counter``), the seconds of it spent blocked on a receive,
+    and, if it sent its result to another rank before it ended, the busy seconds until then
+    (`sent`; None otherwise)."""
 
     kind: str
     micro_batch: int
@@ -52,6 +59,7 @@ class ActionTime:
     start: float
     end: float
     waited: float
+    sent: float | None = None
 
     @property
     def busy(self) -> float:
@@ -86,8 +94,15 @@ class StepTimeline:
 
     def costs(self) -> dict[tuple[str, int, int], float]:
         """Each action's busy seconds (its time less its waits), keyed (kind, micro-batch,
-        stage): the costs `fscale.parallel.pipeline.makespan` takes."""
+        stage): the costs `fscale.parallel.pipeline.simulate` takes."""
         return {(a.kind, a.micro_batch, a.stage): a.busy for a in self.actions}
+
+    def sends(self) -> dict[tuple[str, int, int], float]:
+        """The busy seconds until each action that sent its result early did so, keyed as
+        `costs`: the `sends` `fscale.parallel.pipeline.simulate` takes."""
+        return {
+            (a.kind, a.micro_batch, a.stage): a.sent for a in self.actions if a.sent is not None
+        }
 
 
 class Timeline:
@@ -131,7 +146,8 @@ class StepRecorder:
     """Collects one step's `StepTimeline` while it runs; `finish` hands it to the open blocks.
 
     The runner wraps each action in `action` and the step's saves in `saving`; the transport
-    reports its blocking receives through `waited`.
+    reports its blocking receives through `waited`, the runner an action's early send through
+    `sent`.
     """
 
     def __init__(self, state: Iterable[torch.Tensor]) -> None:
@@ -144,22 +160,36 @@ class StepRecorder:
             {t.untyped_storage().data_ptr() for t in state} if self.counts_activations else set()
         )
         self._waited = 0.0
+        self._sent: float | None = None
         self._start = time.perf_counter()
 
     @contextlib.contextmanager
     def action(self, kind: str, micro_batch: int, stage: int) -> Iterator[None]:
         """Time the block as action (kind, micro_batch, stage)."""
         waited_before, start = self._waited, time.perf_counter()
+        self._sent = None
         yield
+        sent = None if self._sent is None else self._sent - start + waited_before
         self._actions.append(
             ActionTime(
-                kind, micro_batch, stage, start, time.perf_counter(), self._waited - waited_before
+                kind,
+                micro_batch,
+                stage,
+                start,
+                time.perf_counter(),
+                self._waited - waited_before,
+                sent,
             )
         )
 
     def waited(self, seconds: float) -> None:
         """Count `seconds` blocked on a receive in the current action."""
         self._waited += seconds
+
+    def sent(self) -> None:
+        """Note that the current action has sent its result and goes on with other work."""
+        # Busy time until now: the waits so far are subtracted when the action closes.
+        self._sent = time.perf_counter() - self._waited
 
     def saving(self) -> Any:
         """A context under which the activations autograd saves are counted (if any open block
