@@ -450,8 +450,15 @@ def test_pipeline_chain_is_the_first_forward_the_last_stage_and_the_last_backwar
     monkeypatch.syspath_prepend(str(_PATH.parent))
     pipeline = importlib.import_module("pipeline")
 
-    def measured(first, busy, last):
-        return {"measured": {"step_first_s": first, "step_busy_s": busy, "step_last_s": last}}
+    def measured(first, busy, last, after=(0.0, 0.0, 0.0)):
+        return {
+            "measured": {
+                "step_first_s": first,
+                "step_busy_s": busy,
+                "step_last_s": last,
+                "step_after_send_s": list(after),
+            }
+        }
 
     results = [
         measured([1.0, 2.0, 1.0], [50.0, 50.0, 50.0], [3.0, 3.0, 9.0]),  # the first stage
@@ -462,3 +469,17 @@ def test_pipeline_chain_is_the_first_forward_the_last_stage_and_the_last_backwar
     assert pipeline._chain("gpipe", results) == 25.0
     assert pipeline._chain("interleaved", results) is None
     assert pipeline._chain("zero_bubble", results) is None
+    # The weight gradients the last stage computes after its last send are off the chain:
+    # 14 - 2, 25 - 6, 40 - 1; the median of 12, 19 and 39.
+    results[1] = measured([0.0] * 3, [10.0, 20.0, 30.0], [0.0] * 3, after=(2.0, 6.0, 1.0))
+    assert pipeline._chain("1f1b", results) == 19.0
+
+
+def test_pipeline_after_send_is_what_a_backward_computed_after_its_early_send(monkeypatch):
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    pipeline = importlib.import_module("pipeline")
+    from fscale.parallel.pipeline import ActionTime
+
+    early = ActionTime("B", 3, 1, start=10.0, end=19.0, waited=1.0, sent=5.0)
+    assert pipeline._after_send(early) == 3.0  # busy 8, of which 5 before the send
+    assert pipeline._after_send(ActionTime("B", 3, 1, 10.0, 19.0, 1.0)) == 0.0
