@@ -5,9 +5,10 @@ one `StepTimeline` to ``timeline.steps``:
 
 - the wall time of the rank's part of the schedule (from its first action's start to the end
   of the step's final drain of sends), and each action's start and end (``time.perf_counter``);
-- the time each action spent blocked on a receive (an activation from the previous stage or a
-  gradient from the next), and the time the final drain waited on sends. The rank was *busy*
-  for the actions' time less those waits; its measured bubble is ``1 - busy / wall``, the
+- the time each action spent in receives (an activation from the previous stage or a
+  gradient from the next: blocked until it arrived, and taking it in, which through shared
+  memory is a copy of 0.01-0.1 ms), and the time the final drain waited on sends. The rank was
+  *busy* for the actions' time less those waits; its measured bubble is ``1 - busy / wall``, the
   figure the schedule table's `Schedule.bubble_fraction` predicts from unit costs;
 - the peak bytes of the activations the step holds for its backward: every tensor autograd
   saves, and every input a deferred linear layer keeps for W, is counted
@@ -49,7 +50,7 @@ _TIMELINES = tracking.stack("fscale.parallel.pipeline.timeline")
 @dataclasses.dataclass(frozen=True)
 class ActionTime:
     """One action of the schedule as it ran: kind ("F", "B", "W"), micro-batch, stage, its start
-    and end (seconds, ``time.perf_counter``), the seconds of it spent blocked on a receive,
+    and end (seconds, ``time.perf_counter``), the seconds of it spent in receives,
     and, if it sent its result to another rank before it ended, the busy seconds until then
     (`sent`; None otherwise)."""
 
@@ -183,7 +184,7 @@ class StepRecorder:
         )
 
     def waited(self, seconds: float) -> None:
-        """Count `seconds` blocked on a receive in the current action."""
+        """Count `seconds` spent in a receive in the current action."""
         self._waited += seconds
 
     def sent(self) -> None:

@@ -40,7 +40,8 @@ receives it posted would take that step's messages.
 
 The comm ledger records each send (the bytes this rank puts on the wire), under the
 pipeline's axis. A mailbox made with `on_wait` is told the seconds each receive through it
-spent blocked (`fscale.parallel.pipeline.timeline` counts them as idle).
+took, blocked and taking the message in (`fscale.parallel.pipeline.timeline` counts them as
+idle).
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ class Mailbox:
     receives posted ahead of their use.
 
     `on_wait`, if given, receives the seconds each blocking receive through this mailbox
-    waited. `patience` bounds each wait, in seconds (`arrival`). Messages to and from the
+    took. `patience` bounds each wait, in seconds (`arrival`). Messages to and from the
     ranks `channels` links (`fscale.distributed.shared_channels`) go through shared memory
     instead of gloo: nothing is posted ahead there, and a send is done once in the ring.
     """
