@@ -114,15 +114,19 @@ def _checked_sends(schedule: Schedule, sends: Mapping[Key, float] | None) -> dic
             f"{type(sends).__name__}"
         )
     known = {(a.kind, a.micro_batch, a.stage) for a in schedule.actions}
-    for key, seconds in sends.items():
+    for key in sends:
         if key not in known:
             raise ValueError(f"simulate: `sends` names {key!r}, which the schedule does not have")
-        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
-            raise ValueError(
-                f"simulate: the send time of {key!r} must be a finite number of seconds >= 0, "
-                f"got {seconds!r}"
-            )
-    return {key: float(seconds) for key, seconds in sends.items()}
+    return {key: _seconds(seconds, f"send time of {key!r}") for key, seconds in sends.items()}
+
+
+def _seconds(value: object, what: str) -> float:
+    """`value` as seconds: a finite number >= 0, else a ValueError naming `what`."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ValueError(
+            f"simulate: the {what} must be a finite number of seconds >= 0, got {value!r}"
+        )
+    return float(value)
 
 
 def _cost_function(costs: Mapping[Key, float] | Callable[[str, int, int], float]):
@@ -136,12 +140,7 @@ def _cost_function(costs: Mapping[Key, float] | Callable[[str, int, int], float]
                 raise KeyError(
                     f"simulate: `costs` has no entry for {kind}(m={micro_batch}, stage {stage})"
                 ) from None
-        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
-            raise ValueError(
-                f"simulate: the cost of {kind}(m={micro_batch}, stage {stage}) must be a "
-                f"finite number of seconds >= 0, got {seconds!r}"
-            )
-        return float(seconds)
+        return _seconds(seconds, f"cost of {kind}(m={micro_batch}, stage {stage})")
 
     if not callable(costs) and not isinstance(costs, Mapping):
         raise TypeError(

@@ -147,8 +147,8 @@ class StepRecorder:
     """Collects one step's `StepTimeline` while it runs; `finish` hands it to the open blocks.
 
     The runner wraps each action in `action` and the step's saves in `saving`; the transport
-    reports its blocking receives through `waited`, the runner an action's early send through
-    `sent`.
+    reports the time of its receives through `waited`, the runner an action's early send
+    through `sent`.
     """
 
     def __init__(self, state: Iterable[torch.Tensor]) -> None:
