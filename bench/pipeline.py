@@ -1,7 +1,7 @@
 """Benchmark: `fscale.pipeline` against `torch.distributed.pipelining` on gloo ranks.
 
 Usage: ``python bench/pipeline.py [--quick] [--steps N] [--warmup N] [--ranks 2 4]
-[--micro-batches 4 8] [--balance time|even] [--keep-heap] [--isolated]``
+[--micro-batches 4 8] [--balance time|even] [--keep-heap] [--isolated] [--launches K]``
 
 For every (ranks P, micro-batches M, schedule) one `fscale.launch` starts P gloo ranks (one
 thread each) that train the same GPT-style ``nn.Sequential`` — token and position embeddings,
@@ -33,6 +33,15 @@ README's pipeline section). ``--isolated``: each runtime in rank processes of it
 (`_isolated`: both alive at once, one runtime's step at a time, alternating), so neither runs
 on a heap the other left. Writes ``bench/results/pipeline.json`` (``pipeline_keep_heap.json``,
 then ``_isolated`` with ``--isolated``).
+
+``--launches K``: every configuration is launched K times (new rank processes each time, the
+configurations taken in turn in each of the K passes), and its verdict is decided over the
+launches: the interval is the distribution-free one for the median of the K launches' own
+medians of the paired ratios (`_over_launches`; K >= 6 for 95%). On this kind of shared host
+the launches of one comparison differ more than one launch's rounds do (six launches of 1F1B at
+P = 2, M = 8, 60 rounds each: medians 1.016-1.084, the third launch's interval 1.00-1.06 clear of
+the first's 1.065-1.11), so one launch's interval speaks for that launch only. Each launch's own row is in the row's ``launches``; the step
+times, bounds and bubble shown are medians over the launches.
 
 Measured, from extra fscale steps run under `fscale.parallel.pipeline.record_timeline` after
 the timed rounds (so the recording costs the timed steps nothing), each after one of torch's
@@ -90,6 +99,7 @@ SCHEDULES = {
 }
 LEARNING_RATE = 1e-3
 THROUGHPUT_GOAL = 1.1  # issue 12: fscale >= 1.1x torch pipelining's throughput, same schedule
+LAUNCH_CONFIDENCE = 0.95  # of a verdict over launches (`_over_launches`)
 SEQUENCES_PER_MICRO_BATCH = 2
 
 
@@ -426,7 +436,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="each runtime in rank processes of its own (see bench/_isolated.py)",
     )
+    parser.add_argument(
+        "--launches",
+        type=int,
+        default=1,
+        help="launch every configuration K times and decide its verdict over the launches",
+    )
     args = parser.parse_args(argv)
+    if args.launches < 1:
+        parser.error(f"--launches must be at least 1, got {args.launches}")
     steps = args.steps if args.steps is not None else (5 if args.quick else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.measure = args.measure if args.measure is not None else (3 if args.quick else 5)
@@ -443,6 +461,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"balance_by_time: {args.balances}", flush=True)
         _run_all(args, steps, warmup, rows)
     print(_format(rows))
+    if args.launches > 1:
+        print(f"thr and its interval: over {args.launches} launches (`_over_launches`)")
     print(_goals(rows))
     print(load.describe())
     _util.write_results(
@@ -453,6 +473,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "steps": steps,
             "warmup": warmup,
             "balances": {str(k): v for k, v in args.balances.items()},
+            "launches": args.launches,
             "load": load.describe(),
         },
     )
@@ -460,32 +481,97 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _run_all(args: Any, steps: int, warmup: int, rows: list[dict[str, Any]]) -> None:
-    for ranks in args.ranks:
-        for micro_batches in args.micro_batches:
-            for schedule in args.schedules:
-                options = {
-                    "quick": args.quick,
-                    "steps": steps,
-                    "warmup": warmup,
-                    "schedule": schedule,
-                    "micro_batches": micro_batches,
-                    "measure": args.measure,
-                    "balances": args.balances,
-                    "keep_heap": args.keep_heap,
-                }
-                if args.isolated:
-                    results = run_isolated(ranks, options)
-                else:
-                    results = fs.launch(
-                        rank_main,
-                        ranks,
-                        options,
-                        backend="gloo",
-                        env={"FSCALE_DEBUG": "0"},
-                        timeout=1800,
-                    )
-                rows.append(_row(ranks, micro_batches, schedule, results))
-                print(_format([rows[-1]]), flush=True)
+    configurations = [
+        (ranks, micro_batches, schedule)
+        for ranks in args.ranks
+        for micro_batches in args.micro_batches
+        for schedule in args.schedules
+    ]
+    launched: dict[tuple[int, int, str], list[dict[str, Any]]] = {c: [] for c in configurations}
+    # Each pass launches every configuration once: a configuration's launches are spread over
+    # the whole run, as the load of a shared host drifts.
+    for launch in range(args.launches):
+        for ranks, micro_batches, schedule in configurations:
+            options = {
+                "quick": args.quick,
+                "steps": steps,
+                "warmup": warmup,
+                "schedule": schedule,
+                "micro_batches": micro_batches,
+                "measure": args.measure,
+                "balances": args.balances,
+                "keep_heap": args.keep_heap,
+            }
+            if args.isolated:
+                results = run_isolated(ranks, options)
+            else:
+                results = fs.launch(
+                    rank_main,
+                    ranks,
+                    options,
+                    backend="gloo",
+                    env={"FSCALE_DEBUG": "0"},
+                    timeout=1800,
+                )
+            row = _row(ranks, micro_batches, schedule, results)
+            launched[(ranks, micro_batches, schedule)].append(row)
+            prefix = f"launch {launch + 1} of {args.launches}\n" if args.launches > 1 else ""
+            print(prefix + _format([row]), flush=True)
+    rows.extend(_over_launches(launched[configuration]) for configuration in configurations)
+
+
+def _over_launches(launches: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's row from its launches' rows (one launch: that row).
+
+    The throughput ratio is the median of the launches' medians of the paired ratios, its
+    interval the distribution-free one for that median over the launches (`_util.
+    median_interval`: the launches are independent draws, the rounds of one launch are not),
+    and the verdict is decided on it when it holds the median with `LAUNCH_CONFIDENCE` (at
+    least 6 launches), else undecided. The step times, CPU ratio, bounds and measured bubble
+    are medians over the launches (`_MEDIAN_OVER_LAUNCHES`); the per-rank lists are those of the
+    median launch (the lower middle one for an even count); ``launches`` holds each launch's
+    own row.
+    """
+    if len(launches) == 1:
+        return launches[0]
+    with_torch = [r for r in launches if r["throughput_interval"] is not None]
+    if not with_torch:  # torch did not run this schedule: nothing to decide
+        return {**launches[0], "launches": launches}
+    by_ratio = sorted(with_torch, key=lambda r: r["paired_median"])
+    median_row = by_ratio[(len(by_ratio) - 1) // 2]
+    medians = [r["paired_median"] for r in with_torch]
+    interval = _util.median_interval(medians, LAUNCH_CONFIDENCE)
+    # Fewer launches than the confidence needs give the whole range at a lower coverage,
+    # which decides nothing.
+    enough = interval.coverage >= LAUNCH_CONFIDENCE
+    return {
+        **median_row,
+        **{key: _median_of(launches, key) for key in _MEDIAN_OVER_LAUNCHES},
+        "throughput_ratio": statistics.median(medians),
+        "paired_median": statistics.median(medians),
+        "throughput_interval": dataclasses.asdict(interval),
+        "throughput_verdict": interval.verdict_at_least(THROUGHPUT_GOAL) if enough else "undecided",
+        "launches": launches,
+    }
+
+
+_MEDIAN_OVER_LAUNCHES = (
+    "fscale_s",
+    "torch_s",
+    "cpu_ratio",
+    "floor_s",
+    "fscale_over_floor",
+    "torch_over_floor",
+    "chain_s",
+    "fscale_over_chain",
+    "torch_over_chain",
+    "measured_bubble",
+)
+
+
+def _median_of(launches: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in launches if r.get(key) is not None]
+    return statistics.median(values) if values else None
 
 
 def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, Any]]):
@@ -497,10 +583,12 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
     medians = {name: _util.summarize(values).median for name, values in per_round.items()}
     # Round by round, torch's step time over fscale's (its throughput over torch's): the pair
     # ran under the same load, and the interval says whether the rounds decide the 1.1x goal.
-    interval = verdict = None
+    interval = verdict = paired_median = None
     if "torch" in per_round:
-        paired = _util.median_interval(_util.paired_ratios(per_round["torch"], per_round["fscale"]))
+        ratios = _util.paired_ratios(per_round["torch"], per_round["fscale"])
+        paired = _util.median_interval(ratios)
         interval, verdict = dataclasses.asdict(paired), paired.verdict_at_least(THROUGHPUT_GOAL)
+        paired_median = statistics.median(ratios)
     analytic = (ranks - 1) / (micro_batches + ranks - 1) if schedule in ("gpipe", "1f1b") else None
     # The critical path of fscale's table with each action at its measured cost: the least
     # time any runtime takes for these actions in this order (`simulate`).
@@ -522,6 +610,7 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
         "torch_s": medians.get("torch"),
         "throughput_ratio": medians["torch"] / medians["fscale"] if "torch" in medians else None,
         "cpu_ratio": cpu["torch"] / cpu["fscale"] if "torch" in cpu else None,
+        "paired_median": paired_median,
         "throughput_interval": interval,
         "throughput_verdict": verdict,
         "floor_s": floor,

@@ -483,3 +483,45 @@ def test_pipeline_after_send_is_what_a_backward_computed_after_its_early_send(mo
     early = ActionTime("B", 3, 1, start=10.0, end=19.0, waited=1.0, sent=5.0)
     assert pipeline._after_send(early) == 3.0  # busy 8, of which 5 before the send
     assert pipeline._after_send(ActionTime("B", 3, 1, 10.0, 19.0, 1.0)) == 0.0
+
+
+def test_pipeline_verdict_over_launches_is_decided_on_the_launches_medians(monkeypatch):
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    pipeline = importlib.import_module("pipeline")
+
+    def launch(median, low, high, fscale_s):
+        return {
+            "paired_median": median,
+            "throughput_interval": {"low": low, "high": high, "coverage": 0.95},
+            "throughput_verdict": "met" if low >= 1.1 else "missed" if high < 1.1 else "undecided",
+            "throughput_ratio": median,
+            "fscale_s": fscale_s,
+            "torch_s": fscale_s * median,
+            "floor_s": fscale_s / 2,
+            "activation_peak_mib": [round((fscale_s - 0.1) * 100)],
+        }
+
+    # Each launch alone looks decided, but they disagree: over the launches it is undecided.
+    medians = [1.01, 1.12, 1.05, 1.11, 1.07, 1.03]
+    rows = [launch(m, m - 0.01, m + 0.01, 0.1 + i / 100) for i, m in enumerate(medians)]
+    row = pipeline._over_launches(rows)
+    assert row["throughput_verdict"] == "undecided"
+    assert row["throughput_interval"]["low"] == 1.01  # six launches: min and max, 96.9%
+    assert row["throughput_interval"]["high"] == 1.12
+    assert row["throughput_interval"]["coverage"] == pytest.approx(1 - 2 * 0.5**6)
+    assert row["throughput_ratio"] == pytest.approx(1.06)  # the median of the six
+    assert row["fscale_s"] == pytest.approx(0.125)  # the median over the launches
+    assert row["floor_s"] == pytest.approx(0.0625)
+    assert row["activation_peak_mib"] == [2]  # the lists: the lower middle launch's (1.05)
+    assert [summary["paired_median"] for summary in row["launches"]] == medians
+    # Every launch above the goal: met; one launch is its own row.
+    high = pipeline._over_launches([launch(m + 0.1, m + 0.09, m + 0.11, 0.1) for m in medians])
+    assert high["throughput_verdict"] == "met"
+    assert pipeline._over_launches(rows[:1]) is rows[0]
+    # Five launches all above the goal cover the median with 93.75% only: undecided.
+    five = pipeline._over_launches([launch(m + 0.1, m + 0.09, m + 0.11, 0.1) for m in medians[:5]])
+    assert five["throughput_interval"]["coverage"] == pytest.approx(0.9375)
+    assert five["throughput_verdict"] == "undecided"
+    # A schedule torch did not run has no verdict to decide.
+    none = {**rows[0], "throughput_interval": None, "throughput_verdict": None}
+    assert pipeline._over_launches([none, none])["throughput_verdict"] is None
