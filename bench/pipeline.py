@@ -40,9 +40,10 @@ launches: the interval is the distribution-free one for the median of the K laun
 medians of the paired ratios (`_over_launches`; K >= 6 for 95%). On this kind of shared host
 the launches of one comparison differ more than one launch's rounds do (six launches of 1F1B at
 P = 2, M = 8, 60 rounds each: medians 1.016-1.084, the third launch's interval 1.00-1.06 clear of
-the first's 1.065-1.11), so one launch's interval speaks for that launch only. Each launch's own
-row is in the row's ``launches``; the step times, bounds and bubble shown are medians over the
-launches.
+the first's 1.065-1.11), so one launch's interval speaks for that launch only. The ratio shown is
+then the median of the launches' medians of the paired ratios (one launch: the ratio of the two
+median step times); the step times, bounds and bubble shown are medians over the launches, and
+each launch's own row is in the row's ``launches``.
 
 Measured, from extra fscale steps run under `fscale.parallel.pipeline.record_timeline` after
 the timed rounds (so the recording costs the timed steps nothing), each after one of torch's
