@@ -62,6 +62,8 @@ def test_bad_send_times_get_clear_errors():
         simulate(table, lambda *_: 1.0, sends={("B", 5, 1): 0.5})
     with pytest.raises(ValueError, match=r"send time of \('B', 0, 1\) must be"):
         simulate(table, lambda *_: 1.0, sends={("B", 0, 1): -0.5})
+    with pytest.raises(ValueError, match=r"send time of \('B', 0, 1\) must be"):
+        simulate(table, lambda *_: 1.0, sends={("B", 0, 1): True})  # a flag, not seconds
     with pytest.raises(TypeError, match="`sends` must be a mapping"):
         simulate(table, lambda *_: 1.0, sends=[0.5])  # type: ignore[arg-type]
 

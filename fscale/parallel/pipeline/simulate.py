@@ -122,7 +122,9 @@ def _checked_sends(schedule: Schedule, sends: Mapping[Key, float] | None) -> dic
 
 def _seconds(value: object, what: str) -> float:
     """`value` as seconds: a finite number >= 0, else a ValueError naming `what`."""
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+    if isinstance(value, bool) or not (
+        isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+    ):
         raise ValueError(
             f"simulate: the {what} must be a finite number of seconds >= 0, got {value!r}"
         )

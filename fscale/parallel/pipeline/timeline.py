@@ -10,6 +10,9 @@ one `StepTimeline` to ``timeline.steps``:
   memory is a copy of 0.01-0.1 ms), and the time the final drain waited on sends. The rank was
   *busy* for the actions' time less those waits; its measured bubble is ``1 - busy / wall``, the
   figure the schedule table's `Schedule.bubble_fraction` predicts from unit costs;
+- for an action that sent its result to another rank before it ended (a B that sends the
+  input's gradient before its linear layers' weight gradients), the busy seconds until that
+  send;
 - the peak bytes of the activations the step holds for its backward: every tensor autograd
   saves, and every input a deferred linear layer keeps for W, is counted
   (`fscale.memory.LiveBytes`, one count per storage, until freed) unless it shares storage
@@ -17,10 +20,6 @@ one `StepTimeline` to ``timeline.steps``:
   micro-batches cost, sampled at each save. Counting costs time at every save (a
   forward's actions take longer under it), so ``record_timeline(activations=False)`` leaves
   it out when the times are what is measured; the peak is then None.
-
-- for an action that sent its result to another rank before it ended (a B that sends the
-  input's gradient before its linear layers' weight gradients), the busy seconds until that
-  send.
 
 `StepTimeline.costs` gives each action's busy seconds and `StepTimeline.sends` the busy
 seconds until its early send, which `fscale.parallel.pipeline.simulate` turns into the time
