@@ -38,7 +38,8 @@ def test_deferred_backward_equals_the_whole_backward_bit_for_bit(seed):
     assert in_b[1 + index[id(stage.inner.weight)]] is None  # left to W
     assert in_b[1 + index[id(stage.inner.bias)]] is None
     assert in_b[1 + index[id(stage.norm.weight)]] is not None  # B's own
-    in_w = store.weight_grads(len(weights))
+    in_w: list[torch.Tensor | None] = [None] * len(weights)
+    store.add_weight_grads(in_w)
     total = [b if w is None else w if b is None else b + w for b, w in zip(in_b[1:], in_w)]
     assert torch.equal(in_b[0], expected[0])
     for got, want in zip(total, expected[1:]):
@@ -58,9 +59,60 @@ def test_the_weight_gradients_come_in_the_weights_layout_with_autograd_s_bits(fe
     with deferring(weights) as store, recording([layer]):
         y = layer(x)
     torch.autograd.grad([y], [x], [grad_y])
-    for got, want, weight in zip(store.weight_grads(len(weights)), expected, weights):
+    found: list[torch.Tensor | None] = [None] * len(weights)
+    store.add_weight_grads(found)
+    for got, want, weight in zip(found, expected, weights):
         assert got is not None and got.stride() == weight.stride()
         assert torch.equal(got, want)
+
+
+class _Twice(nn.Module):
+    """One linear layer applied twice: two recorded uses of the same weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(torch.tanh(self.layer(x)))
+
+
+def _summed_over_micro_batches(module, inputs, grads):
+    """The weights' gradients summed over micro-batches by `add_weight_grads`, and the tensors
+    that held the sums after the first micro-batch."""
+    weights = list(module.parameters())
+    sums: list[torch.Tensor | None] = [None] * len(weights)
+    first = None
+    for x, grad_y in zip(inputs, grads):
+        with deferring(weights) as store, recording(linear_layers(module)):
+            y = module(x)
+        torch.autograd.grad([y], [x], [grad_y])
+        store.add_weight_grads(sums)
+        first = list(sums) if first is None else first
+    return sums, first
+
+
+@pytest.mark.parametrize("rows", [2, 128, 1024])
+@pytest.mark.parametrize("module", [nn.Linear(96, 160), _Twice()], ids=["once", "twice"])
+def test_micro_batches_add_into_the_sums_in_place_equal_to_autograd_s_sums(rows, module):
+    # Each later product is accumulated into the sum by the product itself (addmm): the sums
+    # stay the tensors the first micro-batch made, and equal autograd's accumulation into
+    # .grad (product, then add) within fp32 rounding.
+    torch.manual_seed(5)
+    features = 24 if isinstance(module, _Twice) else module.in_features
+    out = 24 if isinstance(module, _Twice) else module.out_features
+    inputs = [torch.randn(rows, features, requires_grad=True) for _ in range(3)]
+    grads = [torch.randn(rows, out) for _ in range(3)]
+    weights = list(module.parameters())
+    for w in weights:
+        w.grad = None
+    for x, grad_y in zip(inputs, grads):
+        torch.autograd.backward(module(x), grad_y, inputs=weights)
+    sums, first = _summed_over_micro_batches(module, inputs, grads)
+    assert all(a is b for a, b in zip(sums, first))  # the same tensors, added into in place
+    for got, weight in zip(sums, weights):
+        assert got is not None and got.stride() == weight.stride()
+        torch.testing.assert_close(got, weight.grad, rtol=2e-6, atol=2e-6 * rows**0.5)
 
 
 def test_recording_changes_nothing_outside_a_deferring_block_and_restores_the_layers():
@@ -115,4 +167,4 @@ def test_an_input_changed_in_place_after_use_is_refused_not_used():
         y = stage(x)
     torch.autograd.grad([y.sum()], [x], allow_unused=True)  # B: the input's gradient only
     with pytest.raises(RuntimeError, match="modified in place after the layer used it"):
-        store.weight_grads(len(weights))
+        store.add_weight_grads([None] * len(weights))

@@ -17,10 +17,9 @@ For each (micro-batch m, stage s) the rank holds:
   stage's sum, in place (``torch.autograd.backward`` into the leaves' ``.grad``). A module
   stage whose input came from another rank sends the input's gradient first: its linear
   layers' weight gradients wait (`deferred_linear`) and are added right after the send, in
-  the same B, so the previous stage's rank starts its own B that much sooner. The table is
-  unchanged and so are the bits (the same products, added in the same order), wherever a
-  linear layer's weight serves that layer alone; a weight its stage also uses elsewhere gets
-  its two parts added to the sum one after the other, equal within rounding.
+  the same B, so the previous stage's rank starts its own B that much sooner, each added to
+  the sum by its own product (`deferred_linear`: equal to autograd's sum within rounding). The
+  table is unchanged; the first micro-batch's gradients are the one backward's bit for bit.
 - ``W`` (split schedules): B computed the input gradient only and kept the graph; W computes
   the weights' gradients from the same graph without running any of B's work again
   (`fscale.parallel.pipeline.split_backward`). A checkpointed micro-batch would be recomputed
@@ -165,7 +164,9 @@ def run_schedule(
     split = schedule.split
     # A stage whose input came from another rank sends the input's gradient before computing
     # its linear layers' weight gradients (`deferred_linear`), which follow at once in the
-    # same B: the rank upstream starts its own B that much sooner; the table is unchanged.
+    # same B, each added into the sum by its own product: the rank upstream starts its own B
+    # that much sooner; the table is unchanged. (Other stages gain nothing from the order,
+    # and the recording costs more than the fused sums save.)
     early = {
         stage: not split
         and param_cast is None
@@ -311,7 +312,7 @@ def run_schedule(
             if unit.store is not None:  # an early stage: its linear layers' turn, after the send
                 if recorder is not None:
                     recorder.sent()
-                _accumulate(weights, unit.store.weight_grads(len(weights)))
+                _add_linear_grads(weights, unit.store)
 
     def weight_grads(m: int, stage: int) -> None:
         unit = units.pop((m, stage))
@@ -321,7 +322,13 @@ def run_schedule(
         else:
             add(i, unit.held)
         if unit.store is not None and unit.store.entries:
-            add(i, unit.store.weight_grads(len(leaves[i])))
+            sums = split_grads[i]
+            for j in unit.store.positions():  # the products add into sums this step owns
+                held = sums[j]
+                if held is not None and not owned[i][j]:
+                    sums[j] = held.clone(memory_format=torch.contiguous_format)
+                owned[i][j] = True
+            unit.store.add_weight_grads(sums)
 
     def run(kind: str, m: int, stage: int) -> None:
         if kind == "F":
@@ -373,16 +380,14 @@ def run_schedule(
     return RankResult(tuple(stage_grads), tuple(stage_buffers), loss, count)
 
 
-def _accumulate(leaves: Sequence[Tensor], found: Sequence[Tensor | None]) -> None:
-    """Add `found` (fresh tensors) into the leaves' ``.grad`` as autograd would: the first
-    becomes the sum, the later ones are added to it in place."""
-    for leaf, g in zip(leaves, found):
-        if g is None:
-            continue
-        if leaf.grad is None:
-            leaf.grad = g
-        else:
-            leaf.grad.add_(g)
+def _add_linear_grads(leaves: Sequence[Tensor], store: LinearStore) -> None:
+    """Add the linear layers' weight gradients recorded in `store` into the leaves' ``.grad``,
+    in place, as autograd adds a gradient to a sum it holds (the first becomes the sum)."""
+    sums = [leaf.grad for leaf in leaves]
+    store.add_weight_grads(sums)
+    for leaf, total in zip(leaves, sums):
+        if total is not leaf.grad:
+            leaf.grad = total
 
 
 def _as_grad(found: Tensor | None, leaf: Tensor) -> Tensor:
