@@ -168,3 +168,21 @@ def test_an_input_changed_in_place_after_use_is_refused_not_used():
     torch.autograd.grad([y.sum()], [x], allow_unused=True)  # B: the input's gradient only
     with pytest.raises(RuntimeError, match="modified in place after the layer used it"):
         store.add_weight_grads([None] * len(weights))
+
+
+def test_a_sum_kept_in_another_dtype_gets_the_product_added():
+    # A stage under autocast: bf16 products into sums kept in float32 (addmm needs one dtype).
+    torch.manual_seed(6)
+    layer = nn.Linear(16, 8).to(torch.bfloat16)
+    weights = list(layer.parameters())
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    grad_y = torch.randn(4, 8, dtype=torch.bfloat16)
+    with deferring(weights) as store, recording([layer]):
+        y = layer(x)
+    torch.autograd.grad([y], [x], [grad_y])
+    sums: list[torch.Tensor | None] = [torch.ones(8, 16), torch.ones(8)]
+    store.add_weight_grads(sums)
+    weight_grad, bias_grad = torch.autograd.grad(layer(x), weights, grad_y)
+    assert sums[0] is not None and sums[0].dtype == torch.float32
+    assert torch.equal(sums[0], 1 + weight_grad.float())
+    assert sums[1] is not None and torch.equal(sums[1], 1 + bias_grad.float())

@@ -87,8 +87,10 @@ class LinearStore:
             held = sums[weight_at]
             if held is None:
                 sums[weight_at] = g.t().mm(x2)
-            else:
+            elif held.dtype == g.dtype == x2.dtype:
                 held.addmm_(g.t(), x2)
+            else:  # a sum kept in another dtype than the product's (autocast inside a stage)
+                held.add_(g.t().mm(x2))
             if bias_at is not None:
                 bias_sum = sums[bias_at]
                 if bias_sum is None:
