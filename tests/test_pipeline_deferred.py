@@ -171,7 +171,7 @@ def test_an_input_changed_in_place_after_use_is_refused_not_used():
 
 
 def test_a_sum_kept_in_another_dtype_gets_the_product_added():
-    # A stage under autocast: bf16 products into sums kept in float32 (addmm needs one dtype).
+    # bf16 products into sums kept in float32 (addmm needs one dtype): added as before.
     torch.manual_seed(6)
     layer = nn.Linear(16, 8).to(torch.bfloat16)
     weights = list(layer.parameters())
@@ -186,3 +186,16 @@ def test_a_sum_kept_in_another_dtype_gets_the_product_added():
     assert sums[0] is not None and sums[0].dtype == torch.float32
     assert torch.equal(sums[0], 1 + weight_grad.float())
     assert sums[1] is not None and torch.equal(sums[1], 1 + bias_grad.float())
+
+
+def test_positions_name_the_weights_and_biases_the_recorded_layers_add_to():
+    stage = _Stage()
+    weights = list(stage.parameters())  # inner.weight, inner.bias, norm.weight, norm.bias, out
+    x = torch.randn(2, 6, requires_grad=True)
+    with deferring(weights) as store, recording(linear_layers(stage)):
+        y = stage(x)
+    assert store.positions() == set()  # no gradient has reached the layers yet
+    torch.autograd.grad([y.sum()], [x])
+    assert store.positions() == {0, 1, 4}
+    store.add_weight_grads([None] * len(weights))
+    assert store.positions() == set()  # added: the entries are gone

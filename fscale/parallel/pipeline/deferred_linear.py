@@ -19,7 +19,9 @@ kept graph from recorded frontier nodes (`fscale.parallel.pipeline.split_backwar
 stays the general method: stage functions, a stage with no plain linear layer, a checkpointed
 micro-batch, weights seen through a cast). The products are those autograd's own linear
 backward computes (``gᵀ·x`` and the sum over rows). The first micro-batch's are the gradients
-autograd would give, bit for bit; each later one is accumulated into the sum by the product
+autograd would give, bit for bit, for every weight that serves one layer alone (one that two
+layers, or a layer and other code, share gets its parts added one after the other, equal
+within rounding); each later one is accumulated into the sum by the product
 itself (``addmm_`` with the sum as its input: Megatron-LM's gradient accumulation fusion),
 which skips writing the product out and reading it back to add it (about 3% of a 1F1B step
 of the bench GPT at P = 2, M = 8, its head's 4096 x 128 weight above all; a diagnostic
@@ -89,7 +91,7 @@ class LinearStore:
                 sums[weight_at] = g.t().mm(x2)
             elif held.dtype == g.dtype == x2.dtype:
                 held.addmm_(g.t(), x2)
-            else:  # a sum kept in another dtype than the product's (autocast inside a stage)
+            else:  # a sum kept in another dtype than the product's (addmm needs one)
                 held.add_(g.t().mm(x2))
             if bias_at is not None:
                 bias_sum = sums[bias_at]
