@@ -82,6 +82,40 @@ def test_the_early_send_gives_one_backward_s_result_within_rounding(schedule, ba
         assert losses == pytest.approx(losses0, rel=1e-6)
 
 
+class _UnderAutocast(nn.Module):
+    """A linear layer that computes in bfloat16 under autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(x).float()
+
+
+def _trained_with_autocast(early):
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), _UnderAutocast(), nn.Linear(6, 3))
+    step, (_, params, buffers), batch = mlp_on_two_ranks(model, 8, "1f1b", [2, 2], 1, 12)
+    if not early:
+        step = _without_the_early_send(step)
+    state = step.init(params, buffers)
+    for _ in range(3):
+        state, _ = step(state, batch)
+    return state.params
+
+
+def test_a_stage_with_a_layer_under_autocast_sends_early_and_trains_as_one_backward():
+    # The autocast layer's weight gradient stays autograd's (cast back to float32); the
+    # stage's plain last layer still waits for the send.
+    early = run_spmd(_trained_with_autocast, 2, True)
+    plain = run_spmd(_trained_with_autocast, 2, False)
+    for params, params0 in zip(early, plain):
+        assert all(t.dtype == torch.float32 for t in fs.tree.leaves(params))
+        assert_trees_equal(params, params0)
+
+
 def _events(schedule, balance):
     from fscale.parallel.pipeline import deferred_linear, transport
 

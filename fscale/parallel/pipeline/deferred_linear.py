@@ -89,10 +89,8 @@ class LinearStore:
             held = sums[weight_at]
             if held is None:
                 sums[weight_at] = g.t().mm(x2)
-            elif held.dtype == g.dtype == x2.dtype:
+            else:
                 held.addmm_(g.t(), x2)
-            else:  # a sum kept in another dtype than the product's (addmm needs one)
-                held.add_(g.t().mm(x2))
             if bias_at is not None:
                 bias_sum = sums[bias_at]
                 if bias_sum is None:
@@ -128,6 +126,9 @@ def _deferred_forward(module: nn.Linear, store: LinearStore, x: Tensor) -> Tenso
         or (bias is not None and bias_at is None)
         or not torch.is_grad_enabled()
         or not x.requires_grad  # no backward reaches the layer's output
+        # Under autocast the layer computes on cast copies, whose casts autograd differentiates
+        # back to the weights' dtype: autograd keeps such a layer's weight gradient.
+        or torch.is_autocast_enabled(x.device.type)
     ):
         return torch.nn.functional.linear(x, weight, bias)
     entry: list[Any] = [weight_at, bias_at, x.detach(), None, x._version]
