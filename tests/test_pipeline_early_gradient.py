@@ -94,10 +94,11 @@ class _UnderAutocast(nn.Module):
             return self.inner(x).float()
 
 
-def _trained_with_autocast(early):
-    torch.manual_seed(11)
-    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), _UnderAutocast(), nn.Linear(6, 3))
-    step, (_, params, buffers), batch = mlp_on_two_ranks(model, 8, "1f1b", [2, 2], 1, 12)
+def _trained_with(layer_class, early, micro_batches=4):
+    """Three 1F1B steps of a model whose second stage starts with `layer_class()`."""
+    torch.manual_seed(13)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), layer_class(), nn.Linear(6, 3))
+    step, params, buffers, batch = _step(model, "1f1b", [2, 2], micro_batches=micro_batches)
     if not early:
         step = _without_the_early_send(step)
     state = step.init(params, buffers)
@@ -109,8 +110,8 @@ def _trained_with_autocast(early):
 def test_a_stage_with_a_layer_under_autocast_sends_early_and_trains_as_one_backward():
     # The autocast layer's weight gradient stays autograd's (cast back to float32); the
     # stage's plain last layer still waits for the send.
-    early = run_spmd(_trained_with_autocast, 2, True)
-    plain = run_spmd(_trained_with_autocast, 2, False)
+    early = run_spmd(_trained_with, 2, _UnderAutocast, True, 1)
+    plain = run_spmd(_trained_with, 2, _UnderAutocast, False, 1)
     for params, params0 in zip(early, plain):
         assert all(t.dtype == torch.float32 for t in fs.tree.leaves(params))
         assert_trees_equal(params, params0)
@@ -239,21 +240,10 @@ class _SharedWeight(nn.Module):
         return self.out(x) + (x @ self.out.weight.T).sin()
 
 
-def _trained_shared(early):
-    torch.manual_seed(13)
-    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), _SharedWeight(), nn.Linear(6, 3))
-    step, params, buffers, batch = _step(model, "1f1b", [2, 2])
-    if not early:
-        step = _without_the_early_send(step)
-    state = step.init(params, buffers)
-    for _ in range(3):
-        state, _ = step(state, batch)
-    return state.params
-
-
 def test_a_weight_also_used_outside_its_layer_gets_both_parts():
     # Its two parts join the sum one after the other: equal to one backward within rounding.
     for early, plain in zip(
-        run_spmd(_trained_shared, 2, True), run_spmd(_trained_shared, 2, False)
+        run_spmd(_trained_with, 2, _SharedWeight, True),
+        run_spmd(_trained_with, 2, _SharedWeight, False),
     ):
         assert_trees_close(early, plain, rtol=1e-6, atol=1e-7)
