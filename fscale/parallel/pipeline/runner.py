@@ -19,7 +19,8 @@ For each (micro-batch m, stage s) the rank holds:
   layers' weight gradients wait (`deferred_linear`) and are added right after the send, in
   the same B, so the previous stage's rank starts its own B that much sooner, each added to
   the sum by its own product (`deferred_linear`: equal to autograd's sum within rounding). The
-  table is unchanged; the first micro-batch's gradients are the one backward's bit for bit.
+  table is unchanged; the first micro-batch's gradients are the one backward's bit for bit
+  where each weight serves one layer alone.
 - ``W`` (split schedules): B computed the input gradient only and kept the graph; W computes
   the weights' gradients from the same graph without running any of B's work again
   (`fscale.parallel.pipeline.split_backward`). A checkpointed micro-batch would be recomputed
