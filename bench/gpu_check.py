@@ -26,7 +26,10 @@ What it exercises (each prints one line; the script exits non-zero if a check fa
 7. `data_parallel`'s ``overlap`` on 2 gloo ranks sharing the device: the default starts the
    all-reduces during backward on CUDA (its gradient hooks run) and after it on the CPU (none
    run), and ``overlap=None``, ``True`` and ``False`` train to the same parameters bit for bit.
-8. The test-suite cases that skip without CUDA (`pytest -k cuda tests/test_offload.py
+8. `fscale.pipeline` on 2 gloo ranks sharing the device, 1F1B and zero-bubble (its split
+   backward): the stages on the device, each message copied through host memory; the
+   parameters after 3 SGD steps equal one-process training within 1e-5.
+9. The test-suite cases that skip without CUDA (`pytest -k cuda tests/test_offload.py
    tests/test_random.py`).
 
 Equality checks run under ``torch.use_deterministic_algorithms(True)``, in this process and in
@@ -369,6 +372,69 @@ def check_data_parallel_overlap(device: torch.device) -> None:
     check("data_parallel with overlap None / True / False: params equal bit for bit", same)
 
 
+def _pipeline_rank(device_type: str) -> dict[str, float]:
+    """Per schedule, max |diff| between the parameters after 3 steps of a two-stage pipeline of
+    a small MLP on this rank's device (the ranks share it; the messages go through host
+    memory) and the same model trained in one process on the whole batch."""
+    torch.use_deterministic_algorithms(True)
+    device = (
+        torch.device(device_type, torch.cuda.current_device())
+        if device_type == "cuda"
+        else torch.device("cpu")
+    )
+    g = torch.Generator().manual_seed(0)
+    inputs, targets = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    batch = (inputs.to(device), targets.to(device))
+
+    def model() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32)]
+        return torch.nn.Sequential(*layers, torch.nn.GELU(), torch.nn.Linear(32, 4)).to(device)
+
+    apply, params, buffers = fs.functionalize(model())
+
+    def loss_fn(p, b, pair, key):
+        out, _ = apply(p, b, pair[0], key=key)
+        return torch.nn.functional.mse_loss(out, pair[1])
+
+    reference = fs.train_step(loss_fn, fs.optim.sgd(0.1))
+    state = reference.init(params, buffers)
+    for _ in range(3):
+        state, _ = reference(state, batch)
+    expected = state.params
+    mse = torch.nn.functional.mse_loss
+    differences = {}
+    for schedule in ("1f1b", "zero_bubble"):
+        mesh = fs.Mesh(pp=torch.distributed.get_world_size())
+        step = fs.pipeline(
+            model(),
+            mse,
+            fs.optim.sgd(0.1),
+            mesh,
+            micro_batches=4,
+            balance=[3, 2],
+            schedule=schedule,
+        )
+        _, params, buffers = fs.functionalize(model())
+        state = step.init(params, buffers)
+        for _ in range(3):
+            state, _ = step(state, batch)
+        found = fs.consolidate(step, state).params
+        differences[schedule] = max((found[k] - expected[k]).abs().max().item() for k in expected)
+    return differences
+
+
+def check_pipeline(device: torch.device) -> None:
+    differences = fs.launch(_pipeline_rank, 2, device.type, backend="gloo")[0]
+    for schedule, difference in differences.items():
+        check(
+            f"pipeline ({schedule}, 2 ranks, messages through host memory) on {device.type} "
+            "equals one-process training",
+            difference <= 1e-5,
+            f"params max |diff| {difference:.3g}",
+        )
+
+
 def _check_nccl(device: torch.device) -> None:
     losses = fs.launch(_dp_rank, 1, backend="nccl")
     check("data_parallel under NCCL", all(x == x for x in losses), f"loss {losses[0]:.3f}")
@@ -419,6 +485,7 @@ def main() -> int:
         check_bf16_step,
         check_mixed_precision,
         check_data_parallel_overlap,
+        check_pipeline,
     ):
         _guarded(run_check, device)
     if not args.skip_compile:

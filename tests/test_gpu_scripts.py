@@ -24,6 +24,8 @@ def test_gpu_check_passes_its_checks_on_the_cpu():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[FAIL]" not in done.stdout
     assert "[ok] remat gradients equal (checkpoint+offload)" in done.stdout
+    for schedule in ("1f1b", "zero_bubble"):
+        assert f"[ok] pipeline ({schedule}, 2 ranks, messages through host memory)" in done.stdout
     assert done.stdout.rstrip().endswith("all checks passed")
 
 

@@ -484,18 +484,34 @@ def test_receive_ahead_must_be_none_or_a_count(bad):
         _one_rank_pipeline(nn.Sequential(nn.Linear(4, 4)), micro_batches=2, receive_ahead=bad)
 
 
-@pytest.mark.parametrize(
-    ("backend", "devices", "message"),
-    [
-        ("gloo", {"cuda"}, "hold cuda tensors, but pipeline messages travel on gloo"),
-        ("cpu:gloo,cuda:nccl", {"cpu", "cuda"}, "hold cuda tensors"),
-        ("nccl", {"cpu"}, "runs on 'nccl'; pipeline messages need gloo"),
-    ],
-)
-def test_a_transport_that_cannot_carry_the_messages_is_refused(backend, devices, message):
+def test_a_transport_that_cannot_carry_the_messages_is_refused():
     from fscale.parallel.pipeline.transport import check_transport
 
-    with pytest.raises(NotImplementedError, match=message):
-        check_transport(backend, devices, "pp")
-    check_transport("gloo", {"cpu"}, "pp")  # what every other test here runs on
-    check_transport("cpu:gloo,cuda:nccl", {"cpu"}, "pp")
+    cpu, gpu, other_gpu = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    with pytest.raises(NotImplementedError, match="runs on 'nccl'; pipeline messages travel on"):
+        check_transport("nccl", {gpu}, "pp")  # NCCL alone: no host transport for the messages
+    with pytest.raises(NotImplementedError, match=r"fscale\.launch\(\.\.\., backend='gloo'\)"):
+        check_transport("nccl", {cpu}, "pp")
+    with pytest.raises(ValueError, match=r"several devices \(cpu, cuda:0\); put each rank's"):
+        check_transport("cpu:gloo,cuda:nccl", {cpu, gpu}, "pp")
+    with pytest.raises(ValueError, match=r"several devices \(cuda:0, cuda:1\)"):
+        check_transport("gloo", {gpu, other_gpu}, "pp")
+    # What messages arrive on: the one device of the rank's stages and batch (host: no tensor).
+    assert check_transport("gloo", {cpu}, "pp") == cpu  # what every other test here runs on
+    assert check_transport("cpu:gloo,cuda:nccl", {gpu}, "pp") == gpu
+    assert check_transport("gloo", {gpu}, "pp") == gpu
+    assert check_transport("gloo", set(), "pp") == cpu
+
+
+def test_a_batch_on_another_device_than_the_stages_is_refused_at_the_first_step():
+    # The batch reaches every rank whole; each rank's stages and batch must share one device
+    # (the one its messages arrive on). "meta" stands in for a GPU on a host without one.
+    model = nn.Sequential(nn.Linear(4, 4))
+    step = _one_rank_pipeline(model, micro_batches=2)
+    _, params, buffers = fs.functionalize(model)
+    state = step.init(params, buffers)
+    batch = (torch.ones(4, 4, device="meta"), torch.ones(4, 4))
+    with pytest.raises(ValueError, match=r"several devices \(cpu, meta\); put each rank's stage"):
+        step(state, batch)
+    state, metrics = step(state, (torch.ones(4, 4), torch.ones(4, 4)))  # the same step, on one
+    assert torch.isfinite(metrics["loss"])

@@ -151,6 +151,30 @@ def test_the_mailbox_names_a_message_of_the_wrong_size_and_one_that_never_comes(
     assert "waited for a gradient from rank 1 (pp=1) in vain: the wait timed out" in errors[1]
 
 
+def _placement_case(shared: bool) -> list[tuple[str, tuple[int, ...]]]:
+    comm = _comm(2)
+    channels = open_channels(comm) if shared else None
+    # Messages travel as host tensors and arrive on the mailbox's device ("meta" stands in for
+    # a GPU here: a rank whose stages run there).
+    mailbox = Mailbox(60.0, None, channels, torch.device("meta"))
+    found = []
+    if comm.index == 1:
+        mailbox.post(torch.ones(2, 3), comm, 0, 5)
+        mailbox.post(torch.ones(3, dtype=torch.float64), comm, 0, 6)
+    else:
+        mailbox.expect(comm, (torch.Size([2, 3]), torch.float32), 1, 5)
+        later = mailbox.receive_later(comm, (torch.Size([3]), torch.float64), 1, 6)
+        for tensor in (mailbox.receive(comm, (torch.Size([2, 3]), torch.float32), 1, 5), later()):
+            found.append((tensor.device.type, tuple(tensor.shape)))
+    mailbox.drain()
+    return found
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_received_message_is_placed_on_the_mailbox_s_device(shared):
+    assert run_spmd(_placement_case, 2, shared)[0] == [("meta", (2, 3)), ("meta", (3,))]
+
+
 def _setting_case(on: bool, on_rank_0: bool) -> bool:
     fd.set_shared_memory(on_rank_0 if dist.get_rank() == 0 else on)
     return open_channels(_comm(dist.get_world_size())) is not None

@@ -104,9 +104,11 @@ def probe_stages(
     targets: Any,
     loss_fn: Any,
     key: torch.Tensor,
+    device: torch.device | None = None,
 ) -> dict[int, StageOutput]:
     """The structure, shapes and dtypes of every stage's output for one micro-batch (see the
-    module docstring); raises `StageContractError` on every rank when a stage fails."""
+    module docstring); raises `StageContractError` on every rank when a stage fails. Leaves
+    travel as host tensors and are placed on `device` (this rank's stages') on arrival."""
     local = schedule.local_stages(index)
     last = schedule.num_stages - 1
     shapes: dict[int, StageOutput] = {}
@@ -122,7 +124,7 @@ def probe_stages(
                 if source == index:
                     x = outputs[stage - 1]
                 elif comm is not None:
-                    x = _receive(comm, source, stage - 1)
+                    x = _receive(comm, source, stage - 1, device)
                 if x is None:  # an earlier stage failed; pass that on
                     outputs[stage] = None
                     if stage < last:
@@ -199,11 +201,11 @@ def _send_on(
     post(head, 0)
     post(structure, 1)
     post(torch.stack([_leaf_header(leaf) for leaf in leaves]), 2)
-    for position, leaf in enumerate(leaves):
-        post(leaf.contiguous(), 3 + position)
+    for position, leaf in enumerate(leaves):  # host tensors, as the transport sends them
+        post(leaf.detach().cpu().contiguous(), 3 + position)
 
 
-def _receive(comm: Comm, source: int, stage: int) -> PyTree | None:
+def _receive(comm: Comm, source: int, stage: int, device: torch.device | None) -> PyTree | None:
     tag = _PROBE_TAG + _PROBE_SPAN * stage
 
     def take(buffer: torch.Tensor, offset: int) -> torch.Tensor:
@@ -220,5 +222,6 @@ def _receive(comm: Comm, source: int, stage: int) -> PyTree | None:
     for position, header in enumerate(headers):
         ndim = int(header[1])
         shape = torch.Size(int(d) for d in header[2 : 2 + ndim])
-        leaves.append(take(torch.empty(shape, dtype=_DTYPES[int(header[0])]), 3 + position))
+        leaf = take(torch.empty(shape, dtype=_DTYPES[int(header[0])]), 3 + position)
+        leaves.append(leaf.to(device))
     return tree.unflatten(treedef, leaves)

@@ -67,6 +67,8 @@ class PipelinePlan(Plan):
     receive_ahead: int | None = None  # None: every receive of the step posted at its start
     # Output shapes found by the first step's contract check, per batch signature.
     _shapes: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # The device this rank's stages run on (messages arrive there), per batch signature.
+    _device: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     # For an inner plan that needs one flat dict of parameters (fully_shard), the names and
     # structures of the local stages' pieces in it; recorded by `init` / `shard_state`.
     _flat: list = dataclasses.field(default_factory=list, compare=False, repr=False)
@@ -134,7 +136,7 @@ class PipelinePlan(Plan):
             pieces = self._from_flat(live_params) if self.flat_params else live_params
             seen_buffers = casts.cast_buffers(buffers)
             comm = self._comm()
-            shapes = self._contract(
+            shapes, device = self._contract(
                 comm, casts.cast_params(pieces), seen_buffers, inputs[0], targets[0], key, loss_fn
             )
             # The checkpoint mode says which micro-batches are recomputed; a schedule's last
@@ -157,6 +159,7 @@ class PipelinePlan(Plan):
                     param_cast=casts.param_cast(),
                     loss_weight=casts.loss_weight,
                     receive_ahead=self.receive_ahead,
+                    device=device,
                 )
             new_buffers = casts.restore_buffers(buffers, seen_buffers, result.buffers)
             loss, count = result.loss, result.count
@@ -343,10 +346,10 @@ class PipelinePlan(Plan):
         )
         shapes = self._shapes.get(signature)
         if shapes is None:
-            if comm is not None:
-                leaves = tree.leaves((params, inputs))
-                devices = {t.device.type for t in leaves if isinstance(t, torch.Tensor)}
-                check_transport(str(dist.get_backend(comm.group)), devices, self.axis)
+            leaves = tree.leaves((params, inputs, targets))
+            devices = {t.device for t in leaves if isinstance(t, torch.Tensor)}
+            backend = "gloo" if comm is None else str(dist.get_backend(comm.group))
+            self._device[signature] = check_transport(backend, devices, self.axis)
             shapes = probe_stages(
                 self.schedule,
                 self.index,
@@ -360,9 +363,10 @@ class PipelinePlan(Plan):
                 targets,
                 loss_fn,
                 key,
+                self._device[signature],
             )
             self._shapes[signature] = shapes
-        return shapes
+        return shapes, self._device[signature]
 
 
 class _Carrying(torch.autograd.Function):

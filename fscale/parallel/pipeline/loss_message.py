@@ -63,9 +63,11 @@ LOSS_SPEC = (torch.Size([3]), torch.float64)
 
 def loss_values(loss_sum: Tensor | None, counts: list[Tensor]) -> Tensor:
     """What the last stage's rank sends: its loss sum and, when the loss gives counts (one per
-    micro-batch), their sum and 1. Outside autograd: a raw send must not carry a tensor that a
-    graph tracks (a count the loss function computed from its outputs would be one)."""
-    values = torch.zeros(3, dtype=torch.float64)
+    micro-batch), their sum and 1, on the loss's device. Outside autograd: a raw send must not
+    carry a tensor that a graph tracks (a count the loss function computed from its outputs
+    would be one)."""
+    found = [loss_sum] if loss_sum is not None else counts
+    values = torch.zeros(3, dtype=torch.float64, device=found[0].device if found else None)
     with torch.no_grad():
         if loss_sum is not None:  # None: every micro-batch was padding
             values[0] = loss_sum.double()

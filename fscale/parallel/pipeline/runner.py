@@ -144,6 +144,7 @@ def run_schedule(
     param_cast: Callable[[PyTree], PyTree] | None = None,
     loss_weight: float = 1.0,
     receive_ahead: int | None = None,
+    device: torch.device | None = None,
 ) -> RankResult:
     """Run rank `index`'s actions of `schedule` (see the module docstring).
 
@@ -156,7 +157,8 @@ def run_schedule(
     to the parameters' own dtype before it joins the sum. `loss_weight` multiplies each
     micro-batch's loss for its backward (a loss scale); the returned loss sum is unweighted.
     `receive_ahead` is how many receives are posted ahead of their use (None: all of the
-    step's, before its first action; see `fscale.parallel.pipeline.transport`).
+    step's, before its first action; see `fscale.parallel.pipeline.transport`). `device` is
+    where this rank's stages run: received messages and the step's loss are placed there.
     """
     local = schedule.local_stages(index)
     position = {stage: i for i, stage in enumerate(local)}
@@ -198,6 +200,7 @@ def run_schedule(
         collective_timeout() * schedule.length,
         None if recorder is None else recorder.waited,
         None if comm is None else open_channels(comm),
+        device,
     )
     keys = [fsrandom.fold_in(key, m) for m in range(micro_batches)]
     adjacent = schedule.back_to_back(index)
@@ -370,7 +373,7 @@ def run_schedule(
                 timed = recorder.action(action.kind, action.micro_batch, action.stage)
                 with timed, recorder.saving():
                     run(action.kind, action.micro_batch, action.stage)
-        loss, count = loss_of(loss_message.values())
+        loss, count = loss_of(loss_message.values().to(device))
         drain_wait = mailbox.drain()
     if recorder is not None:
         recorder.finish(drain_wait)

@@ -117,11 +117,12 @@ def pipeline(
         TypeError / ValueError: bad arguments; a stage count that does not match the axis (and
             the schedule); `balance` not summing to the layer count; a schedule that fails the
             simulation check (`ScheduleError`, naming the first conflict). At the first step: a
-            batch that does not split into `micro_batches`, or stages whose outputs and inputs
-            disagree (`StageContractError`, on every rank, naming both stages).
-        NotImplementedError: at the first step, stages whose tensors are not on the CPU or a
-            pipeline axis whose process group has no gloo backend: messages travel on gloo,
-            matched by tag (`fscale.parallel.pipeline.transport.check_transport`).
+            batch that does not split into `micro_batches`, stages whose outputs and inputs
+            disagree (`StageContractError`, on every rank, naming both stages), or a rank whose
+            stage parameters and batch are not all on one device.
+        NotImplementedError: at the first step, a pipeline axis whose process group has no
+            gloo backend: messages travel on gloo, matched by tag, stages on a GPU sending
+            through host memory (`fscale.parallel.pipeline.transport.check_transport`).
     """
     caller = "pipeline"
     spmd.check_axis(mesh, axis, caller)

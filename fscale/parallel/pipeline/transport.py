@@ -32,6 +32,12 @@ interleaved steps took 3–17% less time with every receive posted at the start 
 posted ahead before each action). `fscale.pipeline(..., receive_ahead=k)` posts k ahead
 instead, for stages whose boundary tensors are too large to hold one per micro-batch.
 
+Stages on an accelerator (a GPU) send through host memory: a message is copied to the host
+before it is sent (`Mailbox.post`) and to the receiving rank's device once it has arrived
+(the `device` of its `Mailbox`), so the same matching by tag, shared memory and gloo carry it.
+Each message then costs a copy each way across the host link, which NCCL's direct send would
+not; NCCL cannot take this transport's messages as they are posted (`check_transport`).
+
 Every wait is bounded (`arrival`): by the step's ticks in the schedule's table times the
 collective timeout, which no wait exceeds while each action takes less than that timeout. A
 peer that failed or left is then named with the message it never sent, and a rank whose step
@@ -78,31 +84,34 @@ Tensor = torch.Tensor
 LeafSpec = tuple[torch.Size, torch.dtype]
 
 
-def check_transport(backend: str, devices: set[str], axis: str) -> None:
-    """Refuse stages this transport cannot carry messages for, before anything is sent.
+def check_transport(backend: str, devices: set[torch.device], axis: str) -> torch.device:
+    """The device this rank's messages arrive on, or an error for stages the transport
+    cannot carry, before anything is sent.
 
     `backend` is the pipeline axis's process-group backend as `torch.distributed.get_backend`
-    names it (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``), `devices` the device types of
-    this rank's stage parameters. The transport tags its messages and posts receives ahead of
-    sends (above), which gloo matches by tag on host tensors; NCCL ignores tags, matches a pair
-    of ranks' messages in the order they were issued on one stream, and lets a send block until
-    its receive runs, so the same posts would hang or cross there.
+    names it (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``), `devices` the devices of this
+    rank's stage parameters and of the batch. Messages travel on gloo between host tensors,
+    matched by tag (a stage on a GPU sends through host memory, see the module docstring):
+    NCCL ignores tags, matches a pair of ranks' messages in the order they were issued on one
+    stream, and lets a send block until its receive runs, so the same posts would hang or
+    cross there.
     """
-    off_host = sorted(d for d in devices if d != "cpu")
-    if off_host:
-        raise NotImplementedError(
-            f"pipeline: the stages on axis {axis!r} hold {off_host[0]} tensors, but pipeline "
-            "messages travel on gloo between host tensors only: NCCL matches point-to-point "
-            "messages by their order, not their tags, and this runtime posts them ahead out of "
-            "order. Keep the pipeline's stages on the CPU"
+    if len(devices) > 1:
+        named = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(
+            f"pipeline: this rank's stages and batch on axis {axis!r} are on several devices "
+            f"({named}); put each rank's stage parameters and the batch on one device (the "
+            "batch goes whole to every rank of the axis: move it to that rank's device)"
         )
     if "gloo" not in backend:
         raise NotImplementedError(
             f"pipeline: the process group of axis {axis!r} runs on {backend!r}; pipeline "
-            "messages need gloo (host tensors, matched by tag). Initialise the ranks with gloo, "
-            "e.g. fscale.launch(..., backend='gloo') or torch.distributed.init_process_group("
+            "messages travel on gloo (host tensors, matched by tag; stages on a GPU send "
+            "through host memory). Initialise the ranks with gloo for the host, e.g. "
+            "fscale.launch(..., backend='gloo') or torch.distributed.init_process_group("
             "'cpu:gloo,cuda:nccl')"
         )
+    return next(iter(devices), torch.device("cpu"))
 
 
 # Process groups on which a pipeline step failed while its messages were in flight, and why.
@@ -167,6 +176,7 @@ class Mailbox:
     took. `patience` bounds each wait, in seconds (`arrival`). Messages to and from the
     ranks `channels` links (`fscale.distributed.shared_channels`) go through shared memory
     instead of gloo: nothing is posted ahead there, and a send is done once in the ring.
+    Messages travel as host tensors; a received one is placed on `device` (None: the host).
     """
 
     def __init__(
@@ -174,6 +184,7 @@ class Mailbox:
         patience: float,
         on_wait: Callable[[float], None] | None = None,
         channels: Channels | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self._pending: dict[tuple[int, int], tuple[Any, Tensor, Comm]] = {}
         self._expected: dict[tuple[int, int], tuple[Any, Tensor]] = {}
@@ -181,6 +192,7 @@ class Mailbox:
         self.on_wait = on_wait
         self._channels = channels
         self._comm: Comm | None = None  # the axis the channels serve, once a message names it
+        self._device = None if device is None or device.type == "cpu" else device
 
     def _shared(self, comm: Comm, peer: int) -> Channels | None:
         channels = self._channels
@@ -191,6 +203,8 @@ class Mailbox:
 
     def post(self, tensor: Tensor, comm: Comm, to: int, tag: int) -> None:
         payload = tensor.detach()
+        if payload.device.type != "cpu":  # gloo and the rings carry host memory
+            payload = payload.cpu()
         record("send", comm.axis, payload.dtype, payload.numel(), comm.size)
         channels = self._shared(comm, to)
         if channels is not None:
@@ -240,12 +254,12 @@ class Mailbox:
         """Post the receive of a message no action waits for (the step's loss) now; the
         function returned blocks until it has arrived and returns it."""
         if self._shared(comm, source) is not None:
-            return lambda: self._take(comm, spec, source, tag, "the step's loss")
+            return lambda: self._placed(self._take(comm, spec, source, tag, "the step's loss"))
         work, buffer = _post_receive(comm, spec, source, tag)
 
         def arrived() -> Tensor:
             arrival(work, comm, source, "the step's loss", self.patience)
-            return buffer
+            return self._placed(buffer)
 
         return arrived
 
@@ -263,9 +277,14 @@ class Mailbox:
                 posted = _post_receive(comm, spec, source, tag)
             arrival(posted[0], comm, source, what, self.patience)
             found = posted[1]
+        found = self._placed(found)
         if self.on_wait is not None:
             self.on_wait(time.perf_counter() - start)
         return found
+
+    def _placed(self, tensor: Tensor) -> Tensor:
+        """A received host tensor on this rank's device."""
+        return tensor if self._device is None else tensor.to(self._device)
 
     def _take(self, comm: Comm, spec: LeafSpec, source: int, tag: int, what: str) -> Tensor:
         """A message through shared memory, as the tensor `spec` describes."""
