@@ -247,3 +247,42 @@ def test_a_weight_also_used_outside_its_layer_gets_both_parts():
         run_spmd(_trained_with, 2, _SharedWeight, False),
     ):
         assert_trees_close(early, plain, rtol=1e-6, atol=1e-7)
+
+
+def _recording_forwards(schedule, balance):
+    """How many of this rank's stage forwards recorded their linear layers in one step."""
+    from fscale.parallel.pipeline import runner
+
+    entered = []
+    deferring = runner.deferring
+
+    def counted(weights):
+        entered.append(len(weights))
+        return deferring(weights)
+
+    runner.deferring = counted
+    try:
+        step, params, buffers, batch = _step(_model(), schedule, balance)
+        step(step.init(params, buffers), batch)
+    finally:
+        runner.deferring = deferring
+    return len(entered)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "balance", "expected"),
+    [
+        ("gpipe", [2, 3], [0, 4]),
+        ("1f1b", [2, 3], [0, 4]),
+        ("zero_bubble", [2, 3], [0, 4]),
+        # Stages 0 and 2 on rank 0, 1 and 3 on rank 1; stage 1 (a Tanh) has no linear layer.
+        ("interleaved", [1, 1, 2, 1], [4, 4]),
+    ],
+)
+def test_only_stages_whose_input_gradient_goes_to_another_rank_record_linear_layers(
+    schedule, balance, expected
+):
+    # Stage 0's backward feeds no stage: split or not, it computes its weights' gradients in
+    # the one backward (under zero-bubble its W only adds them), as recording its linear layers
+    # would cost its forwards more than the order could gain. 4 micro-batches.
+    assert run_spmd(_recording_forwards, 2, schedule, balance) == expected

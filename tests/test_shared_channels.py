@@ -157,15 +157,15 @@ def _placement_case(shared: bool) -> list[tuple[str, tuple[int, ...]]]:
     # Messages travel as host tensors and arrive on the mailbox's device ("meta" stands in for
     # a GPU here: a rank whose stages run there).
     mailbox = Mailbox(60.0, None, channels, torch.device("meta"))
-    found = []
+    found: list[tuple[str, tuple[int, ...]]] = []
     if comm.index == 1:
         mailbox.post(torch.ones(2, 3), comm, 0, 5)
         mailbox.post(torch.ones(3, dtype=torch.float64), comm, 0, 6)
     else:
         mailbox.expect(comm, (torch.Size([2, 3]), torch.float32), 1, 5)
         later = mailbox.receive_later(comm, (torch.Size([3]), torch.float64), 1, 6)
-        for tensor in (mailbox.receive(comm, (torch.Size([2, 3]), torch.float32), 1, 5), later()):
-            found.append((tensor.device.type, tuple(tensor.shape)))
+        arrived = (mailbox.receive(comm, (torch.Size([2, 3]), torch.float32), 1, 5), later())
+        found = [(tensor.device.type, tuple(tensor.shape)) for tensor in arrived]
     mailbox.drain()
     return found
 
