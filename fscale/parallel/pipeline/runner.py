@@ -24,7 +24,8 @@ For each (micro-batch m, stage s) the rank holds:
 - ``W`` (split schedules): B computed the input gradient only and kept the graph; W computes
   the weights' gradients from the same graph without running any of B's work again
   (`fscale.parallel.pipeline.split_backward`). A checkpointed micro-batch would be recomputed
-  for W as well; its B computes both gradients at once instead and its W adds them.
+  for W as well; its B computes both gradients at once instead and its W adds them, as does
+  stage 0, whose B feeds no stage.
 
 Under `fscale.parallel.pipeline.timeline.record_timeline` each action is timed, its waits on
 receives counted, and the activations it saves measured.
@@ -178,10 +179,9 @@ def run_schedule(
         and stages.deferrable[stage]
         for stage in local
     }
-    # Split schedules leave the linear layers' weight gradients to W (`deferred_linear`), but
-    # stage 0's B feeds no stage: it computes every weight's gradient, W adds them (recording
-    # cost more than the split gained: ZB-H1 on the bench GPT, P = 2, M = 8, took 4.4% longer
-    # than 1F1B with it, 0.7% without). Weights seen through a cast are not the leaves it finds.
+    # Split schedules leave linear layers' weight gradients to W (`deferred_linear`), not stage
+    # 0, whose B feeds no stage (its recording cost more than the split gained: ZB-H1 on the bench
+    # GPT, P = 2, M = 8, 4.4% slower than 1F1B with it, 0.7% without). Casts hide the leaves.
     records = {s: early[s] or (split and s > 0 and param_cast is None) for s in local}
     # Own aliases of the parameters: the per-micro-batch backwards must not fire the hooks
     # that the plans around the pipeline put on the live leaves.
