@@ -392,17 +392,17 @@ def _pipeline_rank(device_type: str) -> dict[str, float]:
         return torch.nn.Sequential(*layers, torch.nn.GELU(), torch.nn.Linear(32, 4)).to(device)
 
     apply, params, buffers = fs.functionalize(model())
+    mse = torch.nn.functional.mse_loss
 
     def loss_fn(p, b, pair, key):
         out, _ = apply(p, b, pair[0], key=key)
-        return torch.nn.functional.mse_loss(out, pair[1])
+        return mse(out, pair[1])
 
     reference = fs.train_step(loss_fn, fs.optim.sgd(0.1))
     state = reference.init(params, buffers)
     for _ in range(3):
         state, _ = reference(state, batch)
     expected = state.params
-    mse = torch.nn.functional.mse_loss
     differences = {}
     for schedule in ("1f1b", "zero_bubble"):
         mesh = fs.Mesh(pp=torch.distributed.get_world_size())
