@@ -515,3 +515,6 @@ def test_a_batch_on_another_device_than_the_stages_is_refused_at_the_first_step(
         step(state, batch)
     state, metrics = step(state, (torch.ones(4, 4), torch.ones(4, 4)))  # the same step, on one
     assert torch.isfinite(metrics["loss"])
+    # A batch of the same shapes on another device later is checked again, not taken as known.
+    with pytest.raises(ValueError, match=r"several devices \(cpu, meta\)"):
+        step(state, batch)

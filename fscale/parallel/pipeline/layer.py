@@ -65,10 +65,9 @@ class PipelinePlan(Plan):
     checkpoint: str
     pad: bool = False
     receive_ahead: int | None = None  # None: every receive of the step posted at its start
-    # Output shapes found by the first step's contract check, per batch signature.
-    _shapes: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    # The device this rank's stages run on (messages arrive there), per batch signature.
-    _device: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # Per batch signature (shapes, dtypes, devices): the output shapes the first step's
+    # contract check found, and the device this rank's stages run on (messages arrive there).
+    _contracts: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     # For an inner plan that needs one flat dict of parameters (fully_shard), the names and
     # structures of the local stages' pieces in it; recorded by `init` / `shard_state`.
     _flat: list = dataclasses.field(default_factory=list, compare=False, repr=False)
@@ -341,15 +340,15 @@ class PipelinePlan(Plan):
     def _contract(self, comm, params, buffers, inputs, targets, key, loss_fn):
         signature = (
             tree.structure(inputs),
-            tuple((tuple(t.shape), t.dtype) for t in tree.leaves(inputs)),
-            tuple((tuple(t.shape), t.dtype) for t in tree.leaves(targets)),
+            tuple((tuple(t.shape), t.dtype, t.device) for t in tree.leaves(inputs)),
+            tuple((tuple(t.shape), t.dtype, t.device) for t in tree.leaves(targets)),
         )
-        shapes = self._shapes.get(signature)
-        if shapes is None:
+        found = self._contracts.get(signature)
+        if found is None:
             leaves = tree.leaves((params, inputs, targets))
             devices = {t.device for t in leaves if isinstance(t, torch.Tensor)}
             backend = "gloo" if comm is None else str(dist.get_backend(comm.group))
-            self._device[signature] = check_transport(backend, devices, self.axis)
+            device = check_transport(backend, devices, self.axis)
             shapes = probe_stages(
                 self.schedule,
                 self.index,
@@ -363,10 +362,10 @@ class PipelinePlan(Plan):
                 targets,
                 loss_fn,
                 key,
-                self._device[signature],
+                device,
             )
-            self._shapes[signature] = shapes
-        return shapes, self._device[signature]
+            found = self._contracts[signature] = (shapes, device)
+        return found
 
 
 class _Carrying(torch.autograd.Function):

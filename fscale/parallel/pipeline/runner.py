@@ -302,10 +302,10 @@ def run_schedule(
             torch.autograd.backward(roots, grad_roots, inputs=wanted + weights)
             found = [x.grad for x in wanted]
         elif roots and (
-            stage == 0 or unit.checkpointed or (unit.store is not None and unit.store.entries)
+            not wanted or unit.checkpointed or (unit.store is not None and unit.store.entries)
         ):
-            # One backward for the input and every weight but the deferred linear layers'
-            # (stage 0 under a split schedule: every weight, which W then adds).
+            # One backward for the input and every weight but the deferred linear layers' (with
+            # no input gradient to send, as on stage 0, splitting B would gain nothing).
             everything = _grad(roots, grad_roots, wanted + weights)
             found, unit.held = everything[: len(wanted)], everything[len(wanted) :]
         elif roots:
