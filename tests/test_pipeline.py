@@ -4,6 +4,7 @@ errors a wrong pipeline gets."""
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import sys
 
@@ -15,7 +16,7 @@ from torch import nn
 
 import fscale as fs
 from fscale import random as fsrandom
-from fscale.parallel.pipeline import ScheduleError, StageContractError, pipeline
+from fscale.parallel.pipeline import ScheduleError, StageContractError, pipeline, zero_bubble
 from fscale.testing import assert_trees_close, assert_trees_equal, run_spmd
 
 
@@ -138,6 +139,48 @@ def test_pipeline_equals_unpipelined_training(
         assert_trees_close(params, expected, rtol=1e-5, atol=1e-6)
         assert_trees_close(opt_state, expected_opt, rtol=1e-4, atol=1e-7)
         assert losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+# The bench GPT's shape at P = 4 (stage 0's W all but free): the later stages hold W's back.
+_MEASURED = {"F": [5.0] * 4, "B": [7.9, 5.0, 5.0, 5.0], "W": [0.0, 3.0, 3.0, 3.0]}
+
+
+def test_a_zero_bubble_table_ordered_on_measured_costs_trains_as_unpipelined():
+    builder = functools.partial(zero_bubble, costs=_MEASURED)
+    assert builder(4, 4) != zero_bubble(4, 4)  # another order than the unit-clock table's
+    for params, expected, opt_state, expected_opt, losses, expected_losses in run_spmd(
+        _pipelined_vs_unpipelined, 4, builder, 4, 4, 5, 7, "never"
+    ):
+        assert_trees_close(params, expected, rtol=1e-5, atol=1e-6)
+        assert_trees_close(opt_state, expected_opt, rtol=1e-4, atol=1e-7)
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+def _costs_that_differ_by_rank():
+    rank = torch.distributed.get_rank()  # rank 2 builds the unit-clock table, the others not
+    model = _mlp(4, 3, 0)
+    _, params, buffers = fs.functionalize(model)
+    step = pipeline(
+        model,
+        _mse,
+        fs.optim.sgd(0.1),
+        fs.Mesh(pp=4),
+        micro_batches=4,
+        schedule=functools.partial(zero_bubble, costs=_MEASURED if rank != 2 else None),
+        balance=[2] * 4,
+    )
+    try:
+        step.init(params, buffers)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_ranks_that_build_different_tables_fail_at_init_on_every_rank():
+    for rank, message in enumerate(run_spmd(_costs_that_differ_by_rank, 4)):
+        assert message is not None, f"rank {rank} raised nothing"
+        assert "disagree on the schedule: rank 2's table differs from rank 0's" in message
+        assert "the same costs" in message
 
 
 # ---- the full state ------------------------------------------------------------------------

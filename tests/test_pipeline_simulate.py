@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fscale.parallel.pipeline import (
     ScheduleError,
@@ -12,6 +14,7 @@ from fscale.parallel.pipeline import (
     simulate,
     zero_bubble,
 )
+from fscale.parallel.pipeline.check import activation_peaks
 from fscale.parallel.pipeline.schedule import Action, Schedule
 
 
@@ -96,3 +99,63 @@ def test_a_schedule_that_deadlocks_is_refused():
     table = Schedule("bad", 1, 1, (0,), actions, (1,))
     with pytest.raises(ScheduleError):
         simulate(table, lambda *_: 1.0)
+
+
+# ---- zero-bubble ordered on measured costs ---------------------------------------------------
+
+
+def _fscale_1f1b(costs, p, m):
+    """fscale's 1F1B on the clock of `costs`: each B costs B + W and, on every stage fed by
+    another, sends its input's gradient after B (the weights' products follow)."""
+    return simulate(
+        one_f_one_b(p, m),
+        lambda kind, _, s: costs["F"][s] if kind == "F" else costs["B"][s] + costs["W"][s],
+        sends={("B", mb, s): costs["B"][s] for mb in range(m) for s in range(1, p)},
+    )
+
+
+@given(p=st.integers(2, 5), m=st.integers(1, 9), data=st.data())
+def test_zero_bubble_on_measured_costs_is_never_slower_than_1f1b_with_the_early_send(p, m, data):
+    seconds = st.one_of(st.just(0.0), st.floats(0.0, 5.0, allow_nan=False))
+    costs = {kind: data.draw(st.lists(seconds, min_size=p, max_size=p)) for kind in "FBW"}
+    clock = lambda kind, _, s: costs[kind][s]  # noqa: E731
+    one = _fscale_1f1b(costs, p, m).makespan
+    # The unit-clock table runs exactly as fscale's 1F1B, whose B already sends early.
+    assert simulate(zero_bubble(p, m), clock).makespan == pytest.approx(one)
+    table = zero_bubble(p, m, costs)
+    assert simulate(table, clock).makespan <= one + 1e-9
+    assert max(activation_peaks(table)) <= min(p, m)  # no rank holds more than 1F1B's peak
+    assert zero_bubble(p, m, costs) == table  # every rank given the costs builds this table
+
+
+def test_zero_bubble_on_measured_costs_holds_weights_back_where_that_is_shorter():
+    # The bench GPT's shape at P = 4: stage 0's B computes every gradient (its W is all but
+    # free), the others' B sends after 5 of their 8 ms.
+    costs = {"F": [5.0] * 4, "B": [7.9, 5.0, 5.0, 5.0], "W": [0.0, 3.0, 3.0, 3.0]}
+    table = zero_bubble(4, 4, costs)
+    assert simulate(table, lambda kind, _, s: costs[kind][s]).makespan == pytest.approx(72.9)
+    assert _fscale_1f1b(costs, 4, 4).makespan == pytest.approx(81.9)
+    assert table.activation_bound == (4, 4, 4, 4)
+    last = [f"{a.kind}{a.micro_batch}" for a in table.rank_actions(3)]
+    assert last == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "W0", "W1", "W2", "W3"]
+    # With no weight work to hold back, holding back gains nothing: the unit table is kept.
+    no_weights = {"F": [1.0, 1.0], "B": [2.0, 2.0], "W": [0.0, 0.0]}
+    assert zero_bubble(2, 4, no_weights) == zero_bubble(2, 4)
+    # On unit costs the later stage's W's wait for its B's: 13 ticks against 14.
+    unit = {"F": [1.0, 1.0], "B": [1.0, 1.0], "W": [1.0, 1.0]}
+    clock = lambda kind, _, s: unit[kind][s]  # noqa: E731
+    assert simulate(zero_bubble(2, 4, unit), clock).makespan == 13
+    assert simulate(zero_bubble(2, 4), clock).makespan == 14
+
+
+def test_bad_costs_for_zero_bubble_get_clear_errors():
+    with pytest.raises(ScheduleError, match="must map 'F', 'B' and 'W'"):
+        zero_bubble(2, 4, [1.0, 2.0])  # type: ignore[arg-type]
+    with pytest.raises(ScheduleError, match=r"exactly the keys 'F', 'B' and 'W', got \['B', 'F'\]"):
+        zero_bubble(2, 4, {"F": [1.0, 1.0], "B": [1.0, 1.0]})
+    with pytest.raises(ScheduleError, match=r"costs\['W'\]` must hold one cost per stage \(2\)"):
+        zero_bubble(2, 4, {"F": [1.0, 1.0], "B": [1.0, 1.0], "W": [1.0]})
+    with pytest.raises(ScheduleError, match=r"costs\['B'\]\[1\]` must be a finite number"):
+        zero_bubble(2, 4, {"F": [1.0, 1.0], "B": [1.0, -1.0], "W": [1.0, 1.0]})
+    with pytest.raises(ScheduleError, match=r"costs\['F'\]\[0\]` must be a finite number"):
+        zero_bubble(2, 4, {"F": [float("inf"), 1.0], "B": [1.0, 1.0], "W": [1.0, 1.0]})

@@ -21,12 +21,21 @@ With P ranks and M micro-batches (rank r):
   while it holds fewer than min(P−r, M) micro-batches (1F1B's bound, counted until W: the
   runtime keeps a micro-batch's graph until its W), else its oldest pending W. The W's so fill
   ticks where 1F1B waits for a gradient (at P = 4, M = 8: 20% of the clock idle against 1F1B's
-  27%), with 1F1B's activation memory.
+  27%), with 1F1B's activation memory. fscale's 1F1B sends a B's input gradient before its
+  weights' products, so on any clock this table runs as fast as 1F1B, no faster. Given the
+  measured cost of each stage's F, B and W (``costs=``), the builder also orders the actions on
+  that clock with every rank bounded by 1F1B's peak, min(P, M) (ZB-H1 as Qi et al. define it:
+  a later stage may hold a W back so its next B goes upstream sooner; `timed_orders`), and
+  returns whichever of the two tables `simulate` finds shorter on those costs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from fscale.parallel.pipeline.schedule import Schedule, ScheduleError, Step, from_orders
+from fscale.parallel.pipeline.simulate import simulate
+from fscale.parallel.pipeline.timed_orders import checked_costs, timed_zero_bubble_orders
 
 __all__ = ["BUILDERS", "gpipe", "interleaved", "one_f_one_b", "zero_bubble"]
 
@@ -110,65 +119,47 @@ def interleaved(num_ranks: int, micro_batches: int, virtual: int = 2) -> Schedul
     )
 
 
-def zero_bubble(num_ranks: int, micro_batches: int) -> Schedule:
-    """ZB-H1: split backward, weight gradients deferred into the bubbles, 1F1B's memory."""
+def zero_bubble(
+    num_ranks: int,
+    micro_batches: int,
+    costs: Mapping[str, Sequence[float]] | None = None,
+) -> Schedule:
+    """ZB-H1: split backward, weight gradients deferred into the bubbles, 1F1B's memory.
+
+    `costs`, if given, maps "F", "B" and "W" to the seconds each stage's action takes (one per
+    stage, e.g. medians of `StepTimeline.costs()`, the same on every rank): the result is the
+    shorter on that clock of the unit-clock table and the one ordered on it (see the module
+    docstring); every rank must pass the same costs, as every rank must run the same table.
+    """
     p, m = _check("zero_bubble", num_ranks, micro_batches)
+    unit = _unit_zero_bubble(p, m)
+    if costs is None:
+        return unit
+    cost = checked_costs(costs, p)
+    bound = min(p, m)
+    timed = from_orders(
+        "zero_bubble",
+        timed_zero_bubble_orders(p, m, cost, [bound] * p),
+        micro_batches=m,
+        stage_ranks=range(p),
+        activation_bound=[bound] * p,
+    )
+
+    def clock(kind: str, _micro_batch: int, stage: int) -> float:
+        return cost(kind, stage)
+
+    # Ties keep the unit table: it holds fewer micro-batches on the later stages.
+    if simulate(timed, clock).makespan < simulate(unit, clock).makespan:
+        return timed
+    return unit
+
+
+def _unit_zero_bubble(p: int, m: int) -> Schedule:
     bound = [min(p - r, m) for r in range(p)]
-    ends: dict[Step, int] = {}
-    orders: list[list[Step]] = [[] for _ in range(p)]
-    next_forward = [0] * p
-    held = [0] * p
-    pending_w: list[list[int]] = [[] for _ in range(p)]
-    done_b = [0] * p  # backwards run, in micro-batch order
-    free = [0] * p
-    tick = 0
-    while any(len(o) < 3 * m for o in orders):
-        for r in range(p):
-            if free[r] > tick or len(orders[r]) == 3 * m:
-                continue
-            step = _next_zb(r, p, m, tick, ends, next_forward, held, bound, pending_w, done_b)
-            if step is None:
-                continue
-            orders[r].append(step)
-            ends[step] = tick + 1
-            free[r] = tick + 1
-        tick += 1
+    orders = timed_zero_bubble_orders(p, m, lambda kind, stage: 1.0, bound)
     return from_orders(
         "zero_bubble", orders, micro_batches=m, stage_ranks=range(p), activation_bound=bound
     )
-
-
-def _next_zb(
-    r: int,
-    p: int,
-    m: int,
-    tick: int,
-    ends: dict[Step, int],
-    next_forward: list[int],
-    held: list[int],
-    bound: list[int],
-    pending_w: list[list[int]],
-    done_b: list[int],
-) -> Step | None:
-    """Rank r's choice at `tick`: a ready B, else a forward within the bound, else a W."""
-
-    def ready(step: Step) -> bool:
-        return ends.get(step, tick + 1) <= tick
-
-    b = done_b[r]
-    if b < next_forward[r] and ready(("F", b, r)) and (r == p - 1 or ready(("B", b, r + 1))):
-        done_b[r] += 1
-        pending_w[r].append(b)
-        return ("B", b, r)
-    f = next_forward[r]
-    if f < m and held[r] < bound[r] and (r == 0 or ready(("F", f, r - 1))):
-        next_forward[r] += 1
-        held[r] += 1
-        return ("F", f, r)
-    if pending_w[r]:
-        held[r] -= 1
-        return ("W", pending_w[r].pop(0), r)
-    return None
 
 
 BUILDERS = {

@@ -121,7 +121,24 @@ class PipelinePlan(Plan):
             )
         if self.flat_params:
             local_params = self._to_flat(local_params)
+        self._check_schedule_agrees()
         return self.inner.init(step, local_params, local_buffers, key, ctx)
+
+    def _check_schedule_agrees(self) -> None:
+        """Every rank of the axis runs the same table (one built from measured costs differs
+        with the costs); else an error on every rank, not a wait for a message never sent."""
+        if self._comm() is None:
+            return
+        table = f"{self.schedule.text()}\nactivation bound {self.schedule.activation_bound}"
+        tables = spmd.all_gather_objects(table, self.mesh, self.axis)
+        for rank, other in enumerate(tables):
+            if other != tables[0]:
+                raise ValueError(
+                    f"pipeline: the ranks along {self.axis!r} disagree on the schedule: rank "
+                    f"{rank}'s table differs from rank 0's. Build it from the same arguments on "
+                    "every rank (for zero_bubble(..., costs=...), the same costs: gather each "
+                    f"stage's measured costs first).\nrank 0:\n{tables[0]}\nrank {rank}:\n{other}"
+                )
 
     def gradients(self, step, state, batch, ctx):
         # The step's policy and loss scale, applied where the stages run (`precision`).
