@@ -16,7 +16,10 @@ round by round alternating (`_util.interleave`, a barrier before every step):
   ``torch.optim.AdamW(fused=True)`` (the kernel fscale's AdamW calls; the default on CPU is a
   slower per-tensor loop);
 * ``fscale``: ``fscale.pipeline(..., schedule=..., donate=True)`` over the same modules (the
-  update in place, as torch's optimizer does it).
+  update in place, as torch's optimizer does it); for ``zero_bubble`` the table ordered on this
+  model's measured costs (`fscale.parallel.pipeline.zero_bubble` with ``costs=``: each stage's
+  F, B and W seconds, medians over `COST_STEPS` steps of the unit-clock table, gathered from
+  every rank).
 
 Reported per configuration: median step time of each (the slowest rank's per round), the
 throughput ratio fscale / torch (samples per second) with a distribution-free 95% interval for
@@ -78,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -91,7 +95,7 @@ from torch import nn
 
 import fscale as fs
 from fscale.models import GPT, GPTConfig
-from fscale.parallel.pipeline import record_timeline, simulate
+from fscale.parallel.pipeline import record_timeline, simulate, zero_bubble
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -103,6 +107,7 @@ LEARNING_RATE = 1e-3
 THROUGHPUT_GOAL = 1.1  # issue 12: fscale >= 1.1x torch pipelining's throughput, same schedule
 LAUNCH_CONFIDENCE = 0.95  # of a verdict over launches (`_over_launches`)
 SEQUENCES_PER_MICRO_BATCH = 2
+COST_STEPS = 3  # steps of the unit-clock zero-bubble table timed for its stages' costs
 
 
 def _config(quick: bool) -> GPTConfig:
@@ -191,27 +196,48 @@ def _torch_variant(cfg, balance, num_stages, schedule, micro_batches):
     return step
 
 
-def _fscale_variant(cfg, balance, num_stages, schedule, micro_batches):
-    model = _layers(cfg)
-    _, params, buffers = fs.functionalize(model)
-    mesh = fs.Mesh(pp=dist.get_world_size())
-    step = fs.pipeline(
-        model,
-        _loss,
-        fs.optim.adamw(LEARNING_RATE),
-        mesh,
-        micro_batches=micro_batches,
-        schedule=schedule,
-        balance=balance,
-        checkpoint="never",
-        donate=True,  # torch's optimizer updates its parameters in place too
-    )
-    holder = {"state": step.init(params, buffers)}
+def _fscale_variant(cfg, balance, num_stages, schedule, micro_batches, batch):
+    def build(table: Any) -> Any:
+        model = _layers(cfg)
+        _, params, buffers = fs.functionalize(model)
+        step = fs.pipeline(
+            model,
+            _loss,
+            fs.optim.adamw(LEARNING_RATE),
+            fs.Mesh(pp=dist.get_world_size()),
+            micro_batches=micro_batches,
+            schedule=table,
+            balance=balance,
+            checkpoint="never",
+            donate=True,  # torch's optimizer updates its parameters in place too
+        )
+        return step, step.init(params, buffers)
+
+    step, state = build(schedule)
+    if schedule == "zero_bubble":  # ZB-H1 ordered on this model's measured costs
+        costs = _stage_costs(step, state, batch)
+        step, state = build(functools.partial(zero_bubble, costs=costs))
+    holder = {"state": state}
 
     def run(tokens: torch.Tensor, targets: torch.Tensor) -> None:
         holder["state"], _ = step(holder["state"], (tokens, targets))
 
     return run, step.plan.schedule  # type: ignore[attr-defined]
+
+
+def _stage_costs(step: Any, state: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
+    """Each stage's F, B and W seconds (medians over `COST_STEPS` recorded steps of `step`, one
+    stage per rank), gathered so that every rank builds the same table from them."""
+    state, _ = step(state, batch)  # warm-up
+    with record_timeline(activations=False) as timeline:
+        for _ in range(COST_STEPS):
+            dist.barrier()
+            state, _ = step(state, batch)
+    actions = [a for s in timeline.steps for a in s.actions]
+    mine = {kind: statistics.median(a.busy for a in actions if a.kind == kind) for kind in "FBW"}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {kind: [costs[kind] for costs in everyone] for kind in "FBW"}
 
 
 def _measure(
@@ -286,7 +312,12 @@ class _Setup:
             )
             return run, None
         return _fscale_variant(
-            self.cfg, self.balance, self.num_stages, self.schedule, self.micro_batches
+            self.cfg,
+            self.balance,
+            self.num_stages,
+            self.schedule,
+            self.micro_batches,
+            (self.tokens, self.targets),
         )
 
     def fscale_facts(self, run: Any, table: Any, between: Any = None) -> dict[str, Any]:
