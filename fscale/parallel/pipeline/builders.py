@@ -21,8 +21,9 @@ With P ranks and M micro-batches (rank r):
   while it holds fewer than min(P−r, M) micro-batches (1F1B's bound, counted until W: the
   runtime keeps a micro-batch's graph until its W), else its oldest pending W. The W's so fill
   ticks where 1F1B waits for a gradient (at P = 4, M = 8: 20% of the clock idle against 1F1B's
-  27%), with 1F1B's activation memory. fscale's 1F1B sends a B's input gradient before its
-  weights' products, so on any clock this table runs as fast as 1F1B, no faster. Given the
+  27%), with 1F1B's activation memory. On module stages fscale's 1F1B sends a B's input
+  gradient before its linear layers' weight products, so there, on any clock, this table runs
+  as fast as 1F1B, no faster. Given the
   measured cost of each stage's F, B and W (``costs=``), the builder also orders the actions on
   that clock with every rank bounded by 1F1B's peak, min(P, M) (ZB-H1 as Qi et al. define it:
   a later stage may hold a W back so its next B goes upstream sooner; `timed_orders`), and

@@ -3,10 +3,11 @@ with ``costs=``).
 
 The unit-clock ZB-H1 table bounds each rank by 1F1B's own count (P − r micro-batches held from
 F to W). Under that bound every W follows its B before the next forward, so the table runs
-exactly as fscale's 1F1B, whose B already sends the input's gradient before the weights'
-products: for any action costs the two have the same critical path (``tests/
-test_pipeline_simulate.py``). ZB-H1 as Qi et al. define it bounds every rank by 1F1B's peak, the
-first stage's P micro-batches: a later stage may then hold a W back while its next B or F goes
+exactly as fscale's 1F1B where that B already sends the input's gradient before the weights'
+products (module stages, whose plain linear layers' products wait for the send): for any
+action costs the two have the same critical path (``tests/test_pipeline_simulate.py``).
+ZB-H1 as Qi et al. define it bounds every rank by 1F1B's peak, the first stage's P
+micro-batches: a later stage may then hold a W back while its next B or F goes
 first, so gradients travel upstream sooner, at no more peak activation memory than 1F1B's
 (every micro-batch's activations are taken to be about the same size on every stage).
 
