@@ -383,7 +383,9 @@ def test_live_tensor_bytes_counts_each_storage_once():
     views = [block[:10], block.view(1024, 1024)]  # no storage of their own
     assert util.live_tensor_bytes() - before == 4 << 20
     del block, views
-    assert util.live_tensor_bytes() == before
+    # Earlier tests' small tensors may be freed meanwhile (in any order of the suite): what
+    # matters is that the block's storage is no longer counted.
+    assert abs(util.live_tensor_bytes() - before) < 1 << 20
 
 
 def test_strategies_compare_gives_the_interval_verdict(monkeypatch):
