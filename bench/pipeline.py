@@ -95,7 +95,7 @@ from torch import nn
 
 import fscale as fs
 from fscale.models import GPT, GPTConfig
-from fscale.parallel.pipeline import record_timeline, simulate, zero_bubble
+from fscale.parallel.pipeline import measured_costs, record_timeline, simulate, zero_bubble
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -226,18 +226,14 @@ def _fscale_variant(cfg, balance, num_stages, schedule, micro_batches, batch):
 
 
 def _stage_costs(step: Any, state: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
-    """Each stage's F, B and W seconds (medians over `COST_STEPS` recorded steps of `step`, one
-    stage per rank), gathered so that every rank builds the same table from them."""
+    """Each stage's F, B and W seconds over `COST_STEPS` recorded steps of `step`, the same on
+    every rank (`fscale.parallel.pipeline.measured_costs`)."""
     state, _ = step(state, batch)  # warm-up
     with record_timeline(activations=False) as timeline:
         for _ in range(COST_STEPS):
             dist.barrier()
             state, _ = step(state, batch)
-    actions = [a for s in timeline.steps for a in s.actions]
-    mine = {kind: statistics.median(a.busy for a in actions if a.kind == kind) for kind in "FBW"}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return {kind: [costs[kind] for costs in everyone] for kind in "FBW"}
+    return measured_costs(timeline, fs.Mesh(pp=dist.get_world_size()))
 
 
 def _measure(

@@ -3,12 +3,14 @@ the measured bubble and activation peak; recording changes no result."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
 
 import fscale as fs
-from fscale.parallel.pipeline import pipeline, record_timeline
+from fscale.parallel.pipeline import measured_costs, pipeline, record_timeline, zero_bubble
 from fscale.testing import assert_trees_equal, run_spmd
 
 MICRO_BATCHES = 4
@@ -132,3 +134,37 @@ def test_times_can_be_recorded_without_counting_activations_and_give_the_costs()
         assert sum(costs.values()) == pytest.approx(step.busy)
     with pytest.raises(TypeError, match="activations"), record_timeline(activations=1):  # type: ignore[arg-type]
         pass
+
+
+def _costs_of(schedule: str):
+    step, state, batch = _step(schedule)
+    state, _ = step(state, batch)
+    with record_timeline(activations=False) as timeline:
+        for _ in range(2):
+            state, _ = step(state, batch)
+    costs = measured_costs(timeline, fs.Mesh(pp=2))
+    with record_timeline() as empty:
+        pass
+    refused = ""
+    try:
+        measured_costs(empty, fs.Mesh(pp=2))
+    except ValueError as error:
+        refused = str(error)
+    # Every rank builds the same table from them: the agreement check in `init` passes.
+    _step(functools.partial(zero_bubble, costs=costs))
+    return costs, refused
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "1f1b"])
+def test_measured_costs_give_every_rank_the_same_costs_per_stage(schedule):
+    (costs, refused), (other, _) = run_spmd(_costs_of, 2, schedule)
+    assert costs == other  # gathered: the same numbers on both ranks
+    assert sorted(costs) == ["B", "F", "W"]
+    assert all(len(seconds) == 2 for seconds in costs.values())
+    assert all(s > 0 for s in costs["F"] + costs["B"])
+    # Stage 1 (fed by the other rank) leaves its linear layers' products to W or, under 1F1B,
+    # computes them after the early send; stage 0's B keeps every gradient.
+    assert costs["W"][1] > 0
+    if schedule == "1f1b":
+        assert costs["W"][0] == 0
+    assert "recorded no pipeline step" in refused

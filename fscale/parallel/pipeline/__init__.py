@@ -26,6 +26,7 @@ from fscale.parallel.pipeline.check import activation_peaks as activation_peaks
 from fscale.parallel.pipeline.check import check_schedule as check_schedule
 from fscale.parallel.pipeline.contract import StageContractError as StageContractError
 from fscale.parallel.pipeline.layer import PipelinePlan as PipelinePlan
+from fscale.parallel.pipeline.measured_costs import measured_costs as measured_costs
 from fscale.parallel.pipeline.schedule import Action as Action
 from fscale.parallel.pipeline.schedule import Schedule as Schedule
 from fscale.parallel.pipeline.schedule import ScheduleError as ScheduleError
@@ -57,6 +58,7 @@ __all__ = [
     "from_orders",
     "gpipe",
     "interleaved",
+    "measured_costs",
     "one_f_one_b",
     "partition",
     "pipeline",

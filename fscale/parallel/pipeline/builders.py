@@ -128,7 +128,7 @@ def zero_bubble(
     """ZB-H1: split backward, weight gradients deferred into the bubbles, 1F1B's memory.
 
     `costs`, if given, maps "F", "B" and "W" to the seconds each stage's action takes (one per
-    stage, e.g. medians of `StepTimeline.costs()`, the same on every rank): the result is the
+    stage, e.g. from `measured_costs`, the same on every rank): the result is the
     shorter on that clock of the unit-clock table and the one ordered on it (see the module
     docstring); every rank must pass the same costs, as every rank must run the same table.
     """
