@@ -98,14 +98,17 @@ def describe_tree(values: Any) -> list[str]:
     ]
 
 
+_SAME_MODEL = "Every rank must build the same model (same shapes, dtypes and pytree structure)."
+
+
 def check_same_on_all_ranks(
-    mesh: Mesh, axis: str, lines: list[str], what: str, caller: str
+    mesh: Mesh, axis: str, lines: list[str], what: str, caller: str, fix: str = _SAME_MODEL
 ) -> None:
     """Raise on every rank when ranks of `axis` describe `what` differently.
 
     Ranks exchange a digest of `lines` (cheap); on a mismatch they exchange the lines and the
-    error names the first difference, so a bad configuration fails at once instead of hanging
-    in a collective whose shapes disagree.
+    error names the first difference and says what to do (`fix`), so a bad configuration fails
+    at once instead of hanging in a collective whose shapes disagree.
     """
     group = mesh.group(axis)
     if group is None:
@@ -121,8 +124,7 @@ def check_same_on_all_ranks(
         detail = first_difference(reference, other, index)
         raise ValueError(
             f"{caller}: the ranks along axis {axis!r} disagree on {what}: rank 0 and rank "
-            f"{index} of the axis differ — {detail}. Every rank must build the same model "
-            "(same shapes, dtypes and pytree structure)."
+            f"{index} of the axis differ — {detail}. {fix}"
         )
 
 

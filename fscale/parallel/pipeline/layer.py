@@ -129,16 +129,21 @@ class PipelinePlan(Plan):
         with the costs); else an error on every rank, not a wait for a message never sent."""
         if self._comm() is None:
             return
-        table = f"{self.schedule.text()}\nactivation bound {self.schedule.activation_bound}"
-        tables = spmd.all_gather_objects(table, self.mesh, self.axis)
-        for rank, other in enumerate(tables):
-            if other != tables[0]:
-                raise ValueError(
-                    f"pipeline: the ranks along {self.axis!r} disagree on the schedule: rank "
-                    f"{rank}'s table differs from rank 0's. Build it from the same arguments on "
-                    "every rank (for zero_bubble(..., costs=...), the same costs: gather each "
-                    f"stage's measured costs first).\nrank 0:\n{tables[0]}\nrank {rank}:\n{other}"
-                )
+        s = self.schedule
+        lines = [f"schedule: {s.name}", f"activation bound: {s.activation_bound}"] + [
+            f"rank {r}: "
+            + " ".join(f"{a.kind}{a.micro_batch}(stage {a.stage}, tick {a.tick})" for a in row)
+            for r, row in enumerate(s.rank_actions(r) for r in range(s.num_ranks))
+        ]
+        spmd.check_same_on_all_ranks(
+            self.mesh,
+            self.axis,
+            lines,
+            "the schedule",
+            "pipeline",
+            fix="Build it from the same arguments on every rank (for zero_bubble(..., costs=...), "
+            "the same costs: measured_costs gathers them).",
+        )
 
     def gradients(self, step, state, batch, ctx):
         # The step's policy and loss scale, applied where the stages run (`precision`).
