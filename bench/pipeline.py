@@ -52,8 +52,10 @@ Measured, from extra fscale steps run under `fscale.parallel.pipeline.record_tim
 the timed rounds (so the recording costs the timed steps nothing), each after one of torch's
 steps as in the rounds (without it fscale's actions ran faster than in the rounds, and the
 bounds below read low; not with ``--isolated``, where torch runs in other processes): the
-bubble, each rank's ``1 - busy / wall`` of its part of the step (busy: its actions' time less
-their waits on receives; median over the steps, mean over the ranks), timed without counting
+bubble over the whole step, as the table's bubble and (P−1)/(M+P−1) count it
+(`fscale.parallel.pipeline.measured_bubble`: ``1 - sum of busy / (P * span)``, busy being a
+rank's actions' time less their waits on receives and the span from the first action on any
+rank to the last end on any; median over the steps), timed without counting
 activations (the count slows every forward); then, in as many steps again, each rank's peak of
 the activation bytes autograd saves for backward (parameters excluded). The *floor* is fscale's
 table run on a clock where every action takes its measured cost (`fscale.parallel.pipeline.
@@ -69,8 +71,11 @@ other in any runtime of the table, so no step is shorter (median over the measur
 ``fscale/chain``, ``torch/chain``). The floor assumes a core per rank: with more ranks
 than cores the ranks share them, an action's measured time includes the time it waited for a
 core, and the floor is no bound. Below the table, per (P, M): 1F1B's
-activation peak over GPipe's (the goal: at most P/M) and zero-bubble's measured bubble beside
-1F1B's (the goal: below it); and, where each rank has a core of its own, the cells whose 1.1x
+activation peak over GPipe's (the goal: at most P/M) and zero-bubble's measured bubble against
+fscale's 1F1B's (the goal: below it), the two steps alternating for `BUBBLE_PAIRS` rounds in the
+zero-bubble launch, after its timed rounds, and the goal decided on the median of the round by
+round differences as the throughput's is on the ratios (over launches with ``--launches``);
+and, where each rank has a core of its own, the cells whose 1.1x
 throughput goal no runtime with fscale's action costs could reach: ``torch/chain`` (GPipe,
 1F1B) or ``torch/floor`` (interleaved) below 1.1 means that even a step with nothing outside
 fscale's actions would be less than 1.1x torch's.
@@ -95,7 +100,13 @@ from torch import nn
 
 import fscale as fs
 from fscale.models import GPT, GPTConfig
-from fscale.parallel.pipeline import measured_costs, record_timeline, simulate, zero_bubble
+from fscale.parallel.pipeline import (
+    measured_bubble,
+    measured_costs,
+    record_timeline,
+    simulate,
+    zero_bubble,
+)
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -108,6 +119,7 @@ THROUGHPUT_GOAL = 1.1  # issue 12: fscale >= 1.1x torch pipelining's throughput,
 LAUNCH_CONFIDENCE = 0.95  # of a verdict over launches (`_over_launches`)
 SEQUENCES_PER_MICRO_BATCH = 2
 COST_STEPS = 3  # steps of the unit-clock zero-bubble table timed for its stages' costs
+BUBBLE_PAIRS = 12  # rounds of zero-bubble and 1F1B alternating, for the bubble goal
 
 
 def _config(quick: bool) -> GPTConfig:
@@ -233,7 +245,7 @@ def _stage_costs(step: Any, state: Any, batch: tuple[torch.Tensor, torch.Tensor]
         for _ in range(COST_STEPS):
             dist.barrier()
             state, _ = step(state, batch)
-    return measured_costs(timeline, fs.Mesh(pp=dist.get_world_size()))
+    return measured_costs(timeline, _pp_mesh())
 
 
 def _measure(
@@ -265,13 +277,31 @@ def _measure(
         "step_first_s": [s.actions[0].busy for s in timeline.steps],
         "step_last_s": [s.actions[-1].busy for s in timeline.steps],
         "step_after_send_s": [_after_send(s.actions[-1]) for s in timeline.steps],
-        "bubble": statistics.median(s.bubble for s in timeline.steps),
+        "bubble": statistics.median(measured_bubble(timeline, _pp_mesh())),
         "activation_peak": max(s.activation_peak or 0 for s in counted.steps),
         "busy_s": statistics.median(s.busy for s in timeline.steps),
         "wall_s": statistics.median(s.wall for s in timeline.steps),
         "costs": {key: statistics.median(r[key] for r in runs) for key in runs[0]},
         "sends": {key: statistics.median(r[key] for r in sent) for key in sent[0]},
     }
+
+
+def _pp_mesh() -> fs.Mesh:
+    return fs.Mesh(pp=dist.get_world_size())
+
+
+def _paired_bubbles(zero: Any, one: Any, tokens: torch.Tensor, targets: torch.Tensor):
+    """`BUBBLE_PAIRS` rounds of fscale's zero-bubble step then its 1F1B step on the same batch,
+    each recorded on its own (`measured_bubble`): per round, the two bubbles, measured under
+    the same load."""
+    bubbles: dict[str, list[float]] = {"zero_bubble": [], "1f1b": []}
+    for _ in range(BUBBLE_PAIRS):
+        for name, run in (("zero_bubble", zero), ("1f1b", one)):
+            with record_timeline(activations=False) as timeline:
+                dist.barrier()
+                run(tokens, targets)
+            bubbles[name] += measured_bubble(timeline, _pp_mesh())
+    return bubbles
 
 
 def _after_send(action: Any) -> float:
@@ -319,13 +349,21 @@ class _Setup:
     def fscale_facts(self, run: Any, table: Any, between: Any = None) -> dict[str, Any]:
         """The measured bubble and costs of fscale's steps (`_measure`) and its table's facts."""
         measure = self.options["measure"]
-        return {
+        facts = {
             "measured": _measure(run, self.tokens, self.targets, measure, between),
             "bubble": table.bubble_fraction(),
             "table": table,
             "activation_bound": list(table.activation_bound),
             "balance": self.balance,
+            "paired_bubbles": None,
         }
+        if self.schedule == "zero_bubble":  # the goal compares it with fscale's own 1F1B
+            one, _ = _fscale_variant(
+                self.cfg, self.balance, self.num_stages, "1f1b", self.micro_batches, None
+            )
+            one(self.tokens, self.targets)  # its first step checks the stage contracts
+            facts["paired_bubbles"] = _paired_bubbles(run, one, self.tokens, self.targets)
+        return facts
 
 
 class _Timed:
@@ -427,6 +465,7 @@ def run_isolated(ranks: int, options: dict[str, Any]) -> list[dict[str, Any]]:
     for rank in range(ranks):
         ours = measured["fscale"]["finish"][rank]
         facts = {k: ours[k] for k in ("measured", "bubble", "table", "activation_bound", "balance")}
+        facts["paired_bubbles"] = ours["paired_bubbles"]
         results.append(
             {
                 "times": {name: measured[name]["wall"][rank] for name in names},
@@ -564,8 +603,9 @@ def _over_launches(launches: list[dict[str, Any]]) -> dict[str, Any]:
     if len(launches) == 1:
         return launches[0]
     with_torch = [r for r in launches if r["throughput_interval"] is not None]
+    paired_bubble = _paired_bubble_over_launches(launches)
     if not with_torch:  # torch did not run this schedule: nothing to decide
-        return {**launches[0], "launches": launches}
+        return {**launches[0], "paired_bubble": paired_bubble, "launches": launches}
     by_ratio = sorted(with_torch, key=lambda r: r["paired_median"])
     median_row = by_ratio[(len(by_ratio) - 1) // 2]
     medians = [r["paired_median"] for r in with_torch]
@@ -580,6 +620,7 @@ def _over_launches(launches: list[dict[str, Any]]) -> dict[str, Any]:
         "paired_median": statistics.median(medians),
         "throughput_interval": dataclasses.asdict(interval),
         "throughput_verdict": interval.verdict_at_least(THROUGHPUT_GOAL) if enough else "undecided",
+        "paired_bubble": paired_bubble,
         "launches": launches,
     }
 
@@ -654,10 +695,54 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
         "torch_peak_mib": [r["peak_rss_growth"].get("torch", 0) / 2**20 for r in results],
         "table_bubble": results[0]["bubble"],
         "analytic_bubble": analytic,
-        "measured_bubble": statistics.mean(r["measured"]["bubble"] for r in results),
-        "rank_bubbles": [r["measured"]["bubble"] for r in results],
+        "measured_bubble": results[0]["measured"]["bubble"],  # the same on every rank
+        "paired_bubble": _paired_bubble(results[0]["paired_bubbles"]),
         "activation_peak_mib": [r["measured"]["activation_peak"] / 2**20 for r in results],
         "torch_error": results[0]["torch_error"],
+    }
+
+
+def _paired_bubble(bubbles: dict[str, list[float]] | None) -> dict[str, Any] | None:
+    """Zero-bubble's measured bubble against fscale's 1F1B's, round by round in one launch
+    (`_paired_bubbles`): the medians, the median of the differences with its interval, and
+    the verdict on the goal (below 1F1B's: met when the whole interval is below 0)."""
+    if bubbles is None:
+        return None
+    differences = [z - o for z, o in zip(bubbles["zero_bubble"], bubbles["1f1b"])]
+    interval = _util.median_interval(differences)
+    return {
+        "zero_bubble": statistics.median(bubbles["zero_bubble"]),
+        "1f1b": statistics.median(bubbles["1f1b"]),
+        "difference": statistics.median(differences),
+        "interval": dataclasses.asdict(interval),
+        "verdict": _below(interval),
+    }
+
+
+def _below(interval: Any) -> str:
+    """The verdict on a difference that must be below 0."""
+    if interval.high < 0:
+        return "met"
+    if interval.low >= 0:
+        return "missed"
+    return "undecided"
+
+
+def _paired_bubble_over_launches(launches: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """`_paired_bubble` over launches: the medians of the launches' medians, the interval for
+    the median of their differences (`LAUNCH_CONFIDENCE`; fewer launches decide nothing)."""
+    paired = [r["paired_bubble"] for r in launches if r.get("paired_bubble")]
+    if not paired:
+        return None
+    differences = [p["difference"] for p in paired]
+    interval = _util.median_interval(differences, LAUNCH_CONFIDENCE)
+    enough = interval.coverage >= LAUNCH_CONFIDENCE
+    return {
+        "zero_bubble": statistics.median(p["zero_bubble"] for p in paired),
+        "1f1b": statistics.median(p["1f1b"] for p in paired),
+        "difference": statistics.median(differences),
+        "interval": dataclasses.asdict(interval),
+        "verdict": _below(interval) if enough else "undecided",
     }
 
 
@@ -760,7 +845,16 @@ def _goals(rows: list[dict[str, Any]]) -> str:
                 f"1F1B/GPipe activation peak {ratio:.4f} (P/M {bound:.4f}, "
                 f"{'met' if ratio <= bound else 'missed'})"
             )
-        if zero and one:
+        paired = zero.get("paired_bubble") if zero else None
+        if paired:
+            interval = paired["interval"]
+            parts.append(
+                f"zero-bubble measured bubble {paired['zero_bubble']:.3f} vs 1F1B "
+                f"{paired['1f1b']:.3f}, alternating in the same launches: difference "
+                f"{paired['difference']:+.3f} ({interval['low']:+.3f} to {interval['high']:+.3f}, "
+                f"{interval['coverage']:.1%}) {paired['verdict']}"
+            )
+        elif zero and one:
             met = zero["measured_bubble"] < one["measured_bubble"]
             parts.append(
                 f"zero-bubble measured bubble {zero['measured_bubble']:.3f} vs 1F1B "

@@ -527,3 +527,46 @@ def test_pipeline_verdict_over_launches_is_decided_on_the_launches_medians(monke
     # A schedule torch did not run has no verdict to decide.
     none = {**rows[0], "throughput_interval": None, "throughput_verdict": None}
     assert pipeline._over_launches([none, none])["throughput_verdict"] is None
+
+
+def test_pipeline_bubble_goal_is_decided_on_round_by_round_differences(monkeypatch):
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    pipeline = importlib.import_module("pipeline")
+    zero = [0.10 + i / 1000 for i in range(12)]
+
+    def paired(shift):
+        return pipeline._paired_bubble(
+            {"zero_bubble": zero, "1f1b": [z + s for z, s in zip(zero, shift)]}
+        )
+
+    below = paired([0.02] * 12)  # 1F1B's bubble above zero-bubble's in every round
+    assert below["difference"] == pytest.approx(-0.02)
+    assert below["zero_bubble"] == pytest.approx(0.1055) and below["1f1b"] == pytest.approx(0.1255)
+    assert below["verdict"] == "met"
+    assert paired([-0.01] * 12)["verdict"] == "missed"
+    assert paired([0.02, -0.02] * 6)["verdict"] == "undecided"
+    assert pipeline._paired_bubble(None) is None
+    # Over launches: decided on the launches' medians of the differences, at 95%.
+    launches = [{"paired_bubble": paired([0.01 * (k + 1)] * 12)} for k in range(6)]
+    over = pipeline._paired_bubble_over_launches(launches)
+    assert over["verdict"] == "met" and over["difference"] == pytest.approx(-0.035)
+    assert pipeline._paired_bubble_over_launches(launches[:5])["verdict"] == "undecided"
+    launches[0] = {"paired_bubble": paired([-0.01] * 12)}
+    assert pipeline._paired_bubble_over_launches(launches)["verdict"] == "undecided"
+    assert pipeline._paired_bubble_over_launches([{"paired_bubble": None}]) is None
+    # The goal line reads the paired figures, not the two rows' separate bubbles.
+    row = {"ranks": 2, "micro_batches": 4, "activation_peak_mib": [1.0], "measured_bubble": 0.3}
+    text = pipeline._goals(
+        [
+            {**row, "schedule": "1f1b", "torch_over_floor": 1.3, "torch_over_chain": 1.3},
+            {
+                **row,
+                "schedule": "zero_bubble",
+                "torch_over_floor": 1.3,
+                "torch_over_chain": None,
+                "paired_bubble": below,
+            },
+        ]
+    )
+    assert "zero-bubble measured bubble 0.106 vs 1F1B 0.126" in text
+    assert "difference -0.020 (-0.020 to -0.020, " in text and text.endswith("met")

@@ -4,16 +4,30 @@ the measured bubble and activation peak; recording changes no result."""
 from __future__ import annotations
 
 import functools
+import importlib
+import time
+import types
 
 import pytest
 import torch
 from torch import nn
 
 import fscale as fs
-from fscale.parallel.pipeline import measured_costs, pipeline, record_timeline, zero_bubble
+from fscale.parallel.pipeline import (
+    ActionTime,
+    StepTimeline,
+    Timeline,
+    measured_bubble,
+    measured_costs,
+    pipeline,
+    record_timeline,
+    zero_bubble,
+)
 from fscale.testing import assert_trees_equal, run_spmd
 
 MICRO_BATCHES = 4
+# The module, whose clock the cross-machine test replaces (the package's name is the function).
+bubble_module = importlib.import_module("fscale.parallel.pipeline.measured_bubble")
 
 
 def _step(schedule: str, model: nn.Module | None = None, balance: tuple[int, ...] = (2, 2)):
@@ -168,3 +182,85 @@ def test_measured_costs_give_every_rank_the_same_costs_per_stage(schedule):
     if schedule == "1f1b":
         assert costs["W"][0] == 0
     assert "recorded no pipeline step" in refused
+
+
+def _by_hand(rank: int, steps: int, clock_shift: float) -> Timeline:
+    """Two ranks' steps with known times: in each, rank 0 runs 100-110 s, busy 8 s, and rank 1
+    102-112 s, busy 9 s (step k later by 50 k s), on a clock `clock_shift` s ahead."""
+    timeline = Timeline(activations=False)
+    for k in range(steps):
+        t = 50.0 * k + clock_shift
+        if rank == 0:
+            actions = (
+                ActionTime("F", 0, 0, t + 100, t + 104, 0.0),
+                ActionTime("B", 0, 0, t + 106, t + 110, 0.0),
+            )
+            end = t + 110
+        else:
+            actions = (
+                ActionTime("F", 0, 1, t + 102, t + 106, 1.0),
+                ActionTime("B", 0, 1, t + 106, t + 112, 0.0),
+            )
+            end = t + 112
+        timeline.steps.append(StepTimeline(actions, actions[0].start, end, 0.0, None))
+    return timeline
+
+
+def _bubbles_by_hand(other_machine: bool) -> list[float]:
+    """`measured_bubble` of `_by_hand`'s steps; with `other_machine`, rank 1 reads a clock of
+    its own, 1000 s ahead, as a rank booted elsewhere would."""
+    rank = fs.Mesh(pp=2).rank("pp")
+    shift = 1000.0 if other_machine and rank == 1 else 0.0
+    domain, clock = bubble_module.clock_domain, bubble_module.time
+    if other_machine:
+        bubble_module.clock_domain = lambda: f"machine {rank}"  # type: ignore[assignment]
+        bubble_module.time = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + shift)  # type: ignore[assignment]
+    try:
+        return measured_bubble(_by_hand(rank, 2, shift), fs.Mesh(pp=2))
+    finally:
+        bubble_module.clock_domain, bubble_module.time = domain, clock
+
+
+@pytest.mark.parametrize("other_machine", [False, True])
+def test_measured_bubble_counts_every_rank_over_the_whole_step(other_machine):
+    # The span is 100-112 s; rank 0 was busy 8 s, rank 1 9 s (its F waited 1 s of its 4).
+    expected = 1.0 - (8.0 + 9.0) / (2 * 12.0)
+    for bubbles in run_spmd(_bubbles_by_hand, 2, other_machine):
+        assert bubbles == pytest.approx([expected, expected], abs=1e-3)
+    assert bubble_module.clock_domain().startswith(("boot ", "host "))
+
+
+def _refusals() -> list[str]:
+    rank = fs.Mesh(pp=2).rank("pp")
+    return [_refusal(_by_hand(rank, 1 + rank, 0.0)), _refusal(Timeline())]
+
+
+def _refusal(timeline: Timeline) -> str:
+    try:
+        measured_bubble(timeline, fs.Mesh(pp=2))
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_measured_bubble_refuses_ranks_that_recorded_different_steps_on_every_rank():
+    for messages in run_spmd(_refusals, 2):
+        assert "different numbers of steps ([1, 2]" in messages[0]
+        assert "recorded no pipeline step" in messages[1]
+
+
+def _recorded_bubbles():
+    step, state, batch = _step("1f1b")
+    state, _ = step(state, batch)
+    with record_timeline(activations=False) as timeline:
+        for _ in range(3):
+            state, _ = step(state, batch)
+    return measured_bubble(timeline, fs.Mesh(pp=2)), [s.bubble for s in timeline.steps]
+
+
+def test_measured_bubble_of_a_pipeline_is_at_least_its_ranks_own_bubbles():
+    (bubbles, own_0), (same, own_1) = run_spmd(_recorded_bubbles, 2)
+    assert bubbles == same and len(bubbles) == 3
+    for common, mine, theirs in zip(bubbles, own_0, own_1):
+        # Each rank's own part of a step lies within the step's span.
+        assert (mine + theirs) / 2 - 1e-9 <= common < 1.0

@@ -8,7 +8,8 @@ schedules split each backward into its input and weight halves (`split_backward`
 that joins it to the Plan protocol is `layer`, which applies the step's mixed-precision policy
 and loss scale where the stages run (`precision`). `balance` cuts layers into even stages,
 `batchnorm` keeps BatchNorm's statistics those of the whole batch, `chart` draws a schedule,
-`timeline` measures the steps as they run, and `simulate` gives the time a schedule takes when
+`timeline` measures the steps as they run (`measured_costs` and `measured_bubble` gather
+what every rank measured), and `simulate` gives the time a schedule takes when
 its actions cost what was measured.
 """
 
@@ -26,6 +27,7 @@ from fscale.parallel.pipeline.check import activation_peaks as activation_peaks
 from fscale.parallel.pipeline.check import check_schedule as check_schedule
 from fscale.parallel.pipeline.contract import StageContractError as StageContractError
 from fscale.parallel.pipeline.layer import PipelinePlan as PipelinePlan
+from fscale.parallel.pipeline.measured_bubble import measured_bubble as measured_bubble
 from fscale.parallel.pipeline.measured_costs import measured_costs as measured_costs
 from fscale.parallel.pipeline.schedule import Action as Action
 from fscale.parallel.pipeline.schedule import Schedule as Schedule
@@ -58,6 +60,7 @@ __all__ = [
     "from_orders",
     "gpipe",
     "interleaved",
+    "measured_bubble",
     "measured_costs",
     "one_f_one_b",
     "partition",

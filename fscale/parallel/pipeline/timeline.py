@@ -8,8 +8,10 @@ one `StepTimeline` to ``timeline.steps``:
 - the time each action spent in receives (an activation from the previous stage or a
   gradient from the next: blocked until it arrived, and taking it in, which through shared
   memory is a copy of 0.01-0.1 ms), and the time the final drain waited on sends. The rank was
-  *busy* for the actions' time less those waits; its measured bubble is ``1 - busy / wall``, the
-  figure the schedule table's `Schedule.bubble_fraction` predicts from unit costs;
+  *busy* for the actions' time less those waits, and idle for ``1 - busy / wall`` of its own
+  part (`StepTimeline.bubble`); the figure `Schedule.bubble_fraction` predicts from unit costs
+  counts over the whole step, from the first rank's start to the last rank's end, and
+  `fscale.parallel.pipeline.measured_bubble` measures it from every rank's timeline;
 - for an action that sent its result to another rank before it ended (a B that sends the
   input's gradient before its linear layers' weight gradients), the busy seconds until that
   send;
@@ -89,7 +91,9 @@ class StepTimeline:
 
     @property
     def bubble(self) -> float:
-        """The fraction of `wall` the rank was not busy."""
+        """The fraction of `wall` the rank was not busy: its own part of the step only, which
+        leaves out the time it had finished while other ranks still worked (the pipeline's
+        bubble over the whole step is `fscale.parallel.pipeline.measured_bubble`'s)."""
         return 1.0 - self.busy / self.wall if self.wall > 0 else 0.0
 
     def costs(self) -> dict[tuple[str, int, int], float]:
