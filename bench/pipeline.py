@@ -119,7 +119,7 @@ THROUGHPUT_GOAL = 1.1  # issue 12: fscale >= 1.1x torch pipelining's throughput,
 LAUNCH_CONFIDENCE = 0.95  # of a verdict over launches (`_over_launches`)
 SEQUENCES_PER_MICRO_BATCH = 2
 COST_STEPS = 3  # steps of the unit-clock zero-bubble table timed for its stages' costs
-BUBBLE_PAIRS = 12  # rounds of zero-bubble and 1F1B alternating, for the bubble goal
+BUBBLE_PAIRS = 20  # rounds of zero-bubble and 1F1B alternating, for the bubble goal
 
 
 def _config(quick: bool) -> GPTConfig:
