@@ -74,7 +74,8 @@ core, and the floor is no bound. Below the table, per (P, M): 1F1B's
 activation peak over GPipe's (the goal: at most P/M) and zero-bubble's measured bubble against
 fscale's 1F1B's (the goal: below it), the two steps alternating for `BUBBLE_PAIRS` rounds in the
 zero-bubble launch, after its timed rounds, and the goal decided on the median of the round by
-round differences as the throughput's is on the ratios (over launches with ``--launches``);
+round differences as the throughput's is on the ratios (over launches with ``--launches``),
+with the median ratio of the two steps' times;
 and, where each rank has a core of its own, the cells whose 1.1x
 throughput goal no runtime with fscale's action costs could reach: ``torch/chain`` (GPipe,
 1F1B) or ``torch/floor`` (interleaved) below 1.1 means that even a step with nothing outside
@@ -293,15 +294,17 @@ def _pp_mesh() -> fs.Mesh:
 def _paired_bubbles(zero: Any, one: Any, tokens: torch.Tensor, targets: torch.Tensor):
     """`BUBBLE_PAIRS` rounds of fscale's zero-bubble step then its 1F1B step on the same batch,
     each recorded on its own (`measured_bubble`): per round, the two bubbles, measured under
-    the same load."""
-    bubbles: dict[str, list[float]] = {"zero_bubble": [], "1f1b": []}
+    the same load, and this rank's time for each step (``"<schedule> s"``)."""
+    paired: dict[str, list[float]] = {}
     for _ in range(BUBBLE_PAIRS):
         for name, run in (("zero_bubble", zero), ("1f1b", one)):
             with record_timeline(activations=False) as timeline:
                 dist.barrier()
+                start = time.perf_counter()
                 run(tokens, targets)
-            bubbles[name] += measured_bubble(timeline, _pp_mesh())
-    return bubbles
+                paired.setdefault(f"{name} s", []).append(time.perf_counter() - start)
+            paired.setdefault(name, []).extend(measured_bubble(timeline, _pp_mesh()))
+    return paired
 
 
 def _after_send(action: Any) -> float:
@@ -696,26 +699,36 @@ def _row(ranks: int, micro_batches: int, schedule: str, results: list[dict[str, 
         "table_bubble": results[0]["bubble"],
         "analytic_bubble": analytic,
         "measured_bubble": results[0]["measured"]["bubble"],  # the same on every rank
-        "paired_bubble": _paired_bubble(results[0]["paired_bubbles"]),
+        "paired_bubble": _paired_bubble([r["paired_bubbles"] for r in results]),
         "activation_peak_mib": [r["measured"]["activation_peak"] / 2**20 for r in results],
         "torch_error": results[0]["torch_error"],
     }
 
 
-def _paired_bubble(bubbles: dict[str, list[float]] | None) -> dict[str, Any] | None:
+def _paired_bubble(ranks: list[dict[str, list[float]] | None]) -> dict[str, Any] | None:
     """Zero-bubble's measured bubble against fscale's 1F1B's, round by round in one launch
-    (`_paired_bubbles`): the medians, the median of the differences with its interval, and
-    the verdict on the goal (below 1F1B's: met when the whole interval is below 0)."""
-    if bubbles is None:
+    (`_paired_bubbles`, one entry per rank; the bubbles are the same on every rank): the
+    medians, the median of the differences with its interval, the verdict on the goal (below
+    1F1B's: met when the whole interval is below 0), and the median of the round by round
+    ratios of the two steps' times (the slowest rank's), zero-bubble's over 1F1B's."""
+    if ranks[0] is None:
         return None
+    bubbles = ranks[0]
     differences = [z - o for z, o in zip(bubbles["zero_bubble"], bubbles["1f1b"])]
     interval = _util.median_interval(differences)
+    slowest = {
+        name: [max(times) for times in zip(*(r[f"{name} s"] for r in ranks if r))]
+        for name in ("zero_bubble", "1f1b")
+    }
     return {
         "zero_bubble": statistics.median(bubbles["zero_bubble"]),
         "1f1b": statistics.median(bubbles["1f1b"]),
         "difference": statistics.median(differences),
         "interval": dataclasses.asdict(interval),
         "verdict": _below(interval),
+        "step_ratio": statistics.median(
+            _util.paired_ratios(slowest["zero_bubble"], slowest["1f1b"])
+        ),
     }
 
 
@@ -743,6 +756,7 @@ def _paired_bubble_over_launches(launches: list[dict[str, Any]]) -> dict[str, An
         "difference": statistics.median(differences),
         "interval": dataclasses.asdict(interval),
         "verdict": _below(interval) if enough else "undecided",
+        "step_ratio": statistics.median(p["step_ratio"] for p in paired),
     }
 
 
@@ -852,7 +866,8 @@ def _goals(rows: list[dict[str, Any]]) -> str:
                 f"zero-bubble measured bubble {paired['zero_bubble']:.3f} vs 1F1B "
                 f"{paired['1f1b']:.3f}, alternating in the same launches: difference "
                 f"{paired['difference']:+.3f} ({interval['low']:+.3f} to {interval['high']:+.3f}, "
-                f"{interval['coverage']:.1%}) {paired['verdict']}"
+                f"{interval['coverage']:.1%}) {paired['verdict']}; its step "
+                f"{paired['step_ratio']:.3f}x 1F1B's"
             )
         elif zero and one:
             met = zero["measured_bubble"] < one["measured_bubble"]

@@ -535,8 +535,15 @@ def test_pipeline_bubble_goal_is_decided_on_round_by_round_differences(monkeypat
     zero = [0.10 + i / 1000 for i in range(12)]
 
     def paired(shift):
+        one = [z + s for z, s in zip(zero, shift)]
+        # Two ranks; per round the slower one's times: zero-bubble 0.09 s, 1F1B 0.1 s.
+        times = {"zero_bubble s": [0.09] * 12, "1f1b s": [0.1] * 12}
+        faster = {"zero_bubble s": [0.05] * 12, "1f1b s": [0.05] * 12}
         return pipeline._paired_bubble(
-            {"zero_bubble": zero, "1f1b": [z + s for z, s in zip(zero, shift)]}
+            [
+                {"zero_bubble": zero, "1f1b": one, **times},
+                {"zero_bubble": zero, "1f1b": one, **faster},
+            ]
         )
 
     below = paired([0.02] * 12)  # 1F1B's bubble above zero-bubble's in every round
@@ -545,11 +552,13 @@ def test_pipeline_bubble_goal_is_decided_on_round_by_round_differences(monkeypat
     assert below["verdict"] == "met"
     assert paired([-0.01] * 12)["verdict"] == "missed"
     assert paired([0.02, -0.02] * 6)["verdict"] == "undecided"
-    assert pipeline._paired_bubble(None) is None
+    assert below["step_ratio"] == pytest.approx(0.9)
+    assert pipeline._paired_bubble([None, None]) is None
     # Over launches: decided on the launches' medians of the differences, at 95%.
     launches = [{"paired_bubble": paired([0.01 * (k + 1)] * 12)} for k in range(6)]
     over = pipeline._paired_bubble_over_launches(launches)
     assert over["verdict"] == "met" and over["difference"] == pytest.approx(-0.035)
+    assert over["step_ratio"] == pytest.approx(0.9)
     assert pipeline._paired_bubble_over_launches(launches[:5])["verdict"] == "undecided"
     launches[0] = {"paired_bubble": paired([-0.01] * 12)}
     assert pipeline._paired_bubble_over_launches(launches)["verdict"] == "undecided"
@@ -569,4 +578,5 @@ def test_pipeline_bubble_goal_is_decided_on_round_by_round_differences(monkeypat
         ]
     )
     assert "zero-bubble measured bubble 0.106 vs 1F1B 0.126" in text
-    assert "difference -0.020 (-0.020 to -0.020, " in text and text.endswith("met")
+    assert "difference -0.020 (-0.020 to -0.020, " in text
+    assert text.endswith("met; its step 0.900x 1F1B's")
