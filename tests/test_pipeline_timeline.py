@@ -160,8 +160,9 @@ def _costs_of(schedule: str):
     with record_timeline() as empty:
         pass
     refused = ""
+    # Only rank 1 recorded nothing: rank 0 raises too, instead of waiting for it.
     try:
-        measured_costs(empty, fs.Mesh(pp=2))
+        measured_costs(empty if fs.Mesh(pp=2).rank("pp") == 1 else timeline, fs.Mesh(pp=2))
     except ValueError as error:
         refused = str(error)
     # Every rank builds the same table from them: the agreement check in `init` passes.
@@ -171,7 +172,8 @@ def _costs_of(schedule: str):
 
 @pytest.mark.parametrize("schedule", ["zero_bubble", "1f1b"])
 def test_measured_costs_give_every_rank_the_same_costs_per_stage(schedule):
-    (costs, refused), (other, _) = run_spmd(_costs_of, 2, schedule)
+    (costs, refused), (other, refused_too) = run_spmd(_costs_of, 2, schedule)
+    assert refused == refused_too
     assert costs == other  # gathered: the same numbers on both ranks
     assert sorted(costs) == ["B", "F", "W"]
     assert all(len(seconds) == 2 for seconds in costs.values())
@@ -181,7 +183,7 @@ def test_measured_costs_give_every_rank_the_same_costs_per_stage(schedule):
     assert costs["W"][1] > 0
     if schedule == "1f1b":
         assert costs["W"][0] == 0
-    assert "recorded no pipeline step" in refused
+    assert "rank 1 of 'pp' recorded no pipeline step" in refused
 
 
 def _by_hand(rank: int, steps: int, clock_shift: float) -> Timeline:
@@ -232,7 +234,9 @@ def test_measured_bubble_counts_every_rank_over_the_whole_step(other_machine):
 
 def _refusals() -> list[str]:
     rank = fs.Mesh(pp=2).rank("pp")
-    return [_refusal(_by_hand(rank, 1 + rank, 0.0)), _refusal(Timeline())]
+    # Only rank 1 recorded nothing: rank 0 raises too, instead of waiting for it.
+    nothing = Timeline() if rank == 1 else _by_hand(rank, 1, 0.0)
+    return [_refusal(_by_hand(rank, 1 + rank, 0.0)), _refusal(nothing)]
 
 
 def _refusal(timeline: Timeline) -> str:
@@ -246,7 +250,7 @@ def _refusal(timeline: Timeline) -> str:
 def test_measured_bubble_refuses_ranks_that_recorded_different_steps_on_every_rank():
     for messages in run_spmd(_refusals, 2):
         assert "different numbers of steps ([1, 2]" in messages[0]
-        assert "recorded no pipeline step" in messages[1]
+        assert "rank 1 of 'pp' recorded no pipeline step" in messages[1]
 
 
 def _recorded_bubbles():

@@ -47,20 +47,23 @@ def measured_bubble(timeline: Timeline, mesh: Mesh, axis: str = "pp") -> list[fl
     same steps).
 
     Raises:
-        ValueError: `timeline` holds no step, or the ranks recorded different numbers of steps.
+        ValueError: on every rank of the axis, where some rank's `timeline` holds no step or
+            the ranks recorded different numbers of steps.
     """
-    if not timeline.steps:
-        raise ValueError(
-            "measured_bubble: `timeline` recorded no pipeline step; run a few steps inside "
-            "`with record_timeline() as timeline:` first"
-        )
     group = mesh.group(axis)
     if group is not None:
         dist.barrier(group=group)
     clock = time.perf_counter()
     steps = [(s.start, s.end, s.busy) for s in timeline.steps]
+    # Gathered before any check, so that every rank raises the same error instead of one
+    # leaving the others waiting in the collective.
     gathered = spmd.all_gather_objects((clock_domain(), clock, steps), mesh, axis)
     counts = [len(ranked) for _, _, ranked in gathered]
+    if 0 in counts:
+        raise ValueError(
+            f"measured_bubble: rank {counts.index(0)} of {axis!r} recorded no pipeline step; "
+            "run a few steps inside `with record_timeline() as timeline:` on every rank first"
+        )
     if len(set(counts)) > 1:
         raise ValueError(
             f"measured_bubble: the ranks of {axis!r} recorded different numbers of steps "

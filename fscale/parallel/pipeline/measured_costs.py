@@ -27,13 +27,9 @@ def measured_costs(timeline: Timeline, mesh: Mesh, axis: str = "pp") -> dict[str
     it, and any other B as B alone (W 0): the split the runtime would make.
 
     Raises:
-        ValueError: `timeline` holds no step, or no rank measured some stage.
+        ValueError: on every rank of the axis, where some rank's `timeline` holds no step or no
+            rank measured some stage.
     """
-    if not timeline.steps:
-        raise ValueError(
-            "measured_costs: `timeline` recorded no pipeline step; run a few steps inside "
-            "`with record_timeline() as timeline:` first"
-        )
     samples: dict[tuple[str, int], list[float]] = defaultdict(list)
     for step in timeline.steps:
         for action in step.actions:
@@ -43,8 +39,17 @@ def measured_costs(timeline: Timeline, mesh: Mesh, axis: str = "pp") -> dict[str
             else:
                 samples[(action.kind, action.stage)].append(action.busy)
     mine = {key: statistics.median(seconds) for key, seconds in samples.items()}
+    # Gathered before any check, so that every rank raises the same error instead of one
+    # leaving the others waiting in the collective.
+    gathered = spmd.all_gather_objects((len(timeline.steps), mine), mesh, axis)
+    counts = [count for count, _ in gathered]
+    if 0 in counts:
+        raise ValueError(
+            f"measured_costs: rank {counts.index(0)} of {axis!r} recorded no pipeline step; "
+            "run a few steps inside `with record_timeline() as timeline:` on every rank first"
+        )
     merged: dict[tuple[str, int], float] = {}
-    for theirs in spmd.all_gather_objects(mine, mesh, axis):
+    for _, theirs in gathered:
         merged.update(theirs)
     num_stages = 1 + max(stage for _, stage in merged)
     for stage in range(num_stages):
