@@ -102,6 +102,7 @@ from torch import nn
 import fscale as fs
 from fscale.models import GPT, GPTConfig
 from fscale.parallel.pipeline import (
+    Timeline,
     measured_bubble,
     measured_costs,
     record_timeline,
@@ -293,17 +294,21 @@ def _pp_mesh() -> fs.Mesh:
 
 def _paired_bubbles(zero: Any, one: Any, tokens: torch.Tensor, targets: torch.Tensor):
     """`BUBBLE_PAIRS` rounds of fscale's zero-bubble step then its 1F1B step on the same batch,
-    each recorded on its own (`measured_bubble`): per round, the two bubbles, measured under
-    the same load, and this rank's time for each step (``"<schedule> s"``)."""
-    paired: dict[str, list[float]] = {}
+    each step recorded on its own: per round, the two bubbles (`measured_bubble`, gathered
+    once after the rounds), measured under the same load, and this rank's time for each step
+    (``"<schedule> s"``)."""
+    recorded = {"zero_bubble": Timeline(activations=False), "1f1b": Timeline(activations=False)}
+    paired: dict[str, list[float]] = {"zero_bubble s": [], "1f1b s": []}
     for _ in range(BUBBLE_PAIRS):
         for name, run in (("zero_bubble", zero), ("1f1b", one)):
             with record_timeline(activations=False) as timeline:
                 dist.barrier()
                 start = time.perf_counter()
                 run(tokens, targets)
-                paired.setdefault(f"{name} s", []).append(time.perf_counter() - start)
-            paired.setdefault(name, []).extend(measured_bubble(timeline, _pp_mesh()))
+                paired[f"{name} s"].append(time.perf_counter() - start)
+            recorded[name].steps += timeline.steps
+    for name, timeline in recorded.items():
+        paired[name] = measured_bubble(timeline, _pp_mesh())
     return paired
 
 
@@ -467,8 +472,8 @@ def run_isolated(ranks: int, options: dict[str, Any]) -> list[dict[str, Any]]:
     results = []
     for rank in range(ranks):
         ours = measured["fscale"]["finish"][rank]
-        facts = {k: ours[k] for k in ("measured", "bubble", "table", "activation_bound", "balance")}
-        facts["paired_bubbles"] = ours["paired_bubbles"]
+        kept = ("measured", "bubble", "table", "activation_bound", "balance", "paired_bubbles")
+        facts = {k: ours[k] for k in kept}
         results.append(
             {
                 "times": {name: measured[name]["wall"][rank] for name in names},
@@ -709,8 +714,9 @@ def _paired_bubble(ranks: list[dict[str, list[float]] | None]) -> dict[str, Any]
     """Zero-bubble's measured bubble against fscale's 1F1B's, round by round in one launch
     (`_paired_bubbles`, one entry per rank; the bubbles are the same on every rank): the
     medians, the median of the differences with its interval, the verdict on the goal (below
-    1F1B's: met when the whole interval is below 0), and the median of the round by round
-    ratios of the two steps' times (the slowest rank's), zero-bubble's over 1F1B's."""
+    1F1B's: met when the whole interval is at or below 0, `MedianInterval.verdict`), and the
+    median of the round by round ratios of the two steps' times (the slowest rank's),
+    zero-bubble's over 1F1B's."""
     if ranks[0] is None:
         return None
     bubbles = ranks[0]
@@ -725,20 +731,11 @@ def _paired_bubble(ranks: list[dict[str, list[float]] | None]) -> dict[str, Any]
         "1f1b": statistics.median(bubbles["1f1b"]),
         "difference": statistics.median(differences),
         "interval": dataclasses.asdict(interval),
-        "verdict": _below(interval),
+        "verdict": interval.verdict(0.0),
         "step_ratio": statistics.median(
             _util.paired_ratios(slowest["zero_bubble"], slowest["1f1b"])
         ),
     }
-
-
-def _below(interval: Any) -> str:
-    """The verdict on a difference that must be below 0."""
-    if interval.high < 0:
-        return "met"
-    if interval.low >= 0:
-        return "missed"
-    return "undecided"
 
 
 def _paired_bubble_over_launches(launches: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -755,7 +752,7 @@ def _paired_bubble_over_launches(launches: list[dict[str, Any]]) -> dict[str, An
         "1f1b": statistics.median(p["1f1b"] for p in paired),
         "difference": statistics.median(differences),
         "interval": dataclasses.asdict(interval),
-        "verdict": _below(interval) if enough else "undecided",
+        "verdict": interval.verdict(0.0) if enough else "undecided",
         "step_ratio": statistics.median(p["step_ratio"] for p in paired),
     }
 
