@@ -46,7 +46,9 @@ needs setuptools >= 77 for the build, which an offline image may not have). The 
 took under two minutes on an H200; ``python bench/gpu_step.py`` about one more.
 
 `--device cpu` runs the same code on the CPU (a smoke test of the script itself; the memory
-figures are then not measured).
+figures are then not measured). `--quick` shrinks the models of checks 1, 3 and 4 (sequences
+of 64 positions, batches of 4): the smoke test's size, for a CPU without bf16 kernels of its own
+(AVX2 only), where a bf16 product takes tens of times an fp32 one.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ from fscale import models
 from fscale.parallel.buckets import GradBuckets
 
 FAILURES: list[str] = []
+# `--quick`: the checks' models shrunk to a smoke test's size (set once, by `main`).
+QUICK = False
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
@@ -100,10 +104,12 @@ def _next_token_loss(model: torch.nn.Module, *, float_logits: bool = False):
 
 
 def check_remat(device: torch.device) -> None:
+    seq_len, rows = (64, 4) if QUICK else (512, 8)
     cfg = models.GPTConfig(
-        vocab_size=512, seq_len=512, d_model=256, n_heads=4, n_layers=4, dropout=0.1
+        vocab_size=512, seq_len=seq_len, d_model=256, n_heads=4, n_layers=4, dropout=0.1
     )
-    tokens = torch.randint(0, 512, (8, 513), generator=torch.Generator().manual_seed(0)).to(device)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 512, (rows, seq_len + 1), generator=generator).to(device)
     grads, runs = {}, {}
     for variant in ("none", "checkpoint", "checkpoint+offload"):
         model = models.GPT(cfg, seed=0).to(device)
@@ -160,13 +166,14 @@ def check_offload_optimizer(device: torch.device) -> None:
 
 
 def check_bf16_step(device: torch.device) -> None:
-    cfg = models.GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=2)
+    seq_len, rows = (32, 4) if QUICK else (64, 16)
+    cfg = models.GPTConfig(vocab_size=256, seq_len=seq_len, d_model=128, n_heads=4, n_layers=2)
     model = models.GPT(cfg, seed=0).to(device=device, dtype=torch.bfloat16)
     loss_fn, params, buffers = _next_token_loss(model, float_logits=True)
     step = fs.train_step(loss_fn, fs.optim.adamw(3e-3))
     state = step.init(params, buffers)
     tokens = fs.data.ByteTokenizer().encode(fs.data.bundled_corpus())
-    batches = fs.data.LMBatches(fs.data.batchify(tokens, 16), 64, batch_major=True)
+    batches = fs.data.LMBatches(fs.data.batchify(tokens, rows), seq_len, batch_major=True)
     losses = []
     for i in range(30):
         state, metrics = step(state, batches[i % len(batches)].inputs.to(device))
@@ -176,9 +183,11 @@ def check_bf16_step(device: torch.device) -> None:
 
 
 def _mixed_precision_model(device: torch.device):
-    cfg = models.GPTConfig(vocab_size=512, seq_len=256, d_model=256, n_heads=4, n_layers=4)
+    seq_len, rows, width = (64, 4, 64) if QUICK else (256, 8, 256)
+    cfg = models.GPTConfig(vocab_size=512, seq_len=seq_len, d_model=width, n_heads=4, n_layers=4)
     loss_fn, params, buffers = _next_token_loss(models.GPT(cfg, seed=0).to(device))
-    tokens = torch.randint(0, 512, (8, 257), generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 512, (rows, seq_len + 1), generator=generator)
     return loss_fn, params, buffers, tokens.to(device)
 
 
@@ -218,7 +227,7 @@ def check_mixed_precision(device: torch.device) -> None:
             bf16_peak < fp32_peak,
             f"bf16 {bf16_peak:.1f} MiB, fp32 {fp32_peak:.1f} MiB",
         )
-        sharded = fs.launch(_mixed_precision_fsdp_rank, 1, backend="nccl")[0]
+        sharded = fs.launch(_mixed_precision_fsdp_rank, 1, QUICK, backend="nccl")[0]
         same = all(torch.equal(sharded[k], state.params[k].cpu()) for k in sharded)
         worst = max((sharded[k] - state.params[k].cpu()).abs().max().item() for k in sharded)
         check(
@@ -228,7 +237,9 @@ def check_mixed_precision(device: torch.device) -> None:
         )
 
 
-def _mixed_precision_fsdp_rank() -> dict[str, torch.Tensor]:
+def _mixed_precision_fsdp_rank(quick: bool) -> dict[str, torch.Tensor]:
+    global QUICK
+    QUICK = quick  # the launched process imported this module afresh: the same model sizes
     torch.use_deterministic_algorithms(True)  # as the local step it is compared with
     device = torch.device("cuda", torch.cuda.current_device())
     loss_fn, params, buffers, tokens = _mixed_precision_model(device)
@@ -465,7 +476,10 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke test")
     parser.add_argument("--skip-tests", action="store_true", help="do not run pytest -k cuda")
     parser.add_argument("--skip-compile", action="store_true", help="no torch.compile checks")
+    parser.add_argument("--quick", action="store_true", help="smaller models (a smoke test)")
     args = parser.parse_args()
+    global QUICK
+    QUICK = args.quick
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu for a smoke test of this script")
