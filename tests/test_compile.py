@@ -399,10 +399,11 @@ PLANS = {
 
 
 def _compiled_against_eager(
-    plan: str, donate: bool, backend: str = "inductor", what: str = "step"
-) -> float:
-    """Two steps of `plan` on this rank's half of each batch, eager and with `what` compiled
-    (the whole step, or only its loss function); max |diff|."""
+    plan: str, donate: bool, what: str = "step"
+) -> tuple[float, dict[str, int]]:
+    """Two steps of `plan` on this rank's half of each batch, eager and with `what` compiled by
+    inductor (the whole step, or only its loss function): max |diff|, and the compiled steps'
+    graph-break sites by fscale file (Dynamo decides them, whichever backend compiles)."""
     rank = torch.distributed.get_rank()
     mesh = fs.Mesh(dp=torch.distributed.get_world_size())
     torch._dynamo.reset()  # the pool's ranks live on: nothing compiled by an earlier test
@@ -412,14 +413,16 @@ def _compiled_against_eager(
         step = PLANS[plan](step, mesh)
         state = step.init(state.params, state.buffers)
         whole = compile_it and what == "step"
-        run = torch.compile(step, backend=backend) if whole else step
-        for index in range(2):
-            inputs, targets = _batch(index)
-            state, _ = run(state, (inputs.chunk(2)[rank], targets.chunk(2)[rank]))
+        run = torch.compile(step) if whole else step
+        with _break_sites() as sites:
+            for index in range(2):
+                inputs, targets = _batch(index)
+                state, _ = run(state, (inputs.chunk(2)[rank], targets.chunk(2)[rank]))
         results.append(fs.consolidate(step, state).params)
-    return max(
+    difference = max(
         (a - b).abs().max().item() for a, b in zip(tree.leaves(results[0]), tree.leaves(results[1]))
     )
+    return difference, sites.by_file()
 
 
 def _compiled_unit_step_difference(backend: str) -> float:
@@ -446,32 +449,6 @@ def test_compiled_fully_shard_step_with_submodule_units_equals_the_eager_step() 
     # when it meets one in a parameter slot; those reads must pass, computation must not.
     (difference,) = fs.testing.run_spmd(_compiled_unit_step_difference, 1, "eager", timeout=300.0)
     assert difference <= 1e-6
-
-
-@pytest.mark.slow
-def test_data_parallel_step_traces_on_two_ranks() -> None:
-    # Dynamo only (backend "eager"): the graphs, their breaks around the collectives and the
-    # state rebuilt across them; inductor's code for the same graphs is the test below.
-    differences = fs.testing.run_spmd(
-        _compiled_against_eager, 2, "data_parallel", True, "eager", timeout=900.0
-    )
-    assert max(differences) <= 1e-6
-
-
-def _plan_break_sites(plan: str) -> dict[str, int]:
-    """The graph-break sites of two compiled steps of `plan` on this rank, by fscale file."""
-    rank = torch.distributed.get_rank()
-    mesh = fs.Mesh(dp=torch.distributed.get_world_size())
-    torch._dynamo.reset()
-    step, state = _step(donate=True)
-    step = PLANS[plan](step, mesh)
-    state = step.init(state.params, state.buffers)
-    compiled = torch.compile(step, backend="eager")
-    with _break_sites() as sites:
-        for index in range(2):
-            inputs, targets = _batch(index)
-            state, _ = compiled(state, (inputs.chunk(2)[rank], targets.chunk(2)[rank]))
-    return sites.by_file()
 
 
 # The local step's sites, with the optimizer's apply called from ZeRO's update instead, and
@@ -552,48 +529,35 @@ FULLY_SHARD_BREAKS = {
 }
 
 
+# Each plan compiled whole by inductor (2 gloo ranks) equals the eager step after two steps
+# (measured: to 1.5e-8), and breaks its graphs only at the sites listed for it above. The steps
+# donate their state, but for ZeRO-1 (`shard_grads=False`), which covers the other way round.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("plan", "expected"),
+    ("plan", "donate", "expected"),
     [
-        ("data_parallel", DATA_PARALLEL_BREAKS),
-        ("shard_optimizer", SHARD_OPTIMIZER_BREAKS),
-        ("fully_shard", FULLY_SHARD_BREAKS),
+        ("data_parallel", True, DATA_PARALLEL_BREAKS),
+        ("shard_optimizer", True, SHARD_OPTIMIZER_BREAKS),
+        ("shard_optimizer(shard_grads=False)", False, None),
+        ("fully_shard", True, FULLY_SHARD_BREAKS),
     ],
 )
-def test_multi_rank_step_breaks_graphs_only_where_expected(
-    optree_traced: None, plan: str, expected: dict[str, int]
+def test_compiled_multi_rank_step_equals_the_eager_step_and_breaks_only_where_expected(
+    plan: str, donate: bool, expected: dict[str, int] | None
 ) -> None:
-    sites = fs.testing.run_spmd(_plan_break_sites, 2, plan, timeout=900.0)
-    assert sites[0] == sites[1] == expected, sites
-
-
-# Measured (2 gloo ranks, inductor): every plan equals the eager step to 1.5e-8 after two
-# steps; shard_optimizer with either donate and shard_grads.
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("plan", "donate"),
-    [
-        ("data_parallel", True),
-        ("shard_optimizer", True),
-        ("shard_optimizer", False),
-        ("shard_optimizer(shard_grads=False)", True),
-        ("shard_optimizer(shard_grads=False)", False),
-        ("fully_shard", True),
-    ],
-)
-def test_compiled_multi_rank_step_equals_the_eager_step(plan: str, donate: bool) -> None:
-    differences = fs.testing.run_spmd(_compiled_against_eager, 2, plan, donate, timeout=900.0)
-    assert max(differences) <= 1e-6
+    results = fs.testing.run_spmd(_compiled_against_eager, 2, plan, donate, timeout=900.0)
+    assert max(difference for difference, _ in results) <= 1e-6
+    # The sites are those of a torch whose Dynamo traces optree's flatten (see `optree_traced`);
+    # under torch 2.6 to 2.9 it breaks at every call, and only the equality is checked.
+    if expected is not None and _dynamo_traces_optree():
+        assert results[0][1] == results[1][1] == expected, [sites for _, sites in results]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", ["data_parallel", "shard_optimizer", "fully_shard"])
 def test_multi_rank_step_of_a_compiled_loss_function_equals_the_eager_step(plan: str) -> None:
-    differences = fs.testing.run_spmd(
-        _compiled_against_eager, 2, plan, True, "inductor", "loss_fn", timeout=900.0
-    )
-    assert max(differences) <= 1e-6
+    results = fs.testing.run_spmd(_compiled_against_eager, 2, plan, True, "loss_fn", timeout=900.0)
+    assert max(difference for difference, _ in results) <= 1e-6
 
 
 def _stages(compiled: bool) -> nn.Sequential:
