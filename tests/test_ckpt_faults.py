@@ -165,8 +165,9 @@ def test_a_rank_killed_at_any_phase_of_a_save_leaves_a_loadable_checkpoint_and_r
         roots, expected = [], []
         for where in KILL_POINTS:
             root = os.path.join(base, where)
+            # The pool's ranks: the killed one takes the group down, and the pool starts anew.
             with pytest.raises(fs.distributed.RankError):
-                fs.launch(_save_then_die_while_saving_again, 2, root, where, timeout=120)
+                run_spmd(_save_then_die_while_saving_again, 2, root, where, timeout=120)
             expected.append(_what_the_killed_save_left(root, where))
             roots.append(root)
         # A fresh set of processes resumes every run from its latest complete checkpoint.
