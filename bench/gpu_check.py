@@ -47,8 +47,8 @@ took under two minutes on an H200; ``python bench/gpu_step.py`` about one more.
 
 `--device cpu` runs the same code on the CPU (a smoke test of the script itself; the memory
 figures are then not measured). `--quick` shrinks the models of checks 1, 3 and 4 (sequences
-of 64 positions, batches of 4): the smoke test's size, for a CPU without bf16 kernels of its own
-(AVX2 only), where a bf16 product takes tens of times an fp32 one.
+of 32 or 64 positions, batches of 4): the smoke test's size, for a CPU without bf16 kernels of
+its own (AVX2 only), where a bf16 product takes tens of times an fp32 one.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ from fscale import models
 from fscale.parallel.buckets import GradBuckets
 
 FAILURES: list[str] = []
-# `--quick`: the checks' models shrunk to a smoke test's size (set once, by `main`).
+# `--quick`: the checks' models shrunk to a smoke test's size (set by `main`, and in a launched
+# rank by its entry point, which imported this module afresh).
 QUICK = False
 
 
