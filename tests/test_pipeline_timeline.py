@@ -156,13 +156,14 @@ def _costs_of(schedule: str):
     with record_timeline(activations=False) as timeline:
         for _ in range(2):
             state, _ = step(state, batch)
-    costs = measured_costs(timeline, fs.Mesh(pp=2))
+    mesh = fs.Mesh(pp=2)
+    costs = measured_costs(timeline, mesh)
     with record_timeline() as empty:
         pass
     refused = ""
     # Only rank 1 recorded nothing: rank 0 raises too, instead of waiting for it.
     try:
-        measured_costs(empty if fs.Mesh(pp=2).rank("pp") == 1 else timeline, fs.Mesh(pp=2))
+        measured_costs(empty if mesh.rank("pp") == 1 else timeline, mesh)
     except ValueError as error:
         refused = str(error)
     # Every rank builds the same table from them: the agreement check in `init` passes.

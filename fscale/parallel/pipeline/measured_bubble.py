@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fscale import spmd
 from fscale.distributed.mesh import Mesh
-from fscale.parallel.pipeline.timeline import Timeline
+from fscale.parallel.pipeline.timeline import Timeline, check_every_rank_recorded
 
 __all__ = ["measured_bubble"]
 
@@ -59,11 +59,7 @@ def measured_bubble(timeline: Timeline, mesh: Mesh, axis: str = "pp") -> list[fl
     # leaving the others waiting in the collective.
     gathered = spmd.all_gather_objects((clock_domain(), clock, steps), mesh, axis)
     counts = [len(ranked) for _, _, ranked in gathered]
-    if 0 in counts:
-        raise ValueError(
-            f"measured_bubble: rank {counts.index(0)} of {axis!r} recorded no pipeline step; "
-            "run a few steps inside `with record_timeline() as timeline:` on every rank first"
-        )
+    check_every_rank_recorded(counts, axis, "measured_bubble")
     if len(set(counts)) > 1:
         raise ValueError(
             f"measured_bubble: the ranks of {axis!r} recorded different numbers of steps "

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 from fscale import spmd
 from fscale.distributed.mesh import Mesh
-from fscale.parallel.pipeline.timeline import Timeline
+from fscale.parallel.pipeline.timeline import Timeline, check_every_rank_recorded
 
 __all__ = ["measured_costs"]
 
@@ -42,12 +42,7 @@ def measured_costs(timeline: Timeline, mesh: Mesh, axis: str = "pp") -> dict[str
     # Gathered before any check, so that every rank raises the same error instead of one
     # leaving the others waiting in the collective.
     gathered = spmd.all_gather_objects((len(timeline.steps), mine), mesh, axis)
-    counts = [count for count, _ in gathered]
-    if 0 in counts:
-        raise ValueError(
-            f"measured_costs: rank {counts.index(0)} of {axis!r} recorded no pipeline step; "
-            "run a few steps inside `with record_timeline() as timeline:` on every rank first"
-        )
+    check_every_rank_recorded([count for count, _ in gathered], axis, "measured_costs")
     merged: dict[tuple[str, int], float] = {}
     for _, theirs in gathered:
         merged.update(theirs)

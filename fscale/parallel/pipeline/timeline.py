@@ -43,7 +43,7 @@ import torch
 from fscale import tracking
 from fscale.memory import LiveBytes
 
-__all__ = ["ActionTime", "StepTimeline", "Timeline", "record_timeline"]
+__all__ = ["ActionTime", "StepTimeline", "Timeline", "check_every_rank_recorded", "record_timeline"]
 
 _TIMELINES = tracking.stack("fscale.parallel.pipeline.timeline")
 
@@ -123,6 +123,16 @@ class Timeline:
 
     def __repr__(self) -> str:
         return f"Timeline({len(self.steps)} steps)"
+
+
+def check_every_rank_recorded(counts: list[int], axis: str, caller: str) -> None:
+    """Raise, naming the first rank, if a rank of `axis` recorded no step (`counts`: each rank's
+    number of recorded steps, gathered, so every rank raises the same error)."""
+    if 0 in counts:
+        raise ValueError(
+            f"{caller}: rank {counts.index(0)} of {axis!r} recorded no pipeline step; run a few "
+            "steps inside `with record_timeline() as timeline:` on every rank first"
+        )
 
 
 @contextlib.contextmanager
