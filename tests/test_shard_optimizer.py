@@ -373,6 +373,13 @@ def _memory(world_unused=None):
             metrics["grad_bytes"],
             metrics["grad_peak_bytes"],
         )
+        # The state names its own world size, so a state from another one is detected.
+        sharded = state.opt_state
+        out[("opt_state", shard_grads)] = (
+            isinstance(sharded, fs.ShardedOptState),
+            int(sharded.num_shards),
+            fs.memory.tree_bytes(sharded.shard) + sharded.num_shards.nbytes,
+        )
     return out
 
 
@@ -386,6 +393,7 @@ def test_memory_per_rank(world):
             # Adam: two fp32 moments of this rank's elements (+ the count and the shard count).
             assert abs(state_bytes - 8 * psi / world) <= 8 * bucket + 16
             assert grad_bytes == 4 * padded // world  # the reduced shards
+            assert out[("opt_state", shard_grads)] == (True, world, state_bytes)
         zero2_peak, zero1_peak = out[True][3], out[False][3]
         assert zero1_peak >= 4 * padded  # ZeRO-1 holds every full gradient bucket
         assert zero2_peak <= 4 * padded // world + 3 * 4 * bucket  # shards + <= 3 buckets
