@@ -11,12 +11,14 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from hypothesis_budget import CI_EXAMPLES, THOROUGH_EXAMPLES, profile
 
 # CI (and the default) runs a bounded, derandomized profile so the suite is fast and repeatable;
-# `HYPOTHESIS_PROFILE=thorough` explores more examples locally.
+# `HYPOTHESIS_PROFILE=thorough` explores more examples locally (tests with a count of their own
+# take it through `hypothesis_budget.examples`, which scales it the same way).
 settings.register_profile(
     "ci",
-    max_examples=8,
+    max_examples=CI_EXAMPLES,
     deadline=None,
     derandomize=True,
     print_blob=True,
@@ -24,11 +26,11 @@ settings.register_profile(
 )
 settings.register_profile(
     "thorough",
-    max_examples=100,
+    max_examples=THOROUGH_EXAMPLES,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+settings.load_profile(profile())
 
 torch.set_num_threads(1)
 torch.use_deterministic_algorithms(True)

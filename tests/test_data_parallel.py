@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 from torch.nn.parallel import DistributedDataParallel
 
 import fscale as fs
@@ -75,7 +76,7 @@ def _train_one_process(case, opt, steps):
     return state.params
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(
     case=fst.model_cases(),
     opt=fst.optimizer_cases(),
@@ -98,7 +99,7 @@ def test_data_parallel_equals_torch_ddp(case, opt, world):
         assert_trees_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(
     case=fst.model_cases(kinds=("mlp", "gpt")),
     opt=fst.optimizer_cases(names=("sgd",)),

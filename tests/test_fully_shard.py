@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 from torch import nn
 
 import fscale as fs
@@ -52,7 +53,7 @@ def _fsdp_and_data_parallel(case, opt, steps, options):
     return full.params, r.params, full.buffers, r.buffers, losses
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(
     case=fst.model_cases(),
     opt=fst.optimizer_cases(),
@@ -95,7 +96,7 @@ def _fsdp_and_one_process(case, steps):
     return consolidate(step, state).params, reference.params
 
 
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 @given(case=fst.model_cases(kinds=("mlp", "gpt")), world=st.sampled_from([1, 2, 4]))
 def test_fully_shard_equals_one_process_on_the_whole_batch(case, world):
     """Within rtol 1e-5 / atol 1e-6 after three SGD steps: summation order only.

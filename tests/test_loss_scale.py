@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 from torch.nn.parallel import DistributedDataParallel
 
 import fscale as fs
@@ -287,7 +288,7 @@ def _train_all(injections, inject_rank):
     return reference, accumulated, ours
 
 
-@settings(max_examples=6)  # each example trains seven runs on two ranks
+@settings(max_examples=examples(6))  # each example trains seven runs on two ranks
 @given(
     injections=st.sets(st.integers(0, STEPS - 1), max_size=3),
     inject_rank=st.integers(0, 1),

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 import fscale
 import fscale.optim as optim
@@ -116,7 +117,7 @@ def _adafactor_reference(
     eps=st.sampled_from([1e-6, 1e-3]),
     wd=st.sampled_from([0.0, 0.01]),
 )
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 def test_lamb_matches_paper(lr, betas, eps, wd):
     ours, _ = _train(optim.lamb(lr, betas=betas, eps=eps, weight_decay=wd))
     _close(ours, _lamb_reference(PARAMS, GRADS, lr, *betas, eps, wd))
@@ -135,7 +136,7 @@ def test_lamb_trust_ratio_is_one_for_zero_params():
     wd=st.sampled_from([0.0, 0.1]),
     scale=st.booleans(),
 )
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 def test_adafactor_matches_paper(lr, clip, beta1, wd, scale):
     opt = optim.adafactor(
         lr, clip_threshold=clip, beta1=beta1, weight_decay=wd, scale_parameter=scale

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 import fscale as fs
 from fscale.parallel import consolidate, shard_optimizer, shard_state
@@ -69,7 +70,7 @@ def _model_cases(draw, kinds=("mlp", "gpt", "cnn")):
     return case
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(
     case=_model_cases(),
     opt=fst.optimizer_cases(),
@@ -151,7 +152,7 @@ def _coinciding_buckets(opt_cases):
     return out
 
 
-@settings(max_examples=2)
+@settings(max_examples=examples(2))
 @given(opts=st.lists(fst.optimizer_cases(), min_size=3, max_size=3))
 def test_equals_data_parallel_at_four_ranks_when_the_buckets_coincide(opts):
     for ours, theirs in run_spmd(_coinciding_buckets, 4, opts)[0]:
@@ -200,7 +201,7 @@ def _sharded_and_one_process(case, opt_case):
     return ours, state.params
 
 
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 @given(
     case=fst.model_cases(kinds=("mlp", "gpt")),
     opt=fst.optimizer_cases(names=("sgd",)),
@@ -250,7 +251,7 @@ def _non_pointwise_run(case, kind, options):
     return _run(case, opt, _zero(bucket_mb=1e-3))[0], _run(case, opt, fs.data_parallel)[0]
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(
     case=fst.model_cases(kinds=("mlp", "gpt")),
     optimizer=_non_pointwise(),

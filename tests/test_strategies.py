@@ -3,12 +3,13 @@
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis_budget import examples
 
 import fscale as fs
 from fscale.testing import strategies as fst
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(case=fst.model_cases())
 def test_model_cases_build_and_give_a_scalar_loss(case):
     apply, params, buffers = fs.functionalize(case.module())
@@ -20,7 +21,7 @@ def test_model_cases_build_and_give_a_scalar_loss(case):
     assert fs.tree.leaves(split)[0].shape[0] == 2
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(opt=fst.optimizer_cases())
 def test_optimizer_cases_match_their_torch_counterpart_for_a_step(opt):
     params = {"w": torch.linspace(-1, 1, 7), "b": torch.ones(3)}

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 import fscale as fs
 from fscale.models import GPT, GPTConfig, lm_loss
@@ -209,7 +210,7 @@ def _llama(case):
 
 # Fewer examples than the GPT's: each rank imports transformers on first use (seconds), and the
 # plan is the same code path as the GPT's.
-@settings(deadline=None, max_examples=4)
+@settings(deadline=None, max_examples=examples(4))
 @given(
     world=st.sampled_from([2, 4]),
     layers=st.integers(1, 2),
