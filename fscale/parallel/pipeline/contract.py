@@ -13,10 +13,20 @@ and the leaves' shapes and dtypes it received.
 
 The structures and shapes found are what the step's receives allocate (a stage's output for
 every micro-batch of the batch).
+
+A rank probes when its batch's shapes are new to it, so ranks given batches of different
+shapes would part ways: one probing, the others running the step on shapes they have seen, each
+waiting for messages the other never sends until the process group's timeout ends in the
+backend's "Timed out waiting ... for recv". The probe therefore begins with the ranks gathering
+a digest of their first micro-batch's shapes and dtypes, counted and bounded as every
+collective is (`fscale.distributed.watchdog`): ranks whose batches differ fail on every rank
+naming each rank's shapes, and a rank that probes alone fails within the collective timeout,
+saying why.
 """
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 from typing import Any
 
@@ -25,12 +35,14 @@ import torch.distributed as dist
 
 from fscale import random as fsrandom
 from fscale import spmd, tree
-from fscale.distributed.comm import Comm
+from fscale.distributed import debug, watchdog
+from fscale.distributed.comm import Comm, all_gather_flat
 from fscale.grad import normalize_loss_output
 from fscale.parallel.pipeline.runner import StageOutput
 from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.stages import Stages
 from fscale.parallel.pipeline.transport import wait
+from fscale.readback import to_list
 
 __all__ = ["StageContractError", "probe_stages"]
 
@@ -109,6 +121,8 @@ def probe_stages(
     """The structure, shapes and dtypes of every stage's output for one micro-batch (see the
     module docstring); raises `StageContractError` on every rank when a stage fails. Leaves
     travel as host tensors and are placed on `device` (this rank's stages') on arrival."""
+    if comm is not None:
+        _check_every_rank_probes_this_batch(comm, mesh, axis, inputs, targets)
     local = schedule.local_stages(index)
     last = schedule.num_stages - 1
     shapes: dict[int, StageOutput] = {}
@@ -177,6 +191,40 @@ def probe_stages(
             "step):\n  - " + "\n  - ".join(problems)
         )
     return shapes if found is None else found
+
+
+def _check_every_rank_probes_this_batch(
+    comm: Comm, mesh: Any, axis: str, inputs: PyTree, targets: PyTree
+) -> None:
+    """Raise on every rank of the axis unless all of them probe a batch of the same shapes, and
+    on this rank, within the collective timeout, if its peers do not probe at all."""
+    batch = f"inputs {_describe(_output_of(inputs))}, targets {_describe(_output_of(targets))}"
+    digest = hashlib.sha1(batch.encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    gathered = mine.new_empty(comm.size)
+    try:
+        ticket = debug.count(comm, "all_gather", mine)
+        watchdog.wait(all_gather_flat(gathered, mine, group=comm.group, async_op=True), ticket)
+    except watchdog.CollectiveTimeoutError as error:
+        me = comm.mesh.global_rank(comm.axis, comm.index)
+        raise watchdog.CollectiveTimeoutError(
+            f"pipeline: rank {me} ({axis}={comm.index}) was given a batch whose first "
+            f"micro-batch ({batch}) is new to it, so it checks the stages on it before the "
+            f"step, and not every rank along {axis!r} does: a rank given a batch of the shapes "
+            "it saw before runs the step instead. Give every rank of the pipeline axis the same "
+            f"whole batch.\n{error}"
+        ) from error
+    if len(set(to_list(gathered))) == 1:
+        return
+    batches = spmd.all_gather_objects(batch, mesh, axis)  # every rank of the axis is here
+    lines = [
+        f"  rank {comm.mesh.global_rank(axis, i)} ({axis}={i}): {b}" for i, b in enumerate(batches)
+    ]
+    raise StageContractError(
+        f"pipeline: the ranks along {axis!r} were given batches of different shapes (the first "
+        "micro-batch of each):\n" + "\n".join(lines) + "\nEvery rank of the pipeline axis "
+        "takes the same whole batch: the first stage its inputs, the last its targets."
+    )
 
 
 def _send_on(
