@@ -29,10 +29,10 @@ def _local(case, step_index, rank, world):
     return fs.data.split_batch(case.batch(BATCH, seed=step_index), rank, world)
 
 
-def _train_fscale_and_ddp(case, opt, steps, bucket_mb=25.0, overlap=None):
+def _train_fscale_and_ddp(case, opt, steps, bucket_mb=25.0, overlap=None, dtype=torch.float32):
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = fs.Mesh(dp=world)
-    module = case.module()
+    module = case.module().to(dtype)
     reference = copy.deepcopy(module)
     apply, params, buffers = fs.functionalize(module)
     step = fs.train_step(case.loss_fn(apply), opt.fscale())
@@ -44,7 +44,9 @@ def _train_fscale_and_ddp(case, opt, steps, bucket_mb=25.0, overlap=None):
     torch_opt = opt.torch([p for p in ddp.parameters() if p.requires_grad])
     losses = []
     for i in range(steps):
-        batch = _local(case, i, rank, world)
+        batch = fs.tree.map(
+            lambda t: t.to(dtype) if t.is_floating_point() else t, _local(case, i, rank, world)
+        )
         state, metrics = step(state, batch)
         torch_opt.zero_grad()
         case.loss(ddp(case.inputs(batch)), batch).backward()
@@ -83,7 +85,8 @@ def _train_one_process(case, opt, steps):
     world=st.sampled_from([1, 2, 4]),
 )
 def test_data_parallel_equals_torch_ddp(case, opt, world):
-    results = run_spmd(_train_fscale_and_ddp, world, case, opt, STEPS)
+    dtype = torch.float32 if world <= 2 else torch.float64  # over 4 ranks: see below
+    results = run_spmd(_train_fscale_and_ddp, world, case, opt, STEPS, dtype=dtype)
     ours, theirs, _ = results[0]
     for other in results[1:]:  # replicas stay identical
         assert_trees_equal(other[0], ours)
@@ -95,8 +98,9 @@ def test_data_parallel_equals_torch_ddp(case, opt, world):
         # an element's offset in its bucket, and torch DDP lays out (and, after the first
         # step, re-lays out) its buckets differently: one rounding per element and step.
         # Optimizers that divide by the gradient's magnitude (rmsprop, adagrad, adam) enlarge
-        # that for elements whose gradient is tiny, hence rtol 1e-4.
-        assert_trees_close(ours, theirs, rtol=1e-4, atol=1e-5)
+        # that for elements whose gradient cancels to nearly zero: in float32 a GPT under
+        # RMSprop (lr 0.05) ended 2.8e-4 apart. So these ranks train in float64.
+        assert_trees_close(ours, theirs, rtol=1e-9, atol=1e-9)
 
 
 @settings(max_examples=examples(6))
