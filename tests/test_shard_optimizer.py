@@ -30,10 +30,19 @@ def _local(case, step_index, rank, world):
     return fs.data.split_batch(case.batch(BATCH, seed=step_index), rank, world)
 
 
-def _run(case, opt, transform, steps=STEPS, *, checkpoint_first=False, grad_mode="autograd"):
+def _run(
+    case,
+    opt,
+    transform,
+    steps=STEPS,
+    *,
+    checkpoint_first=False,
+    grad_mode="autograd",
+    dtype=torch.float32,
+):
     """Train `case` under `transform(step, mesh)` on this rank; the params and losses."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    module = case.module()
+    module = case.module().to(dtype)
     if checkpoint_first:
         first = next(iter(module.named_children()))[0]
         setattr(module, first, fs.checkpoint(getattr(module, first)))
@@ -43,7 +52,10 @@ def _run(case, opt, transform, steps=STEPS, *, checkpoint_first=False, grad_mode
     state = step.init(params, buffers)
     losses = []
     for i in range(steps):
-        state, metrics = step(state, _local(case, i, rank, world))
+        batch = fs.tree.map(
+            lambda t: t.to(dtype) if t.is_floating_point() else t, _local(case, i, rank, world)
+        )
+        state, metrics = step(state, batch)
         losses.append(metrics["loss"])
     return state.params, torch.stack(losses)
 
@@ -54,11 +66,11 @@ def _zero(shard_grads=True, bucket_mb=25.0):
     )
 
 
-def _sharded_and_data_parallel(case, opt_case, shard_grads, bucket_mb):
+def _sharded_and_data_parallel(case, opt_case, shard_grads, bucket_mb, dtype=torch.float32):
     opt = opt_case.fscale() if isinstance(opt_case, fst.OptimizerCase) else opt_case
     return (
-        _run(case, opt, _zero(shard_grads, bucket_mb)),
-        _run(case, opt, fs.data_parallel),
+        _run(case, opt, _zero(shard_grads, bucket_mb), dtype=dtype),
+        _run(case, opt, fs.data_parallel, dtype=dtype),
     )
 
 
@@ -79,7 +91,8 @@ def _model_cases(draw, kinds=("mlp", "gpt", "cnn")):
     bucket_mb=st.sampled_from([1e-4, 1e-3, 25.0]),
 )
 def test_equals_data_parallel(case, opt, world, shard_grads, bucket_mb):
-    results = run_spmd(_sharded_and_data_parallel, world, case, opt, shard_grads, bucket_mb)
+    dtype = torch.float32 if world <= 2 else torch.float64  # over 4 ranks: see below
+    results = run_spmd(_sharded_and_data_parallel, world, case, opt, shard_grads, bucket_mb, dtype)
     (ours, our_losses), (theirs, their_losses) = results[0]
     for (other, _), _ in results[1:]:  # replicas stay identical
         assert_trees_equal(other, ours)
@@ -94,8 +107,9 @@ def test_equals_data_parallel(case, opt, world, shard_grads, bucket_mb):
         # bucket and on the bucket's length (test_reduction_order_is_the_bucket_layouts); the
         # sharded buckets are aligned and padded, so positions differ from data_parallel's:
         # one rounding per element and step, enlarged by optimizers that divide by the
-        # gradient's magnitude, as in test_data_parallel.
-        assert_trees_close(ours, theirs, rtol=1e-4, atol=1e-5)
+        # gradient's magnitude where a gradient cancels, as in test_data_parallel: so these
+        # ranks train in float64.
+        assert_trees_close(ours, theirs, rtol=1e-9, atol=1e-9)
 
 
 def _reduction_orders(n):
