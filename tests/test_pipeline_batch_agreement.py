@@ -4,6 +4,7 @@ new shapes while another runs the step) until the process group's timeout."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -86,3 +87,20 @@ def test_a_rank_given_a_batch_of_new_shapes_alone_fails_within_the_collective_ti
     )
     assert "Give every rank of the pipeline axis the same whole batch." in text
     assert time.monotonic() - start < 20
+
+
+def _every_rank_given_new_shapes():
+    step, state, batch = _step_and_batch()
+    smaller = (batch[0][:4], batch[1][:4])  # a last batch of half the size, on every rank
+    losses = []
+    for given in (batch, smaller, batch):  # new shapes, then the first ones again
+        state, metrics = step(state, given)
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+def test_every_rank_given_new_shapes_together_trains_on():
+    first, second = run_spmd(_every_rank_given_new_shapes, 2)
+    assert first == second  # the loss on every rank
+    assert all(math.isfinite(loss) for loss in first)
+    assert first[2] < first[0]  # the same batch, after two updates
