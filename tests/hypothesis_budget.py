@@ -16,7 +16,7 @@ THOROUGH_FACTOR = THOROUGH_EXAMPLES // CI_EXAMPLES
 
 
 def profile() -> str:
-    """The hypothesis profile this session loads (conftest.py reads the same variable)."""
+    """The hypothesis profile this session loads: conftest.py loads the one named here."""
     return os.environ.get("HYPOTHESIS_PROFILE", "ci")
 
 
