@@ -20,8 +20,8 @@ waiting for messages the other never sends until the process group's timeout end
 backend's "Timed out waiting ... for recv". The probe therefore begins with the ranks gathering
 a digest of their first micro-batch's shapes and dtypes, counted and bounded as every
 collective is (`fscale.distributed.watchdog`): ranks whose batches differ fail on every rank
-naming each rank's shapes, and a rank that probes alone fails within the collective timeout,
-saying why.
+naming each rank's shapes, and a rank that probes alone fails within twice the collective
+timeout (the wait, then the peers' records), saying why.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def _check_every_rank_probes_this_batch(
     comm: Comm, mesh: Any, axis: str, inputs: PyTree, targets: PyTree
 ) -> None:
     """Raise on every rank of the axis unless all of them probe a batch of the same shapes, and
-    on this rank, within the collective timeout, if its peers do not probe at all."""
+    on this rank, within twice the collective timeout, if its peers do not probe at all."""
     batch = f"inputs {_describe(_output_of(inputs))}, targets {_describe(_output_of(targets))}"
     digest = hashlib.sha1(batch.encode()).digest()[:8]
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
