@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -37,20 +38,17 @@ def _optimizer(opt):
     return opt.fscale()
 
 
-def _fsdp_and_data_parallel(case, opt, steps, options, dtype=torch.float32):
+def _fsdp_and_data_parallel(case, opt, steps, options):
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = fs.Mesh(dp=world)
-    apply, params, buffers = fs.functionalize(case.module().to(dtype))
+    apply, params, buffers = fs.functionalize(case.module())
     sharded = fully_shard(fs.train_step(case.loss_fn(apply), _optimizer(opt)), mesh, **options)
     replicated = fs.data_parallel(fs.train_step(case.loss_fn(apply), _optimizer(opt)), mesh)
     s, r = sharded.init(params, buffers), replicated.init(params, buffers)
     losses = []
     for i in range(steps):
-        batch = fs.tree.map(
-            lambda t: t.to(dtype) if t.is_floating_point() else t, _local(case, i, rank, world)
-        )
-        s, ms = sharded(s, batch)
-        r, mr = replicated(r, batch)
+        s, ms = sharded(s, _local(case, i, rank, world))
+        r, mr = replicated(r, _local(case, i, rank, world))
         losses.append((ms["loss"], mr["loss"]))
     full = consolidate(sharded, s)
     return full.params, r.params, full.buffers, r.buffers, losses
@@ -66,9 +64,9 @@ def _fsdp_and_data_parallel(case, opt, steps, options, dtype=torch.float32):
 )
 def test_fully_shard_equals_data_parallel(case, opt, world, reshard_after_forward, prefetch):
     options = {"reshard_after_forward": reshard_after_forward, "prefetch": prefetch}
-    # Over 4 ranks in float64: see below.
-    dtype = torch.float32 if world <= 2 else torch.float64
-    results = run_spmd(_fsdp_and_data_parallel, world, case, opt, STEPS, options, dtype)
+    if world > 2:  # over 4 ranks in float64: see below
+        case = dataclasses.replace(case, dtype=torch.float64)
+    results = run_spmd(_fsdp_and_data_parallel, world, case, opt, STEPS, options)
     for ours, theirs, our_buffers, their_buffers, losses in results:
         assert_trees_equal(results[0][0], ours)  # every rank consolidates the same model
         if world <= 2:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -30,19 +31,10 @@ def _local(case, step_index, rank, world):
     return fs.data.split_batch(case.batch(BATCH, seed=step_index), rank, world)
 
 
-def _run(
-    case,
-    opt,
-    transform,
-    steps=STEPS,
-    *,
-    checkpoint_first=False,
-    grad_mode="autograd",
-    dtype=torch.float32,
-):
+def _run(case, opt, transform, steps=STEPS, *, checkpoint_first=False, grad_mode="autograd"):
     """Train `case` under `transform(step, mesh)` on this rank; the params and losses."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    module = case.module().to(dtype)
+    module = case.module()
     if checkpoint_first:
         first = next(iter(module.named_children()))[0]
         setattr(module, first, fs.checkpoint(getattr(module, first)))
@@ -52,10 +44,7 @@ def _run(
     state = step.init(params, buffers)
     losses = []
     for i in range(steps):
-        batch = fs.tree.map(
-            lambda t: t.to(dtype) if t.is_floating_point() else t, _local(case, i, rank, world)
-        )
-        state, metrics = step(state, batch)
+        state, metrics = step(state, _local(case, i, rank, world))
         losses.append(metrics["loss"])
     return state.params, torch.stack(losses)
 
@@ -66,11 +55,11 @@ def _zero(shard_grads=True, bucket_mb=25.0):
     )
 
 
-def _sharded_and_data_parallel(case, opt_case, shard_grads, bucket_mb, dtype=torch.float32):
+def _sharded_and_data_parallel(case, opt_case, shard_grads, bucket_mb):
     opt = opt_case.fscale() if isinstance(opt_case, fst.OptimizerCase) else opt_case
     return (
-        _run(case, opt, _zero(shard_grads, bucket_mb), dtype=dtype),
-        _run(case, opt, fs.data_parallel, dtype=dtype),
+        _run(case, opt, _zero(shard_grads, bucket_mb)),
+        _run(case, opt, fs.data_parallel),
     )
 
 
@@ -91,8 +80,9 @@ def _model_cases(draw, kinds=("mlp", "gpt", "cnn")):
     bucket_mb=st.sampled_from([1e-4, 1e-3, 25.0]),
 )
 def test_equals_data_parallel(case, opt, world, shard_grads, bucket_mb):
-    dtype = torch.float32 if world <= 2 else torch.float64  # over 4 ranks: see below
-    results = run_spmd(_sharded_and_data_parallel, world, case, opt, shard_grads, bucket_mb, dtype)
+    if world > 2:  # over 4 ranks in float64: see below
+        case = dataclasses.replace(case, dtype=torch.float64)
+    results = run_spmd(_sharded_and_data_parallel, world, case, opt, shard_grads, bucket_mb)
     (ours, our_losses), (theirs, their_losses) = results[0]
     for (other, _), _ in results[1:]:  # replicas stay identical
         assert_trees_equal(other, ours)

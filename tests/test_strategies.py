@@ -69,3 +69,22 @@ def test_on_gradient_reports_the_gradient_in_backward_and_changes_nothing():
     assert torch.equal(grad, torch.tensor([3.0, 4.0])) and torch.equal(seen[0], grad)
     with pytest.raises(TypeError, match="callable"):
         on_gradient(x, None)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt", "cnn"])
+def test_a_model_case_in_float64_builds_module_and_batch_in_it(kind):
+    case = fst.ModelCase(kind, width=4, depth=1, dtype=torch.float64)
+    module, batch = case.module(), case.batch(4, seed=0)
+    assert {p.dtype for p in module.parameters()} == {torch.float64}
+    floats = [t for t in fs.tree.leaves(batch) if t.is_floating_point()]
+    assert all(t.dtype == torch.float64 for t in floats)
+    if kind == "gpt":
+        assert batch.dtype == torch.int64  # token ids stay integers
+    apply, params, buffers = fs.functionalize(module)
+    loss, _ = case.loss_fn(apply)(params, buffers, batch, fs.random.key(0))
+    assert loss.dtype == torch.float64
+    # The same draws as in float32, cast.
+    assert torch.equal(
+        fs.tree.leaves(batch)[0],
+        fs.tree.leaves(fst.ModelCase(kind).batch(4, 0))[0].to(fs.tree.leaves(batch)[0].dtype),
+    )

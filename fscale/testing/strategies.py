@@ -60,6 +60,9 @@ class ModelCase:
         depth: layers (MLP hidden layers, GPT blocks, CNN stages).
         seed: initialisation seed.
         freeze: names of parameters to freeze (``requires_grad=False``); they move to buffers.
+        dtype: the floating-point dtype of the module and of the batch's floating-point
+            tensors (float64 where summation orders must not show: ranks that add in another
+            order differ by float32's rounding, which adaptive optimizers enlarge).
     """
 
     kind: str
@@ -67,6 +70,7 @@ class ModelCase:
     depth: int = 2
     seed: int = 0
     freeze: tuple[str, ...] = ()
+    dtype: torch.dtype = torch.float32
 
     def module(self) -> torch.nn.Module:
         if self.kind == "mlp":
@@ -89,7 +93,7 @@ class ModelCase:
             if name not in named:
                 raise ValueError(f"ModelCase: cannot freeze {name!r}; parameters: {sorted(named)}")
             named[name].requires_grad_(False)
-        return module
+        return module.to(self.dtype)
 
     def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
         """The mean loss of `output` (the module's output on `inputs(batch)`) over the batch."""
@@ -116,10 +120,12 @@ class ModelCase:
         """A global batch of `size` examples (batch dimension 0 everywhere)."""
         g = torch.Generator().manual_seed(seed)
         if self.kind == "mlp":
-            return (torch.randn(size, 5, generator=g), torch.randn(size, 3, generator=g))
+            x, y = torch.randn(size, 5, generator=g), torch.randn(size, 3, generator=g)
+            return x.to(self.dtype), y.to(self.dtype)
         if self.kind == "gpt":
             return torch.randint(0, 32, (size, 9), generator=g)
-        return (torch.randn(size, 3, 8, 8, generator=g), torch.randint(0, 4, (size,), generator=g))
+        images = torch.randn(size, 3, 8, 8, generator=g).to(self.dtype)
+        return images, torch.randint(0, 4, (size,), generator=g)
 
 
 @dataclasses.dataclass(frozen=True)
