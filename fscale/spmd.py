@@ -9,8 +9,10 @@
 - `average_updated_buffers`, `mean_floating_leaves`, `reduce_metrics`: the end of a step.
 - `all_gather_objects`: set-up metadata from every rank.
 
-The set-up traffic (`check_same_on_all_ranks`, `broadcast_tree`, `all_gather_objects`) is not
-recorded in the comm ledger, which counts what a training step moves.
+The set-up traffic (`check_same_on_all_ranks`, `broadcast_tree`, `all_gather_objects`) is
+counted and bounded like a step's collectives (`fscale.distributed.setup_traffic`: a rank that
+never arrives is named within twice the collective timeout) and not recorded in the comm
+ledger, which counts what a training step moves.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from torch._utils import _unflatten_dense_tensors
 
 from fscale import random as fsrandom
 from fscale import tree
-from fscale.distributed import collectives
+from fscale.distributed import collectives, setup_traffic
 from fscale.distributed.comm import REDUCTIONS, resolve_comm
 from fscale.distributed.debug import issue
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.pending import Work
-from fscale.distributed.watchdog import note_step
+from fscale.distributed.watchdog import CollectiveTimeoutError, note_step
 from fscale.flat import flat_copy
 
 _MEAN = REDUCTIONS.index("mean")
@@ -114,7 +116,15 @@ def check_same_on_all_ranks(
     if group is None:
         return
     digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
-    if len(set(all_gather_objects(digest, mesh, axis))) == 1:
+    try:
+        digests = all_gather_objects(digest, mesh, axis)
+    except CollectiveTimeoutError as error:
+        raise CollectiveTimeoutError(
+            f"{caller}: not every rank along axis {axis!r} reached the check of {what}; every "
+            "rank of the axis must make the same call (one made on some ranks only, as under "
+            f"`if rank == 0:`, leaves the others waiting).\n{error}"
+        ) from error
+    if len(set(digests)) == 1:
         return
     all_lines = all_gather_objects(lines, mesh, axis)
     reference = all_lines[0]
@@ -131,14 +141,11 @@ def check_same_on_all_ranks(
 def all_gather_objects(value: Any, mesh: Mesh, axis: str) -> list[Any]:
     """Every rank's picklable `value`, in axis order (set-up metadata, not a step's tensors).
 
-    Not recorded in the comm ledger: it is set-up traffic, not a training step's.
+    Counted and bounded like every collective (`fscale.distributed.setup_traffic`): a peer
+    that never arrives is named within twice `collective_timeout()`. Not recorded in the comm
+    ledger: it is set-up traffic, not a training step's.
     """
-    group = mesh.group(axis)
-    if group is None:
-        return [value]
-    gathered: list[Any] = [None] * mesh.size(axis)
-    dist.all_gather_object(gathered, value, group=group)
-    return gathered
+    return setup_traffic.all_gather_objects(value, resolve_comm(axis, mesh, "all_gather_objects"))
 
 
 def first_difference(a: list[str], b: list[str], index: int = 1) -> str:
@@ -181,14 +188,13 @@ def broadcast_tree(values: Any, mesh: Mesh, axis: str) -> Any:
     Used once at init (as torch DDP does at construction) so every rank starts from the same
     parameters; the input tensors are not modified.
     """
-    group = mesh.group(axis)
-    if group is None:
+    comm = resolve_comm(axis, mesh, "broadcast_tree")
+    if comm.size == 1:
         return values
-    source = mesh.global_rank(axis, 0)
 
     def copy_from_source(leaf: torch.Tensor) -> torch.Tensor:
         out = leaf.detach().clone()
-        dist.broadcast(out, src=source, group=group)
+        setup_traffic.broadcast_from_first(out, comm)
         return out
 
     return tree.map(copy_from_source, values)

@@ -3,7 +3,7 @@
 import torch.distributed as dist
 
 import fscale as fs
-from fscale.distributed import hosts
+from fscale.distributed import hosts, setup_traffic
 from fscale.testing import run_spmd
 
 
@@ -21,20 +21,20 @@ def _ask_twice(names_per_rank):
     rank = dist.get_rank()
     mesh = fs.Mesh(dp=dist.get_world_size())
     gathers = []
-    original_gather, original_id = dist.all_gather_object, hosts.host_id
+    original_gather, original_id = setup_traffic.all_gather_objects, hosts.host_id
 
     def counted(*args, **kwargs):
         gathers.append(1)
         return original_gather(*args, **kwargs)
 
     hosts._ONE_HOST.clear()
-    dist.all_gather_object = counted
+    setup_traffic.all_gather_objects = counted
     if names_per_rank is not None:
         hosts.host_id = lambda: names_per_rank[rank]
     try:
         answers = [hosts.on_one_host(mesh, "dp"), hosts.on_one_host(mesh, "dp")]
     finally:
-        dist.all_gather_object, hosts.host_id = original_gather, original_id
+        setup_traffic.all_gather_objects, hosts.host_id = original_gather, original_id
         hosts._ONE_HOST.clear()
     return answers, len(gathers)
 

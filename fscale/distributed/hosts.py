@@ -16,8 +16,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
+from fscale.distributed import setup_traffic
+from fscale.distributed.comm import resolve_comm
 from fscale.distributed.mesh import Mesh
 
 __all__ = ["host_id", "on_one_host"]
@@ -44,8 +44,7 @@ def on_one_host(mesh: Mesh, axis: str) -> bool:
         return True
     known = _ONE_HOST.get(group)
     if known is None:
-        # The gather itself, not `fscale.spmd.all_gather_objects`: spmd sits above this package.
-        names: list[Any] = [None] * mesh.size(axis)
-        dist.all_gather_object(names, host_id(), group=group)
+        comm = resolve_comm(axis, mesh, "on_one_host")
+        names = setup_traffic.all_gather_objects(host_id(), comm)
         known = _ONE_HOST[group] = len(set(names)) == 1
     return known

@@ -17,10 +17,9 @@ import mmap
 import os
 import tempfile
 import warnings
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import torch.distributed as dist
-
+from fscale.distributed import setup_traffic
 from fscale.distributed.comm import Comm
 from fscale.distributed.hosts import host_id
 from fscale.distributed.shared_setting import (
@@ -62,8 +61,7 @@ def open_regions(comm: Comm, size: int, prefix: str, purpose: str) -> Regions | 
             failure = f"{SHM_DIR} could not hold {size} bytes ({error})"
     try:
         mine = (host_id(), setting, None if failure else path, failure, os.getpid())
-        everyone: list[Any] = [None] * comm.size
-        dist.all_gather_object(everyone, mine, group=comm.group)
+        everyone = setup_traffic.all_gather_objects(mine, comm)
         if len({host for host, *_ in everyone}) > 1:
             return None
         if len({wants for _, wants, *_ in everyone}) > 1:

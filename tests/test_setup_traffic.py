@@ -1,0 +1,116 @@
+"""Set-up traffic (fscale.distributed.setup_traffic): exact, not in the ledger, and bounded.
+
+A rank that never reaches a set-up exchange (``step.init`` under ``if rank == 0:``) used to
+leave its peers in ``all_gather_object`` until the process group's timeout; now they fail in
+about twice the collective timeout, naming where each rank is.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fscale as fs
+from fscale import spmd
+from fscale.distributed import collectives as C
+from fscale.distributed import setup_traffic
+from fscale.distributed.comm import resolve_comm
+from fscale.distributed.hosts import on_one_host
+from fscale.testing import RankError, run_spmd
+
+PATIENCE = 1.0
+
+
+def _objects_of_every_size():
+    rank = dist.get_rank()
+    mesh = fs.Mesh(dp=2, tp=dist.get_world_size() // 2)
+    # Payloads of different lengths on each rank, across the padding's powers of two.
+    values = [None, rank, "x" * (100 * rank), {"r": rank, "t": torch.arange(rank + 3)}]
+    with fs.distributed.comm_ledger() as ledger:
+        gathered = [spmd.all_gather_objects(v, mesh, "dp") for v in values]
+        along_tp = spmd.all_gather_objects(rank, mesh, "tp")
+        copies = spmd.broadcast_tree({"w": torch.full((2, 3), float(rank))}, mesh, "tp")
+    return gathered, along_tp, copies, len(ledger.records), on_one_host(mesh, "dp")
+
+
+def test_objects_and_first_values_arrive_exactly_in_axis_order_without_ledger_records():
+    results = run_spmd(_objects_of_every_size, 4)
+    for rank, (gathered, along_tp, copies, records, one_host) in enumerate(results):
+        dp, tp = divmod(rank, 2)
+        peers = [tp, 2 + tp]  # the global ranks of this rank's dp axis, in axis order
+        assert gathered[0] == [None, None]
+        assert gathered[1] == peers
+        assert gathered[2] == ["x" * (100 * r) for r in peers]
+        for r, got in zip(peers, gathered[3]):
+            assert got["r"] == r and torch.equal(got["t"], torch.arange(r + 3))
+        assert along_tp == [2 * dp, 2 * dp + 1]
+        # Index 0 along tp is global rank 2 * dp.
+        assert torch.equal(copies["w"], torch.full((2, 3), float(2 * dp)))
+        assert records == 0  # set-up traffic is not a training step's
+        assert one_host
+
+
+def test_a_payload_pads_to_a_power_of_two_of_at_least_64_bytes():
+    pads = [setup_traffic._padded_length(n) for n in (1, 64, 65, 128, 129, 5000)]
+    assert pads == [64, 64, 128, 128, 256, 8192]
+
+
+def _one_rank_only(what):
+    C.set_debug(False)  # the default path: the one users run
+    C.set_collective_timeout(PATIENCE)
+    rank, mesh = dist.get_rank(), fs.Mesh(dp=dist.get_world_size())
+    if what in ("data_parallel", "shard_optimizer", "fully_shard"):
+        apply, params, buffers = fs.functionalize(nn.Linear(4, 2))
+
+        def loss_fn(params, buffers, batch, key):
+            out, buffers = apply(params, buffers, batch)
+            return out.square().mean(), buffers
+
+        step = getattr(fs, what)(fs.train_step(loss_fn, fs.optim.sgd(0.1)), mesh)
+        call = lambda: step.init(params, buffers)  # noqa: E731
+    elif what == "all_gather_objects":
+        call = lambda: spmd.all_gather_objects(rank, mesh, "dp")  # noqa: E731
+    else:
+        comm = resolve_comm("dp", mesh, "test")
+        call = lambda: setup_traffic.broadcast_from_first(torch.ones(3), comm)  # noqa: E731
+    dist.barrier()  # start together (raw c10d: not counted), so the time below is the check's
+    start = time.monotonic()
+    if rank == 0:
+        try:
+            call()
+        except C.CollectiveTimeoutError as error:
+            return str(error), time.monotonic() - start
+    return None
+
+
+@pytest.mark.parametrize(
+    "what",
+    [
+        "data_parallel",
+        "fully_shard",
+        "all_gather_objects",
+        "broadcast_from_first",
+    ],
+)
+def test_a_set_up_exchange_made_on_one_rank_only_fails_there_in_bounded_time(what):
+    try:
+        results = run_spmd(_one_rank_only, 2, what)
+    except RankError as error:  # the pool reports rank 0's error, if it raised
+        pytest.fail(f"the waiting rank did not return its error: {error}")
+    message, seconds = results[0]
+    assert results[1] is None
+    # Within twice the patience (the wait, then the peers' records), plus scheduling.
+    assert seconds < 2 * PATIENCE + 2
+    assert "rank 1: in no collective of this group" in message
+    if what != "broadcast_from_first":
+        assert "all_gather of shape (1,) int64 over axis 'dp'" in message
+    if what in ("data_parallel", "shard_optimizer", "fully_shard"):
+        assert message.startswith(
+            f"{what}: not every rank along axis 'dp' reached the check of the parameter and "
+            "buffer trees"
+        )
+        assert "`if rank == 0:`" in message
