@@ -1,6 +1,8 @@
 """Every rank of a pipeline takes the same whole batch: ranks given batches of different shapes
 fail in bounded time, saying so, instead of parting ways (one rank checking the stages on the
-new shapes while another runs the step) until the process group's timeout."""
+new shapes while another runs the step) until the process group's timeout; ranks given batches
+of the same shapes but other values fail at the first step instead of training one rank's
+inputs against another's targets."""
 
 from __future__ import annotations
 
@@ -50,6 +52,27 @@ def test_ranks_given_batches_of_different_shapes_at_the_first_step_fail_naming_e
     assert "rank 1 (pp=1): inputs a tensor of shape (3, 4) and dtype torch.float32" in text
     assert "targets a tensor of shape (3, 2)" in text
     assert time.monotonic() - start < 20
+
+
+def _other_values_on_rank_1(part):
+    step, state, batch = _step_and_batch()
+    if dist.get_rank() == 1:  # a loader that splits by global rank: rank 1's own samples
+        batch = tuple(x + 1 if name in part else x for name, x in zip(("inputs", "targets"), batch))
+    step(state, batch)
+
+
+@pytest.mark.parametrize("part", ["inputs", "targets", "inputs and targets"])
+def test_ranks_given_batches_of_the_same_shapes_but_other_values_fail_naming_which_part(part):
+    with pytest.raises(RankError) as caught:
+        run_spmd(_other_values_on_rank_1, 2, part)
+    assert caught.value.ranks == (0, 1)
+    text = str(caught.value)
+    assert (
+        "StageContractError: pipeline: the ranks along 'pp' were given batches of the same "
+        f"shapes whose {part} differ (the first micro-batch of each):" in text
+    )
+    assert "the same values on rank 0 (pp=0)\n  the same values on rank 1 (pp=1)" in text
+    assert "DistributedSampler(num_replicas=mesh.size('dp'), rank=mesh.rank('dp'))" in text
 
 
 def _a_rank_given_new_shapes_later(rank_given):

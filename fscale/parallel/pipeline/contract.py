@@ -18,10 +18,13 @@ A rank probes when its batch's shapes are new to it, so ranks given batches of d
 shapes would part ways: one probing, the others running the step on shapes they have seen, each
 waiting for messages the other never sends until the process group's timeout ends in the
 backend's "Timed out waiting ... for recv". The probe therefore begins with the ranks gathering
-a digest of their first micro-batch's shapes and dtypes, counted and bounded as every
+a digest of their first micro-batch's shapes, dtypes and bytes, counted and bounded as every
 collective is (`fscale.distributed.watchdog`): ranks whose batches differ fail on every rank
-naming each rank's shapes, and a rank that probes alone fails within twice the collective
-timeout (the wait, then the peers' records), saying why.
+naming each rank's shapes (or, for batches of the same shapes, which ranks hold the same
+values), and a rank that probes alone fails within twice the collective timeout (the wait,
+then the peers' records), saying why. The values are compared at each probe (the first step,
+and a batch of new shapes), not at every step: a data loader that gives each pipeline rank its
+own batch shows at the first step.
 """
 
 from __future__ import annotations
@@ -196,10 +199,12 @@ def probe_stages(
 def _check_every_rank_probes_this_batch(
     comm: Comm, mesh: Any, axis: str, inputs: PyTree, targets: PyTree
 ) -> None:
-    """Raise on every rank of the axis unless all of them probe a batch of the same shapes, and
-    on this rank, within twice the collective timeout, if its peers do not probe at all."""
+    """Raise on every rank of the axis unless all of them probe the same batch (shapes and
+    values), and on this rank, within twice the collective timeout, if its peers do not probe
+    at all."""
     batch = f"inputs {_describe(_output_of(inputs))}, targets {_describe(_output_of(targets))}"
-    digest = hashlib.sha1(batch.encode()).digest()[:8]
+    contents = (_content_digest(inputs), _content_digest(targets))
+    digest = hashlib.sha1("\n".join((batch, *contents)).encode()).digest()[:8]
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
     gathered = mine.new_empty(comm.size)
     try:
@@ -216,15 +221,48 @@ def _check_every_rank_probes_this_batch(
         ) from error
     if len(set(to_list(gathered))) == 1:
         return
-    batches = spmd.all_gather_objects(batch, mesh, axis)  # every rank of the axis is here
-    lines = [
-        f"  rank {comm.mesh.global_rank(axis, i)} ({axis}={i}): {b}" for i, b in enumerate(batches)
-    ]
-    raise StageContractError(
-        f"pipeline: the ranks along {axis!r} were given batches of different shapes (the first "
-        "micro-batch of each):\n" + "\n".join(lines) + "\nEvery rank of the pipeline axis "
-        "takes the same whole batch: the first stage its inputs, the last its targets."
+    everyone = spmd.all_gather_objects((batch, contents), mesh, axis)  # every rank is here
+    names = [f"rank {comm.mesh.global_rank(axis, i)} ({axis}={i})" for i in range(comm.size)]
+    same_rule = (
+        "Every rank of the pipeline axis takes the same whole batch: the first stage its "
+        "inputs, the last its targets."
     )
+    if len({b for b, _ in everyone}) > 1:
+        lines = [f"  {name}: {b}" for name, (b, _) in zip(names, everyone)]
+        raise StageContractError(
+            f"pipeline: the ranks along {axis!r} were given batches of different shapes (the "
+            "first micro-batch of each):\n" + "\n".join(lines) + "\n" + same_rule
+        )
+    differ = [
+        part
+        for part, column in (("inputs", 0), ("targets", 1))
+        if len({c[column] for _, c in everyone}) > 1
+    ]
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, (_, c) in zip(names, everyone):
+        groups.setdefault(c, []).append(name)
+    lines = [f"  the same values on {', '.join(g)}" for g in groups.values()]
+    raise StageContractError(
+        f"pipeline: the ranks along {axis!r} were given batches of the same shapes whose "
+        f"{' and '.join(differ)} differ (the first micro-batch of each):\n"
+        + "\n".join(lines)
+        + f"\n{same_rule} Batches that differ would train one rank's inputs against another's "
+        "targets. A data loader that splits the data by global rank gives every pipeline rank "
+        "its own batch: split it over the data-parallel axes only (e.g. DistributedSampler("
+        "num_replicas=mesh.size('dp'), rank=mesh.rank('dp')))."
+    )
+
+
+def _content_digest(values: PyTree) -> str:
+    """A digest of `values`' leaves: their bytes (tensors, copied to the host) or their repr."""
+    digest = hashlib.sha1()
+    for leaf in tree.leaves(values):
+        if isinstance(leaf, torch.Tensor):
+            flat = leaf.detach().reshape(-1).contiguous().cpu()
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(leaf).encode())
+    return digest.hexdigest()
 
 
 def _send_on(
