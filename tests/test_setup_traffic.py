@@ -2,7 +2,8 @@
 
 A rank that never reaches a set-up exchange (``step.init`` under ``if rank == 0:``) used to
 leave its peers in ``all_gather_object`` until the process group's timeout; now they fail in
-about twice the collective timeout, naming where each rank is.
+about twice the collective timeout, naming where each rank is. `fs.consolidate` made on one
+rank only (a save under ``if rank == 0:``) says so too.
 """
 
 from __future__ import annotations
@@ -63,15 +64,20 @@ def _one_rank_only(what):
     C.set_debug(False)  # the default path: the one users run
     C.set_collective_timeout(PATIENCE)
     rank, mesh = dist.get_rank(), fs.Mesh(dp=dist.get_world_size())
-    if what in ("data_parallel", "shard_optimizer", "fully_shard"):
-        apply, params, buffers = fs.functionalize(nn.Linear(4, 2))
+    apply, params, buffers = fs.functionalize(nn.Linear(4, 2))
 
-        def loss_fn(params, buffers, batch, key):
-            out, buffers = apply(params, buffers, batch)
-            return out.square().mean(), buffers
+    def loss_fn(params, buffers, batch, key):
+        out, buffers = apply(params, buffers, batch)
+        return out.square().mean(), buffers
 
+    if what in ("data_parallel", "fully_shard"):
         step = getattr(fs, what)(fs.train_step(loss_fn, fs.optim.sgd(0.1)), mesh)
         call = lambda: step.init(params, buffers)  # noqa: E731
+    elif what.startswith("consolidate"):  # every rank trains; rank 0 alone gathers the state
+        transform = what.split()[1]
+        step = getattr(fs, transform)(fs.train_step(loss_fn, fs.optim.adam(0.1)), mesh)
+        state, _ = step(step.init(params, buffers), torch.ones(4, 4))
+        call = lambda: fs.consolidate(step, state)  # noqa: E731
     elif what == "all_gather_objects":
         call = lambda: spmd.all_gather_objects(rank, mesh, "dp")  # noqa: E731
     else:
@@ -94,6 +100,8 @@ def _one_rank_only(what):
         "fully_shard",
         "all_gather_objects",
         "broadcast_from_first",
+        "consolidate shard_optimizer",
+        "consolidate fully_shard",
     ],
 )
 def test_a_set_up_exchange_made_on_one_rank_only_fails_there_in_bounded_time(what):
@@ -105,8 +113,11 @@ def test_a_set_up_exchange_made_on_one_rank_only_fails_there_in_bounded_time(wha
     assert results[1] is None
     # Within twice the patience (the wait, then the peers' records), plus scheduling.
     assert seconds < 2 * PATIENCE + 2
-    assert "rank 1: in no collective of this group" in message
-    if what != "broadcast_from_first":
+    if what.startswith("consolidate"):
+        assert "rank 1: returned from its function after collective #" in message
+    else:
+        assert "rank 1: in no collective of this group" in message
+    if what in ("data_parallel", "fully_shard", "all_gather_objects"):
         assert "all_gather of shape (1,) int64 over axis 'dp'" in message
     if what in ("data_parallel", "shard_optimizer", "fully_shard"):
         assert message.startswith(
@@ -114,3 +125,7 @@ def test_a_set_up_exchange_made_on_one_rank_only_fails_there_in_bounded_time(wha
             "buffer trees"
         )
         assert "`if rank == 0:`" in message
+    if what.startswith("consolidate"):
+        assert message.startswith("consolidate: a peer did not join this rank's gather")
+        assert "`if rank == 0:` around the save, not around consolidate" in message
+        assert "all_gather of shape (16,) float32 over axis 'dp'" in message

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fscale.distributed.watchdog import CollectiveTimeoutError
 from fscale.parallel.tensor.dense import dense_state, tensor_parallel_state
 from fscale.parallel.zero.plan import ShardedOptState
 from fscale.plan import TrainState
@@ -45,6 +46,8 @@ def consolidate(step: Step, state: TrainState, *, model: Any = None) -> TrainSta
         TypeError: `step` is not a Step or `state` is not a TrainState, or the step's plan has
             no notion of a full state.
         ValueError: `state` does not belong to `step` (another world size, another optimizer).
+        CollectiveTimeoutError: a peer did not join the gather within twice the collective
+            timeout (called on some ranks only, as under ``if rank == 0:``).
     """
     _check_step_and_state("consolidate", step, state, "state")
     _check_not_zero_state(
@@ -53,8 +56,16 @@ def consolidate(step: Step, state: TrainState, *, model: Any = None) -> TrainSta
         state,
         "`state` is sharded but `step` is not; pass the sharded step that made the state",
     )
-    full = step.plan.consolidate(step, state)
-    return full if model is None else dense_state(full, model)
+    try:
+        full = step.plan.consolidate(step, state)
+        return full if model is None else dense_state(full, model)
+    except CollectiveTimeoutError as error:
+        raise CollectiveTimeoutError(
+            "consolidate: a peer did not join this rank's gather of the state. consolidate is a "
+            "collective over the step's sharded axes: every rank calls it, then the rank that "
+            "saves keeps the result (`if rank == 0:` around the save, not around consolidate)."
+            f"\n{error}"
+        ) from error
 
 
 def shard_state(step: Step, full_state: TrainState, *, model: Any = None) -> TrainState:
