@@ -17,6 +17,7 @@ from torch import nn
 
 import fscale as fs
 from fscale import spmd
+from fscale.ckpt.save import every_rank_arrives
 from fscale.distributed import collectives as C
 from fscale.distributed import setup_traffic
 from fscale.distributed.comm import resolve_comm
@@ -60,7 +61,7 @@ def test_a_payload_pads_to_a_power_of_two_of_at_least_64_bytes():
     assert pads == [64, 64, 128, 128, 256, 8192]
 
 
-def _one_rank_only(what):
+def _one_rank_only(what, directory):
     C.set_debug(False)  # the default path: the one users run
     C.set_collective_timeout(PATIENCE)
     rank, mesh = dist.get_rank(), fs.Mesh(dp=dist.get_world_size())
@@ -73,24 +74,25 @@ def _one_rank_only(what):
     if what in ("data_parallel", "fully_shard"):
         step = getattr(fs, what)(fs.train_step(loss_fn, fs.optim.sgd(0.1)), mesh)
         call = lambda: step.init(params, buffers)  # noqa: E731
-    elif what.startswith("consolidate"):  # every rank trains; rank 0 alone gathers the state
+    elif what.startswith(("consolidate", "save", "load")):  # every rank trains first
         transform = what.split()[1]
         step = getattr(fs, transform)(fs.train_step(loss_fn, fs.optim.adam(0.1)), mesh)
         state, _ = step(step.init(params, buffers), torch.ones(4, 4))
-        call = lambda: fs.consolidate(step, state)  # noqa: E731
+        if what.startswith("consolidate"):
+            call = lambda: fs.consolidate(step, state)  # noqa: E731
+        elif what.startswith("save"):
+            call = lambda: fs.ckpt.save(directory, state, step=step)  # noqa: E731
+        else:
+            fs.ckpt.save(directory, state, step=step)  # on every rank
+            call = lambda: fs.ckpt.load(directory, state, step=step)  # noqa: E731
     elif what == "all_gather_objects":
         call = lambda: spmd.all_gather_objects(rank, mesh, "dp")  # noqa: E731
     else:
         comm = resolve_comm("dp", mesh, "test")
         call = lambda: setup_traffic.broadcast_from_first(torch.ones(3), comm)  # noqa: E731
-    dist.barrier()  # start together (raw c10d: not counted), so the time below is the check's
-    start = time.monotonic()
+    dist.barrier()  # start together (raw c10d: not counted), so the time is the check's
     if rank == 0:
-        try:
-            call()
-        except C.CollectiveTimeoutError as error:
-            return str(error), time.monotonic() - start
-    return None
+        call()  # raises; the pool then respawns the ranks, as a collective was left behind
 
 
 @pytest.mark.parametrize(
@@ -102,30 +104,56 @@ def _one_rank_only(what):
         "broadcast_from_first",
         "consolidate shard_optimizer",
         "consolidate fully_shard",
+        "save shard_optimizer",
+        "load fully_shard",
     ],
 )
-def test_a_set_up_exchange_made_on_one_rank_only_fails_there_in_bounded_time(what):
-    try:
-        results = run_spmd(_one_rank_only, 2, what)
-    except RankError as error:  # the pool reports rank 0's error, if it raised
-        pytest.fail(f"the waiting rank did not return its error: {error}")
-    message, seconds = results[0]
-    assert results[1] is None
-    # Within twice the patience (the wait, then the peers' records), plus scheduling.
-    assert seconds < 2 * PATIENCE + 2
-    if what.startswith("consolidate"):
+def test_a_set_up_exchange_made_on_one_rank_only_fails_there_in_bounded_time(what, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        run_spmd(_one_rank_only, 2, what, str(tmp_path))
+    # Within twice the patience (the wait, then the peers' records), plus building and
+    # training a small model; the process group's own timeout is 60 s in the pool.
+    assert time.monotonic() - start < 2 * PATIENCE + 8
+    assert caught.value.ranks == (0,)
+    message = caught.value.failures[0]
+    if what.split()[0] in ("consolidate", "save", "load"):
         assert "rank 1: returned from its function after collective #" in message
     else:
         assert "rank 1: in no collective of this group" in message
     if what in ("data_parallel", "fully_shard", "all_gather_objects"):
         assert "all_gather of shape (1,) int64 over axis 'dp'" in message
-    if what in ("data_parallel", "shard_optimizer", "fully_shard"):
-        assert message.startswith(
-            f"{what}: not every rank along axis 'dp' reached the check of the parameter and "
-            "buffer trees"
+    if what in ("data_parallel", "fully_shard"):
+        assert (
+            f"CollectiveTimeoutError: {what}: not every rank along axis 'dp' reached the check "
+            "of the parameter and buffer trees" in message
         )
         assert "`if rank == 0:`" in message
     if what.startswith("consolidate"):
-        assert message.startswith("consolidate: a peer did not join this rank's gather")
+        assert "CollectiveTimeoutError: consolidate: a peer did not join this rank's gather" in (
+            message
+        )
         assert "`if rank == 0:` around the save, not around consolidate" in message
         assert "all_gather of shape (16,) float32 over axis 'dp'" in message
+    if what.startswith(("save", "load")):
+        verb = what.split()[0]
+        assert (
+            f"CheckpointError: {verb}: not every rank reached {verb} of step_0000000001" in message
+        )
+        assert "all_gather of shape (1,) int64 over axis 'world'" in message
+        assert "only the work after it belongs under `if rank == 0:`" in message
+
+
+def _names(names):
+    every_rank_arrives("load", names[dist.get_rank()])
+
+
+def test_ranks_that_name_different_checkpoints_fail_on_every_rank():
+    with pytest.raises(RankError) as caught:
+        run_spmd(_names, 2, ["step_0000000001", "step_0000000002"])
+    assert caught.value.ranks == (0, 1)
+    assert (
+        "CheckpointError: load: the ranks name different checkpoints (rank 0: step_0000000001; "
+        "rank 1: step_0000000002); every rank must load the same one" in caught.value.failures[1]
+    )
+    run_spmd(_names, 2, ["step_0000000001"] * 2)  # the same name: no error

@@ -37,6 +37,7 @@ from fscale.ckpt.save import (
     FAILURES,
     agree,
     checkpoint_group,
+    every_rank_arrives,
     single_process_quiet,
     wait_saves,
 )
@@ -99,8 +100,9 @@ def load(
             f"parameters belong to, or None; got {type(model).__name__}"
         )
     wait_saves()
-    group = checkpoint_group()
     directory = dirs.resolve(path, "load")
+    every_rank_arrives("load", directory.name)
+    group = checkpoint_group()
     manifest = read_manifest(directory)
     if target is None:
         params, buffers = _empty_model(manifest, directory)

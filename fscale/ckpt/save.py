@@ -53,6 +53,8 @@ from fscale.ckpt.manifest import (
 )
 from fscale.ckpt.pieces import pieces_of
 from fscale.ckpt.planner import PieceSavePlanner, piece_name
+from fscale.distributed import setup_traffic
+from fscale.distributed.watchdog import CollectiveTimeoutError
 from fscale.plan import TrainState
 from fscale.train import Step
 
@@ -62,6 +64,7 @@ __all__ = [
     "checkpoint_group",
     "describe_ranks",
     "distributed",
+    "every_rank_arrives",
     "save",
     "single_process_quiet",
     "wait_saves",
@@ -104,6 +107,37 @@ def checkpoint_group() -> Any:
         _groups.clear()  # a new default group: the old one's groups are gone with it
         _groups[key] = (world, dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT))
     return _groups[key][1]
+
+
+def every_rank_arrives(caller: str, checkpoint: str) -> None:
+    """Raise unless every rank called `caller` for the same `checkpoint` (its directory name).
+
+    The first exchange of a save or load, over the default group and bounded like a step's
+    collectives (`fscale.distributed.setup_traffic`): a call made on some ranks only, as under
+    ``if rank == 0:``, fails within twice the collective timeout instead of waiting for the
+    checkpoint group's ten minutes, and ranks naming different checkpoints fail on every rank.
+    """
+    if not distributed():
+        return
+    world = dist.get_world_size()
+    try:
+        names = setup_traffic.all_gather_objects_over(
+            checkpoint, dist.group.WORLD, tuple(range(world)), "world"
+        )
+    except CollectiveTimeoutError as error:
+        raise CheckpointError(
+            f"{caller}: not every rank reached {caller} of {checkpoint} (a rank that did not "
+            "call it, or failed before its first exchange: see that rank's error). Every rank "
+            f"calls {caller}, each {'writing' if caller == 'save' else 'reading'} the pieces it "
+            "holds; only the work after it belongs under `if rank == 0:`."
+            f"\n{error}"
+        ) from error
+    if len(set(names)) > 1:
+        ranks = "; ".join(f"rank {r}: {name}" for r, name in enumerate(names))
+        raise CheckpointError(
+            f"{caller}: the ranks name different checkpoints ({ranks}); every rank must "
+            f"{caller} the same one (the same state.step on every rank)."
+        )
 
 
 def agree(error: str | None, group: Any, phase: str, caller: str = "save") -> None:
@@ -203,11 +237,12 @@ def save(
     """
     _check_arguments(path, state, step, keep_last, async_)
     wait_saves()
+    number = int(state.step)
+    every_rank_arrives("save", dirs.step_name(number))
     group = checkpoint_group()
     world_size = dist.get_world_size() if distributed() else 1
     rank = dist.get_rank() if distributed() else 0
     root = Path(path)
-    number = int(state.step)
     layout, pieces = pieces_of(step, state, model)
     leaves = describe_ranks(pieces, group)
     params = {key.removeprefix("params/") for key in leaves if key.startswith("params/")}

@@ -23,7 +23,7 @@ from fscale.distributed import debug, watchdog
 from fscale.distributed.comm import Comm, all_gather_flat
 from fscale.readback import to_list
 
-__all__ = ["all_gather_objects", "broadcast_from_first"]
+__all__ = ["all_gather_objects", "all_gather_objects_over", "broadcast_from_first"]
 
 # Payloads are padded to a power of two of at least this many bytes, so a run's set-up
 # exchanges reuse a few signatures instead of agreeing on a new one per payload size.
@@ -41,13 +41,23 @@ def all_gather_objects(value: Any, comm: Comm) -> list[Any]:
     """
     if comm.size == 1:
         return [value]
-    device = _device_of(comm)
+    return all_gather_objects_over(value, comm.group, comm.mesh.peers(comm.axis), comm.axis)
+
+
+def all_gather_objects_over(
+    value: Any, group: Any, ranks: tuple[int, ...], label: str
+) -> list[Any]:
+    """`all_gather_objects` over any process `group` whose global ranks are `ranks` (in group
+    order); `label` names the group in messages, as an axis name does."""
+    if len(ranks) == 1:
+        return [value]
+    device = _device_of(group)
     payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    sizes = to_list(_gather(comm, size))
+    sizes = to_list(_gather(group, ranks, label, size))
     padded = torch.zeros(_padded_length(max(sizes)), dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload.to(device)
-    rows = _gather(comm, padded).view(comm.size, -1).cpu()
+    rows = _gather(group, ranks, label, padded).view(len(ranks), -1).cpu()
     return [pickle.loads(rows[i, :n].numpy().tobytes()) for i, n in enumerate(sizes)]
 
 
@@ -60,10 +70,13 @@ def broadcast_from_first(tensor: torch.Tensor, comm: Comm) -> None:
     watchdog.wait(dist.broadcast(tensor, src=source, group=comm.group, async_op=True), ticket)
 
 
-def _gather(comm: Comm, mine: torch.Tensor) -> torch.Tensor:
-    out = mine.new_empty(comm.size * mine.numel())
-    ticket = debug.count(comm, "all_gather", mine)
-    watchdog.wait(all_gather_flat(out, mine, group=comm.group, async_op=True), ticket)
+def _gather(group: Any, ranks: tuple[int, ...], label: str, mine: torch.Tensor) -> torch.Tensor:
+    out = mine.new_empty(len(ranks) * mine.numel())
+    # Counted as `debug.count` counts a mesh axis's collectives: agreed through the store on
+    # the default path, and not checked again under the debug flag (it is this exchange).
+    agree = not debug.debug_enabled()
+    ticket = watchdog.admit(group, lambda: ranks, label, "all_gather", mine, 0, agree)
+    watchdog.wait(all_gather_flat(out, mine, group=group, async_op=True), ticket)
     return out
 
 
@@ -71,9 +84,9 @@ def _padded_length(longest: int) -> int:
     return max(_SMALLEST_PAYLOAD, 1 << (longest - 1).bit_length())
 
 
-def _device_of(comm: Comm) -> torch.device:
+def _device_of(group: Any) -> torch.device:
     """Where the group's collectives take tensors: the host, unless it has only NCCL."""
-    backend = str(dist.get_backend(comm.group))
+    backend = str(dist.get_backend(group))
     if "nccl" in backend and "cpu" not in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
