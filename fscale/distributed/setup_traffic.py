@@ -1,4 +1,4 @@
-"""Set-up traffic (metadata and first values) between the ranks of an axis, counted and bounded.
+"""Set-up traffic (metadata and first values) between the ranks of a group, counted and bounded.
 
 `torch.distributed.all_gather_object` and a bare `broadcast` wait until the process group's
 timeout (gloo's default is 30 minutes) when a peer never issues them: a rank that skipped
