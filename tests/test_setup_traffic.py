@@ -22,6 +22,7 @@ from fscale.distributed import collectives as C
 from fscale.distributed import setup_traffic
 from fscale.distributed.comm import resolve_comm
 from fscale.distributed.hosts import on_one_host
+from fscale.parallel.tensor.regions import all_reduce_max
 from fscale.testing import RankError, run_spmd
 
 PATIENCE = 1.0
@@ -36,12 +37,15 @@ def _objects_of_every_size():
         gathered = [spmd.all_gather_objects(v, mesh, "dp") for v in values]
         along_tp = spmd.all_gather_objects(rank, mesh, "tp")
         copies = spmd.broadcast_tree({"w": torch.full((2, 3), float(rank))}, mesh, "tp")
-    return gathered, along_tp, copies, len(ledger.records), on_one_host(mesh, "dp")
+        setup_traffic.barrier(resolve_comm("tp", mesh, "test"))
+        world = setup_traffic.all_gather_objects_over(-rank, dist.group.WORLD, (0, 1, 2, 3), "w")
+    records = len(ledger.records)
+    return gathered, along_tp, copies, world, records, on_one_host(mesh, "dp")
 
 
 def test_objects_and_first_values_arrive_exactly_in_axis_order_without_ledger_records():
     results = run_spmd(_objects_of_every_size, 4)
-    for rank, (gathered, along_tp, copies, records, one_host) in enumerate(results):
+    for rank, (gathered, along_tp, copies, world, records, one_host) in enumerate(results):
         dp, tp = divmod(rank, 2)
         peers = [tp, 2 + tp]  # the global ranks of this rank's dp axis, in axis order
         assert gathered[0] == [None, None]
@@ -52,6 +56,7 @@ def test_objects_and_first_values_arrive_exactly_in_axis_order_without_ledger_re
         assert along_tp == [2 * dp, 2 * dp + 1]
         # Index 0 along tp is global rank 2 * dp.
         assert torch.equal(copies["w"], torch.full((2, 3), float(2 * dp)))
+        assert world == [0, -1, -2, -3]
         assert records == 0  # set-up traffic is not a training step's
         assert one_host
 
@@ -87,6 +92,10 @@ def _one_rank_only(what, directory):
             call = lambda: fs.ckpt.load(directory, state, step=step)  # noqa: E731
     elif what == "all_gather_objects":
         call = lambda: spmd.all_gather_objects(rank, mesh, "dp")  # noqa: E731
+    elif what == "barrier":
+        call = lambda: setup_traffic.barrier(resolve_comm("dp", mesh, "test"))  # noqa: E731
+    elif what == "all_reduce_max":
+        call = lambda: all_reduce_max(torch.ones(3), "dp", mesh=mesh)  # noqa: E731
     else:
         comm = resolve_comm("dp", mesh, "test")
         call = lambda: setup_traffic.broadcast_from_first(torch.ones(3), comm)  # noqa: E731
@@ -102,6 +111,8 @@ def _one_rank_only(what, directory):
         "fully_shard",
         "all_gather_objects",
         "broadcast_from_first",
+        "barrier",
+        "all_reduce_max",
         "consolidate shard_optimizer",
         "consolidate fully_shard",
         "save shard_optimizer",
@@ -123,6 +134,8 @@ def test_a_set_up_exchange_made_on_one_rank_only_fails_there_in_bounded_time(wha
         assert "rank 1: in no collective of this group" in message
     if what in ("data_parallel", "fully_shard", "all_gather_objects"):
         assert "all_gather of shape (1,) int64 over axis 'dp'" in message
+    if what == "all_reduce_max":
+        assert "all_reduce of shape (3,) float32 over axis 'dp'" in message
     if what in ("data_parallel", "fully_shard"):
         assert (
             f"CollectiveTimeoutError: {what}: not every rank along axis 'dp' reached the check "

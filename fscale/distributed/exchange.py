@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from fscale.distributed.comm import Comm
-from fscale.distributed.watchdog import Ticket
+from fscale.distributed.debug import count
+from fscale.distributed.watchdog import Ticket, wait
 
 __all__ = [
     "PairWork",
@@ -207,7 +208,9 @@ def _probe_rule(comm: Comm) -> str | None:
     terms = (terms * torch.exp(terms * 4)).float()
     buffer = torch.zeros(numel)
     buffer[positions] = terms[rank]
-    dist.all_reduce(buffer, group=comm.group)
+    # Counted and bounded like every collective (the first exchange on a group runs it).
+    ticket = count(comm, "all_reduce", buffer)
+    wait(dist.all_reduce(buffer, group=comm.group, async_op=True), ticket)
     for rule in RING_RULES:
         chunk = ring_chunk(numel, size, 4, rule)
         expected = []

@@ -23,7 +23,7 @@ from fscale.distributed import debug, watchdog
 from fscale.distributed.comm import Comm, all_gather_flat
 from fscale.readback import to_list
 
-__all__ = ["all_gather_objects", "all_gather_objects_over", "broadcast_from_first"]
+__all__ = ["all_gather_objects", "all_gather_objects_over", "barrier", "broadcast_from_first"]
 
 # Payloads are padded to a power of two of at least this many bytes, so a run's set-up
 # exchanges reuse a few signatures instead of agreeing on a new one per payload size.
@@ -68,6 +68,14 @@ def broadcast_from_first(tensor: torch.Tensor, comm: Comm) -> None:
     source = comm.mesh.global_rank(comm.axis, 0)
     ticket = debug.count(comm, "broadcast", tensor, source)
     watchdog.wait(dist.broadcast(tensor, src=source, group=comm.group, async_op=True), ticket)
+
+
+def barrier(comm: Comm) -> None:
+    """Return once every rank of `comm`'s axis has called it."""
+    if comm.size == 1:
+        return
+    ticket = debug.count(comm, "barrier", torch.zeros(0))
+    watchdog.wait(dist.barrier(group=comm.group, async_op=True), ticket)
 
 
 def _gather(group: Any, ranks: tuple[int, ...], label: str, mine: torch.Tensor) -> torch.Tensor:

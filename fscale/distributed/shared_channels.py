@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from fscale import tracking
+from fscale.distributed import setup_traffic
 from fscale.distributed.comm import Comm
 from fscale.distributed.doorbell import Doorbell, spin_for
 from fscale.distributed.shared_regions import map_region, open_regions
@@ -239,7 +240,7 @@ class Channels:
                 peer_size = _region_bytes(len(ring_neighbours(q, comm.size)))
                 maps[q] = map_region(regions.paths[q], peer_size)
             channels = cls(comm, maps, regions.path, {q: regions.pids[q] for q in neighbours})
-            dist.barrier(group=comm.group)  # every neighbour has mapped this region: unlink it
+            setup_traffic.barrier(comm)  # every neighbour has mapped this region: unlink it
         except BaseException:
             unlink_region(regions.path)
             raise

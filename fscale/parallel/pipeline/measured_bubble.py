@@ -19,9 +19,9 @@ import pathlib
 import socket
 import time
 
-import torch.distributed as dist
-
 from fscale import spmd
+from fscale.distributed import setup_traffic
+from fscale.distributed.comm import resolve_comm
 from fscale.distributed.mesh import Mesh
 from fscale.parallel.pipeline.timeline import Timeline, check_every_rank_recorded
 
@@ -50,9 +50,7 @@ def measured_bubble(timeline: Timeline, mesh: Mesh, axis: str = "pp") -> list[fl
         ValueError: on every rank of the axis, where some rank's `timeline` holds no step or
             the ranks recorded different numbers of steps.
     """
-    group = mesh.group(axis)
-    if group is not None:
-        dist.barrier(group=group)
+    setup_traffic.barrier(resolve_comm(axis, mesh, "measured_bubble"))
     clock = time.perf_counter()
     steps = [(s.start, s.end, s.busy) for s in timeline.steps]
     # Gathered before any check, so that every rank raises the same error instead of one

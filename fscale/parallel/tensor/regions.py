@@ -41,6 +41,7 @@ from fscale.distributed import all_gather
 from fscale.distributed.comm import Comm, check_divisible, normalize_dim, resolve_comm
 from fscale.distributed.debug import issue
 from fscale.distributed.mesh import Mesh
+from fscale.distributed.watchdog import wait
 
 __all__ = ["all_reduce_max", "gather_replicated", "split_replicated"]
 
@@ -136,6 +137,6 @@ def all_reduce_max(x: Tensor, axis: str, *, mesh: Mesh | None = None) -> Tensor:
     result = x.detach().clone(memory_format=torch.contiguous_format)
     if comm.size == 1:
         return result
-    issue(comm, "all_reduce", result, result.numel())
-    dist.all_reduce(result, op=dist.ReduceOp.MAX, group=comm.group)
+    ticket = issue(comm, "all_reduce", result, result.numel())
+    wait(dist.all_reduce(result, op=dist.ReduceOp.MAX, group=comm.group, async_op=True), ticket)
     return result
