@@ -69,9 +69,10 @@ def test_ranks_given_batches_of_the_same_shapes_but_other_values_fail_naming_whi
     text = str(caught.value)
     assert (
         "StageContractError: pipeline: the ranks along 'pp' were given batches of the same "
-        f"shapes whose {part} differ (the first micro-batch of each):" in text
+        f"shapes whose {part} differ (the first micro-batch of each, by the ranks that hold "
+        "it):" in text
     )
-    assert "the same values on rank 0 (pp=0)\n  the same values on rank 1 (pp=1)" in text
+    assert "  batch 1 on rank 0 (pp=0)\n  batch 2 on rank 1 (pp=1)\n" in text
     assert "DistributedSampler(num_replicas=mesh.size('dp'), rank=mesh.rank('dp'))" in text
 
 

@@ -90,8 +90,6 @@ def _one_rank_only(what, directory):
         else:
             fs.ckpt.save(directory, state, step=step)  # on every rank
             call = lambda: fs.ckpt.load(directory, state, step=step)  # noqa: E731
-    elif what == "all_gather_objects":
-        call = lambda: spmd.all_gather_objects(rank, mesh, "dp")  # noqa: E731
     elif what == "barrier":
         call = lambda: setup_traffic.barrier(resolve_comm("dp", mesh, "test"))  # noqa: E731
     elif what == "all_reduce_max":
@@ -109,11 +107,9 @@ def _one_rank_only(what, directory):
     [
         "data_parallel",
         "fully_shard",
-        "all_gather_objects",
         "broadcast_from_first",
         "barrier",
         "all_reduce_max",
-        "consolidate shard_optimizer",
         "consolidate fully_shard",
         "save shard_optimizer",
         "load fully_shard",
@@ -123,8 +119,8 @@ def test_a_set_up_exchange_made_on_one_rank_only_fails_there_in_bounded_time(wha
     start = time.monotonic()
     with pytest.raises(RankError) as caught:
         run_spmd(_one_rank_only, 2, what, str(tmp_path))
-    # Within twice the patience (the wait, then the peers' records), plus building and
-    # training a small model; the process group's own timeout is 60 s in the pool.
+    # Within twice the patience (the wait, then the peers' records), plus the pool's restart
+    # and building and training a small model; before, the pool's 60 s limit ended the wait.
     assert time.monotonic() - start < 2 * PATIENCE + 8
     assert caught.value.ranks == (0,)
     message = caught.value.failures[0]
@@ -132,7 +128,7 @@ def test_a_set_up_exchange_made_on_one_rank_only_fails_there_in_bounded_time(wha
         assert "rank 1: returned from its function after collective #" in message
     else:
         assert "rank 1: in no collective of this group" in message
-    if what in ("data_parallel", "fully_shard", "all_gather_objects"):
+    if what in ("data_parallel", "fully_shard"):
         assert "all_gather of shape (1,) int64 over axis 'dp'" in message
     if what == "all_reduce_max":
         assert "all_reduce of shape (3,) float32 over axis 'dp'" in message

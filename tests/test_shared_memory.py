@@ -281,7 +281,9 @@ def _differentiable_case(shared: bool) -> tuple[bool, list[torch.Tensor]]:
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = fd.Mesh(dp=world)
     out: list[torch.Tensor] = []
-    for size in SIZES[1:]:
+    # Up to 8 MiB: several windows, and segments of gloo's 1 MiB on every rank at world 2
+    # and 4; the largest size's regime is the plain collectives' test above.
+    for size in SIZES[1:-1]:
         numel = size // world * world
         x = heavy_tailed(rank, numel).requires_grad_()
         weight = heavy_tailed(rank + world, numel)

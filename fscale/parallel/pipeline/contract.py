@@ -241,10 +241,11 @@ def _check_every_rank_probes_this_batch(
     groups: dict[tuple[str, str], list[str]] = {}
     for name, (_, c) in zip(names, everyone):
         groups.setdefault(c, []).append(name)
-    lines = [f"  the same values on {', '.join(g)}" for g in groups.values()]
+    lines = [f"  batch {i + 1} on {', '.join(g)}" for i, g in enumerate(groups.values())]
     raise StageContractError(
         f"pipeline: the ranks along {axis!r} were given batches of the same shapes whose "
-        f"{' and '.join(differ)} differ (the first micro-batch of each):\n"
+        f"{' and '.join(differ)} differ (the first micro-batch of each, by the ranks that "
+        "hold it):\n"
         + "\n".join(lines)
         + f"\n{same_rule} Batches that differ would train one rank's inputs against another's "
         "targets. A data loader that splits the data by global rank gives every pipeline rank "
