@@ -19,8 +19,8 @@ shapes would part ways: one probing, the others running the step on shapes they 
 waiting for messages the other never sends until the process group's timeout ends in the
 backend's "Timed out waiting ... for recv". The probe therefore begins with the ranks gathering
 a digest of their first micro-batch's shapes, dtypes and bytes, counted and bounded as every
-collective is (`fscale.distributed.watchdog`): ranks whose batches differ fail on every rank
-naming each rank's shapes (or, for batches of the same shapes, which ranks hold the same
+collective is (`fscale.distributed.setup_traffic`): ranks whose batches differ fail on every rank
+naming each rank's shapes (or, for batches of the same shapes, which ranks hold which
 values), and a rank that probes alone fails within twice the collective timeout (the wait,
 then the peers' records), saying why. The values are compared at each probe (the first step,
 and a batch of new shapes), not at every step: a data loader that gives each pipeline rank its
@@ -38,14 +38,13 @@ import torch.distributed as dist
 
 from fscale import random as fsrandom
 from fscale import spmd, tree
-from fscale.distributed import debug, watchdog
-from fscale.distributed.comm import Comm, all_gather_flat
+from fscale.distributed import setup_traffic, watchdog
+from fscale.distributed.comm import Comm
 from fscale.grad import normalize_loss_output
 from fscale.parallel.pipeline.runner import StageOutput
 from fscale.parallel.pipeline.schedule import Schedule
 from fscale.parallel.pipeline.stages import Stages
 from fscale.parallel.pipeline.transport import wait
-from fscale.readback import to_list
 
 __all__ = ["StageContractError", "probe_stages"]
 
@@ -125,7 +124,7 @@ def probe_stages(
     module docstring); raises `StageContractError` on every rank when a stage fails. Leaves
     travel as host tensors and are placed on `device` (this rank's stages') on arrival."""
     if comm is not None:
-        _check_every_rank_probes_this_batch(comm, mesh, axis, inputs, targets)
+        _check_every_rank_probes_this_batch(comm, axis, inputs, targets)
     local = schedule.local_stages(index)
     last = schedule.num_stages - 1
     shapes: dict[int, StageOutput] = {}
@@ -197,19 +196,16 @@ def probe_stages(
 
 
 def _check_every_rank_probes_this_batch(
-    comm: Comm, mesh: Any, axis: str, inputs: PyTree, targets: PyTree
+    comm: Comm, axis: str, inputs: PyTree, targets: PyTree
 ) -> None:
     """Raise on every rank of the axis unless all of them probe the same batch (shapes and
     values), and on this rank, within twice the collective timeout, if its peers do not probe
     at all."""
     batch = f"inputs {_describe(_output_of(inputs))}, targets {_describe(_output_of(targets))}"
     contents = (_content_digest(inputs), _content_digest(targets))
-    digest = hashlib.sha1("\n".join((batch, *contents)).encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
-    gathered = mine.new_empty(comm.size)
+    digest = hashlib.sha1("\n".join((batch, *contents)).encode()).hexdigest()
     try:
-        ticket = debug.count(comm, "all_gather", mine)
-        watchdog.wait(all_gather_flat(gathered, mine, group=comm.group, async_op=True), ticket)
+        digests = setup_traffic.all_gather_objects(digest, comm)
     except watchdog.CollectiveTimeoutError as error:
         me = comm.mesh.global_rank(comm.axis, comm.index)
         raise watchdog.CollectiveTimeoutError(
@@ -219,9 +215,9 @@ def _check_every_rank_probes_this_batch(
             "it saw before runs the step instead. Give every rank of the pipeline axis the same "
             f"whole batch.\n{error}"
         ) from error
-    if len(set(to_list(gathered))) == 1:
+    if len(set(digests)) == 1:
         return
-    everyone = spmd.all_gather_objects((batch, contents), mesh, axis)  # every rank is here
+    everyone = setup_traffic.all_gather_objects((batch, contents), comm)  # every rank is here
     names = [f"rank {comm.mesh.global_rank(axis, i)} ({axis}={i})" for i in range(comm.size)]
     same_rule = (
         "Every rank of the pipeline axis takes the same whole batch: the first stage its "
