@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from fscale import purity, tree
+from fscale.outside_graph import outside_graph
 from fscale.remat.early_stop import keeping_last
 from fscale.step_means import StepMeans
 
@@ -239,7 +240,7 @@ def _weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
     return loss if weight == 1.0 else loss * weight
 
 
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def _live_leaves(leaves: list[torch.Tensor], hooks: list[Any]) -> list[torch.Tensor]:
     """Aliases of `leaves` that require grad, with `hooks` registered on them.
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fscale import tree
+from fscale.outside_graph import outside_graph
 
 __all__ = ["LiveBytes", "state_bytes", "tree_bytes"]
 
@@ -80,7 +81,7 @@ class LiveBytes:
     # Host bookkeeping through weak references to storages, which Dynamo cannot trace (2.13
     # breaks the graph inside; 2.9 rebuilt a weak reference as the storage itself): under
     # torch.compile each call is one call outside the graph.
-    @torch.compiler.disable(recursive=True)
+    @outside_graph
     def track(self, tensor: torch.Tensor) -> None:
         """Count `tensor`'s storage until it is freed, and sample the peak.
 
@@ -96,7 +97,7 @@ class LiveBytes:
         self._storages.setdefault(id(storage), (weakref.ref(storage), storage.nbytes()))
         self.sample()
 
-    @torch.compiler.disable(recursive=True)
+    @outside_graph
     def sample(self) -> None:
         """Update `peak` with the bytes alive now."""
         self.peak = max(self.peak, self.live)

@@ -42,6 +42,7 @@ from fscale import random as fsrandom
 from fscale.functional import ownership
 from fscale.grad import GRAD_MODES, value_and_grad
 from fscale.optim.hyper import check_bool
+from fscale.outside_graph import outside_graph
 from fscale.plan import Context, GradAux, LocalPlan, PlainOptimizer, Plan, TrainState
 from fscale.split_params import check_statistics_span_the_model
 from fscale.step_means import StepMeans
@@ -241,14 +242,14 @@ class Step:
         )
 
 
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def _step_key(state: TrainState, mesh: Any, axes: tuple[str, ...]) -> torch.Tensor:
     # The key is mixed in 64-bit host integers from the step counter's value: under
     # torch.compile this runs outside the graph (a read of a tensor's value ends a graph).
     return spmd.rank_key(state.key, int(state.step), mesh, axes)
 
 
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def _reduce_over_data_axes(
     state: TrainState,
     new_state: TrainState,

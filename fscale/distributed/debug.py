@@ -31,6 +31,7 @@ from fscale import tracking
 from fscale.distributed.comm import Comm, all_gather_flat
 from fscale.distributed.ledger import record
 from fscale.distributed.watchdog import CollectiveMismatchError, Ticket, admit, wait
+from fscale.outside_graph import outside_graph
 from fscale.readback import to_list
 
 __all__ = [
@@ -172,7 +173,7 @@ def check_pair(comm: Comm, op: str, x: Tensor, peer: int, ticket: Ticket | None 
 
 # Under torch.compile this runs outside the graph, as one call: the store, the debug check's
 # collective and the ledger are host work, each of which would end a graph of its own.
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def issue(comm: Comm, op: str, x: Tensor, numel: int, extra: int = 0) -> Ticket:
     """Before a group collective on `x`: its count, the debug check when on, the ledger record.
 

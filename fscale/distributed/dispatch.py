@@ -28,6 +28,7 @@ from fscale.distributed.debug import issue
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.shared_memory import shared_all_to_all, shares_memory
 from fscale.distributed.watchdog import wait
+from fscale.outside_graph import outside_graph
 
 __all__ = ["all_to_all"]
 
@@ -55,7 +56,7 @@ class _AllToAll(torch.autograd.Function):
 
 # Outside a compiled graph, as the other collectives' starts: the shared-memory transport is
 # host code.
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def _start_all_to_all(stacked: Tensor, received: Tensor, comm: Comm) -> Any:
     """Start the exchange of the contiguous `stacked` into `received`; the work to wait for."""
     flat = stacked.view(-1)

@@ -27,6 +27,7 @@ from fscale.distributed.debug import issue
 from fscale.distributed.mesh import Axis, Mesh
 from fscale.distributed.pending import Pending, Work
 from fscale.distributed.shared_memory import shared_all_reduce, shares_memory
+from fscale.outside_graph import outside_graph
 
 __all__ = ["all_reduce", "all_reduce_start", "replicate"]
 
@@ -77,7 +78,7 @@ class _AllReduceStart(torch.autograd.Function):
 
 # Outside a compiled graph, as the gathers' starts (`fscale.distributed.sharding`): Dynamo
 # refuses gloo's async calls, and the shared-memory transport is host code.
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def _start_all_reduce(buffer: Tensor, comm: Comm, work: Work) -> None:
     """Start summing the contiguous `buffer` over the ranks into itself."""
     flat = buffer.view(-1)

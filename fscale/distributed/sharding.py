@@ -50,6 +50,7 @@ from fscale.distributed.exchange import (
 from fscale.distributed.mesh import Axis, Mesh
 from fscale.distributed.pending import Pending, Work
 from fscale.distributed.shared_memory import shared_all_gather, shared_reduce_scatter, shares_memory
+from fscale.outside_graph import outside_graph
 
 __all__ = ["all_gather", "all_gather_start", "reduce_scatter", "reduce_scatter_start"]
 
@@ -97,7 +98,7 @@ class _ReduceScatterStart(torch.autograd.Function):
 # The transfers start outside a compiled graph, in one call each: gloo's calls with
 # async_op=True are refused by Dynamo, and the shared-memory transport is host code (its
 # group's first call is itself a collective).
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def _start_gather(gathered: Tensor, shard: Tensor, comm: Comm, work: Work) -> None:
     """Start filling the stacked `gathered` (N, *S) with every rank's `shard`."""
     flat = gathered.view(-1)
@@ -112,7 +113,7 @@ def _start_gather(gathered: Tensor, shard: Tensor, comm: Comm, work: Work) -> No
         work.work = exchange_all_gather(flat, comm, work.ticket)
 
 
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def _start_reduce_scatter(stacked: Tensor, comm: Comm, work: Work) -> Tensor:
     """Start summing the stacked (N, *S) over the ranks; the tensor this rank's S lands in.
 

@@ -66,6 +66,7 @@ from fscale.distributed.shared_setting import (
     set_shared_memory,
     shared_memory_enabled,
 )
+from fscale.outside_graph import outside_graph
 
 __all__ = [
     "WINDOW_BYTES",
@@ -102,7 +103,7 @@ def shares_memory(comm: Comm, flat: Tensor, *, sums: bool) -> bool:
     return not sums or comm.size == 2 or ring_rule(comm) is not None
 
 
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def release_windows() -> None:
     """Unmap every group's windows from this process once its collectives in flight are done
     (the pages keep their contents; the next collective maps them again). Returns at once."""

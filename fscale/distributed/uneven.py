@@ -45,6 +45,7 @@ from fscale.distributed.shared_memory import (
     shares_memory,
 )
 from fscale.distributed.watchdog import wait
+from fscale.outside_graph import outside_graph
 from fscale.readback import to_list
 
 __all__ = ["all_to_all_uneven"]
@@ -106,7 +107,7 @@ class _AllToAllUneven(torch.autograd.Function):
 
 # Outside a compiled graph, as the other collectives' starts: the shared-memory transport is
 # host code.
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def _start(
     x: Tensor,
     received: Tensor,

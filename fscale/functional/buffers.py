@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.utils import stateless
 
 from fscale.functional import slots as slots_lib
+from fscale.outside_graph import outside_graph
 
 __all__ = ["call", "capture", "check_not_modified", "versions"]
 
@@ -89,7 +90,7 @@ def versions(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
     return {name: tensor._version for name, tensor in tensors.items()}
 
 
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def _versions_outside_the_graph(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
     return versions(tensors)
 
@@ -136,7 +137,7 @@ def _modified(names: list[str]) -> str:
     )
 
 
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def _check_outside_the_graph(
     tensors: Mapping[str, torch.Tensor], before: Mapping[str, int]
 ) -> None:

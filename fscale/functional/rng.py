@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fscale import random as fsrandom
+from fscale.outside_graph import outside_graph
 
 __all__ = ["Saved", "reseeding", "restore_generators", "seed_generators", "seeded_by"]
 
@@ -90,7 +91,7 @@ def seeded_by(key: torch.Tensor | None, call_tensors: Callable[[], list[Any]]) -
 Saved = list[tuple[Any, int | None, torch.Tensor]]
 
 
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def seed_generators(key: torch.Tensor, call_tensors: Callable[[], list[Any]]) -> Saved:
     """The generators `seeded_by` seeds, saved and then seeded with `key`; run outside any
     torch.compile graph. `restore_generators` puts the saved states back.
@@ -117,7 +118,7 @@ def seed_generators(key: torch.Tensor, call_tensors: Callable[[], list[Any]]) ->
     return saved
 
 
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def restore_generators(saved: Saved) -> None:
     """Put back the generator states `seed_generators` saved."""
     for owner, index, state in saved:

@@ -31,6 +31,7 @@ from fscale.optim.packing import (
     signatures,
     writable,
 )
+from fscale.outside_graph import outside_graph
 
 PyTree = Any
 # What torch's `_foreach_*` kernels take and return (their results are tuples, not lists).
@@ -301,7 +302,7 @@ def fused_steps(group: Group) -> list[torch.Tensor]:
     return [step] * len(group.params)
 
 
-@torch.compiler.disable(recursive=True)
+@outside_graph
 @torch.no_grad()
 def update_groups(
     name: str,
@@ -372,7 +373,7 @@ def pointwise_optimizer(
     # Outside any torch.compile graph as a whole, like `update_groups`: Dynamo rebuilds the
     # trees' specs held across that call's break wrongly (torch 2.13: "length mismatch" when
     # unflattening the new state under data_parallel).
-    @torch.compiler.disable(recursive=True)
+    @outside_graph
     def apply(
         grads: PyTree,
         state: Any,

@@ -63,6 +63,7 @@ from fscale.distributed.shared_memory import (
     shared_reduce_scatter,
     shares_memory,
 )
+from fscale.outside_graph import outside_graph
 
 __all__ = [
     "BucketPending",
@@ -108,7 +109,7 @@ class BucketPending:
 
     # Under torch.compile this runs outside the graph, as one call: it blocks on gloo's work
     # and the watchdog's host bookkeeping, each of which would end a graph of its own.
-    @torch.compiler.disable(recursive=True)
+    @outside_graph
     def wait(self) -> torch.Tensor:
         if self._result is None:
             if self._work is not None:
@@ -152,7 +153,7 @@ def _comm(flat: torch.Tensor, axis: str, mesh: Mesh, caller: str) -> Comm:
 
 
 # Under torch.compile this runs outside the graph, as one call, as `reduce_scatter_bucket_start`.
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def all_reduce_bucket_start(
     flat: torch.Tensor, axis: str, mesh: Mesh, *, trailing: int = 0, divided: bool = False
 ) -> BucketPending:
@@ -215,7 +216,7 @@ def _check_divides(flat: torch.Tensor, comm: Comm, axis: str, caller: str) -> No
 # Under torch.compile this runs outside the graph, as one call (from a gradient hook, which
 # Dynamo compiles as a frame of its own): issuing a gloo collective and the watchdog's
 # agreement through the store would each end a graph.
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def reduce_scatter_bucket_start(
     flat: torch.Tensor, axis: str, mesh: Mesh, *, trailing: int = 0
 ) -> BucketPending | Pending:

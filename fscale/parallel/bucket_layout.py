@@ -19,6 +19,7 @@ import torch
 
 from fscale import tree
 from fscale.flat import FlatBuffer, Fragment, aligned_elements
+from fscale.outside_graph import outside_graph
 from fscale.parallel.bucket_assign import Bucket, assign_buckets, forward_order
 
 __all__ = ["BucketLayout", "layout_of"]
@@ -153,7 +154,7 @@ _LAYOUTS: dict[tuple[Any, ...], BucketLayout] = {}
 _MAX_LAYOUTS = 32
 
 
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def _new_layout(
     key: tuple[Any, ...],
     signature: tuple[tuple[torch.Size, torch.dtype, torch.device], ...],

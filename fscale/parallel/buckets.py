@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fscale.flat import FlatBuffer, Placement, flat_copy
+from fscale.outside_graph import outside_graph
 from fscale.parallel.bucket_assign import Bucket, assign_buckets, forward_order
 
 __all__ = ["Bucket", "GradBuckets", "assign_buckets", "forward_order"]
@@ -78,7 +79,7 @@ def _zero_run(numel: int, layout: FlatBuffer) -> torch.Tensor:
 # calls the hooks, and Dynamo would compile a hook anew for every leaf shape, then check its
 # guards on each call. Wrapped once here, not once per leaf and step (a wrapper of its own per
 # hook cost about 4 us a leaf to make, 0.1 ms a step on a 26-leaf model).
-@torch.compiler.disable(recursive=True)
+@outside_graph
 def _deliver_eagerly(
     collector: GradBuckets, bucket_index: int, slot: int, placement: Placement, grad: torch.Tensor
 ) -> torch.Tensor:

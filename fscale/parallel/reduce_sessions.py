@@ -46,6 +46,7 @@ from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.memory import LiveBytes
+from fscale.outside_graph import outside_graph
 from fscale.parallel.bucket_assign import Bucket, assign_buckets, forward_order
 from fscale.parallel.bucket_collectives import (
     BucketPending,
@@ -177,7 +178,7 @@ class AllReduceSession(_Session):
         return tree.unflatten(treedef, collectives.replicate_many(leaves, axis, "mean", mesh=mesh))
 
     # Outside the graph: Dynamo cannot rebuild the hooks' bound methods at a later break.
-    @torch.compiler.disable(recursive=True)
+    @outside_graph
     def hooks(self, *, compiling: bool = False) -> list[Any]:
         if self.func:
             return [None] * len(self.leaves)
@@ -278,7 +279,7 @@ class ScatterSession(_Session):
     def prepare(self, live: PyTree) -> PyTree:
         return live
 
-    @torch.compiler.disable(recursive=True)  # as `AllReduceSession.hooks`
+    @outside_graph  # as `AllReduceSession.hooks`
     def hooks(self, *, compiling: bool = False) -> list[Any]:
         if self.func:
             return [None] * self.layout.num_leaves

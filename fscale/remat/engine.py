@@ -39,6 +39,7 @@ import torch
 
 from fscale import tree
 from fscale.offload import transfer
+from fscale.outside_graph import outside_graph
 from fscale.remat.early_stop import EarlyStopGraph, eligible, not_top_level, release_kept
 from fscale.remat.execution import ExecutionState
 from fscale.remat.fresh_graph import first_order_grads, higher_order_grads
@@ -184,7 +185,7 @@ class _Call:
 
     # Host bookkeeping (storage sizes): under torch.compile it runs outside the graph as one call;
     # traced, Dynamo compiled its inner function anew for every saved tensor.
-    @torch.compiler.disable(recursive=True)
+    @outside_graph
     def _count_saved(self, tensors: tuple[torch.Tensor, ...]) -> None:
         if self.options.offload:
             offload_set = set(range(self._module_state, len(tensors))) | set(self.mutated)

@@ -23,6 +23,7 @@ from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.distributed.shared_memory import release_windows
 from fscale.functional import UnitParams
+from fscale.outside_graph import outside_graph
 from fscale.parallel.fsdp.gather import Gatherer, ShardedUnit
 from fscale.parallel.fsdp.materialize import has_meta, sharded_init
 from fscale.parallel.fsdp.units import ROOT, ShardLayout, UnitSpec, assign_units
@@ -96,7 +97,7 @@ class GatherAtUse:
 
     # Outside the graph, as one call: Dynamo cannot rebuild the methods of objects made in the
     # graph across the gathers' breaks, and would run this map's call eagerly.
-    @torch.compiler.disable(recursive=True)
+    @outside_graph
     def _units(self, live: Shards) -> tuple[list[ShardedUnit], Gatherer]:
         layouts = self.plan.layout.units
         units = [ShardedUnit(layout, live[layout.name], self.reshard) for layout in layouts]

@@ -25,6 +25,7 @@ from fscale import tree
 from fscale.distributed import collectives
 from fscale.distributed.mesh import Mesh
 from fscale.optim.base import Sharding
+from fscale.outside_graph import outside_graph
 from fscale.parallel.bucket_collectives import all_gather_bucket_start
 from fscale.parallel.bucket_layout import BucketLayout, layout_of
 from fscale.parallel.opt_state import StateMap, StateSpec, check_state, plan_state_init, state_spec
@@ -118,7 +119,7 @@ class ZeroOptimizer:
     # on gloo end a graph anyway and the optimizer's apply runs eagerly already. The trees it
     # rebuilds take their treedef from the params here: a treedef made in the graph is
     # Dynamo's stand-in, which fails outside it (torch 2.13: "length mismatch" unflattening).
-    @torch.compiler.disable(recursive=True)
+    @outside_graph
     def apply(self, optimizer, grads, opt_state, params, *, donate):
         flats, owned, treedef = self._owned(params)
         grad_fragments = tree.unflatten(treedef, self.layout.fragment_views(self.rank, grads))
@@ -258,7 +259,7 @@ class ShardedOptimizerPlan(Plan):
     # Under torch.compile the check runs outside the graph, as one call: it reads the shard
     # count's value (a host read ends a graph anyway) and keys its spec cache by the params'
     # treedef, which must be optree's own, not Dynamo's stand-in for it.
-    @torch.compiler.disable(recursive=True)
+    @outside_graph
     def _check_opt_state(self, step: Any, params: PyTree, opt_state: Any) -> BucketLayout:
         """Check that `opt_state` is this step's sharded state for `params`; their layout."""
         layout, treedef = self._layout(params)
