@@ -335,11 +335,16 @@ def _process_context() -> (
     did so once makes starting (and, after a failure, restarting) a pool take ~0.1 s instead
     of seconds. The server has run no torch code, so its children are as clean as spawned
     ones (no threads, no CUDA context). Where there is no fork server (Windows), spawn.
+
+    The server imports Dynamo too, which `import fscale` leaves to first use
+    (`fscale.outside_graph`): the modules it brings (sympy, the FX and DTensor layers) are
+    most of what `torch.distributed.checkpoint` and `torch.compile` import, 1.3 s a rank
+    otherwise, paid again after each restart.
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", __name__])
     return context
 
 
