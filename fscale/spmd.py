@@ -2,7 +2,8 @@
 
 - `check_axis`: a mesh with the named axis, or a clear error at the boundary.
 - `check_same_on_all_ranks` / `describe_tree`: ranks that build different models fail at once,
-  naming the first difference, instead of hanging in a collective whose shapes disagree.
+  naming the first difference, instead of hanging in a collective whose shapes disagree;
+  `lines_where_ranks_differ`, the exchange under it, for checks that report differently.
 - `broadcast_tree`: index 0's values on every rank (the start of a data-parallel run).
 - `rank_key`: the key of one step on one rank: folded by the step count and the rank's
   coordinate along the data axes, so dropout differs across ranks and replays exactly.
@@ -47,6 +48,7 @@ __all__ = [
     "check_same_on_all_ranks",
     "describe_tree",
     "first_difference",
+    "lines_where_ranks_differ",
     "mean_floating_leaves",
     "rank_key",
     "reduce_metrics",
@@ -112,9 +114,30 @@ def check_same_on_all_ranks(
     error names the first difference and says what to do (`fix`), so a bad configuration fails
     at once instead of hanging in a collective whose shapes disagree.
     """
-    group = mesh.group(axis)
-    if group is None:
+    all_lines = lines_where_ranks_differ(lines, mesh, axis, what, caller)
+    if all_lines is None:
         return
+    reference = all_lines[0]
+    for index, other in enumerate(all_lines):
+        if other == reference:
+            continue
+        detail = first_difference(reference, other, index)
+        raise ValueError(
+            f"{caller}: the ranks along axis {axis!r} disagree on {what}: rank 0 and rank "
+            f"{index} of the axis differ — {detail}. {fix}"
+        )
+
+
+def lines_where_ranks_differ(
+    lines: list[str], mesh: Mesh, axis: str, what: str, caller: str
+) -> list[list[str]] | None:
+    """Every rank's `lines` in axis order when they differ anywhere along `axis`; else None.
+
+    Ranks that agree (the usual case) exchange only a digest of their lines. A peer that never
+    makes the call is a `CollectiveTimeoutError` naming `caller` and `what`, and what to do.
+    """
+    if mesh.group(axis) is None:
+        return None
     digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
     try:
         digests = all_gather_objects(digest, mesh, axis)
@@ -125,17 +148,8 @@ def check_same_on_all_ranks(
             f"`if rank == 0:`, leaves the others waiting).\n{error}"
         ) from error
     if len(set(digests)) == 1:
-        return
-    all_lines = all_gather_objects(lines, mesh, axis)
-    reference = all_lines[0]
-    for index, other in enumerate(all_lines):
-        if other == reference:
-            continue
-        detail = first_difference(reference, other, index)
-        raise ValueError(
-            f"{caller}: the ranks along axis {axis!r} disagree on {what}: rank 0 and rank "
-            f"{index} of the axis differ — {detail}. {fix}"
-        )
+        return None
+    return all_gather_objects(lines, mesh, axis)
 
 
 def all_gather_objects(value: Any, mesh: Mesh, axis: str) -> list[Any]:

@@ -11,7 +11,6 @@ rank's value. Set-up traffic, not recorded in the comm ledger.
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,11 +44,9 @@ def check_same_values(values: Any, mesh: Mesh, axis: str, what: str, caller: str
     """Raise on every rank of `axis` when the ranks' `values` differ, naming the first leaf."""
     if mesh.group(axis) is None:
         return
-    lines = fingerprint(values)
-    digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
-    if len(set(spmd.all_gather_objects(digest, mesh, axis))) == 1:
+    everyone = spmd.lines_where_ranks_differ(fingerprint(values), mesh, axis, what, caller)
+    if everyone is None:
         return
-    everyone = spmd.all_gather_objects(lines, mesh, axis)
     for index in range(max(len(rank_lines) for rank_lines in everyone)):
         found = [
             rank_lines[index] if index < len(rank_lines) else "(none)" for rank_lines in everyone

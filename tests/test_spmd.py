@@ -74,6 +74,22 @@ def test_ranks_that_disagree_fail_together_naming_the_difference():
         run_spmd(_disagree, 2)
 
 
+def _lines_on_a_dp_by_tp_mesh():
+    """On 2 x 2: the lines agree along dp and differ along tp (they name the tp index)."""
+    mesh = fs.Mesh(dp=2, tp=2)
+    lines = ["shared", f"tp={mesh.rank('tp')}"]
+    along_dp = spmd.lines_where_ranks_differ(lines, mesh, "dp", "the lines", "my_plan")
+    along_tp = spmd.lines_where_ranks_differ(lines, mesh, "tp", "the lines", "my_plan")
+    return along_dp, along_tp
+
+
+def test_lines_where_ranks_differ_come_only_from_an_axis_that_disagrees():
+    for along_dp, along_tp in run_spmd(_lines_on_a_dp_by_tp_mesh, 4):
+        assert along_dp is None
+        assert along_tp == [["shared", "tp=0"], ["shared", "tp=1"]]
+    assert spmd.lines_where_ranks_differ(["x"], fs.Mesh(dp=1), "dp", "x", "my_plan") is None
+
+
 def test_describe_tree_and_check_axis():
     assert spmd.describe_tree({"a": torch.zeros(2, dtype=torch.int8), "b": 1.5}) == [
         "a: (2,) int8",
