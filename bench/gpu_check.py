@@ -58,6 +58,7 @@ import os
 import subprocess
 import sys
 import traceback
+from typing import Any
 
 # cuBLAS needs a fixed workspace to be deterministic; set before CUDA starts.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -370,8 +371,19 @@ def _overlap_rank(device_type: str) -> list[tuple[int, dict[str, torch.Tensor]]]
     return results
 
 
-def check_data_parallel_overlap(device: torch.device) -> None:
-    (default, on, off) = fs.launch(_overlap_rank, 2, device.type, backend="gloo")[0]
+def _two_rank_checks(device_type: str) -> tuple[list[Any], dict[str, float]]:
+    """Both two-rank checks in one launch: starting the ranks costs more than either check."""
+    return _overlap_rank(device_type), _pipeline_rank(device_type)
+
+
+def check_two_ranks(device: torch.device) -> None:
+    overlap, pipeline = fs.launch(_two_rank_checks, 2, device.type, backend="gloo")[0]
+    report_data_parallel_overlap(device, overlap)
+    report_pipeline(device, pipeline)
+
+
+def report_data_parallel_overlap(device: torch.device, results: list[Any]) -> None:
+    (default, on, off) = results
     hooks_by_default = default[0] > 0
     check(
         f"data_parallel's default overlap on {device.type}",
@@ -436,8 +448,7 @@ def _pipeline_rank(device_type: str) -> dict[str, float]:
     return differences
 
 
-def check_pipeline(device: torch.device) -> None:
-    differences = fs.launch(_pipeline_rank, 2, device.type, backend="gloo")[0]
+def report_pipeline(device: torch.device, differences: dict[str, float]) -> None:
     for schedule, difference in differences.items():
         check(
             f"pipeline ({schedule}, 2 ranks, messages through host memory) on {device.type} "
@@ -499,8 +510,7 @@ def main() -> int:
         check_offload_optimizer,
         check_bf16_step,
         check_mixed_precision,
-        check_data_parallel_overlap,
-        check_pipeline,
+        check_two_ranks,
     ):
         _guarded(run_check, device)
     if not args.skip_compile:
