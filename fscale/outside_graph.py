@@ -3,8 +3,9 @@
 ``torch.compiler.disable`` imports ``torch._dynamo`` when it decorates, and fscale decorates
 functions in modules that every step imports (the collectives' bookkeeping, the generators'
 seeding, the optimizers' fused calls): that import is about half of ``import fscale``'s time
-(2 s of 4.5 s on a two-core host), paid by every rank process, and the disabled wrapper's
-switch of the frame evaluator costs each eager call a little more.
+(2 s of 4.5 s on a two-core host), paid by every rank process; and the disabled wrapper's
+switch of the frame evaluator made each eager call cost 1.2 µs where the call below costs 0.4 µs
+(1.6 µs once Dynamo is imported).
 
 Nothing can be tracing before ``torch._dynamo`` is imported. So until it is, a decorated function
 is called as it is; when the import completes (a finder on ``sys.meta_path`` sees it), each one
