@@ -15,7 +15,8 @@ Dynamo skips, and it carries the marks Dynamo reads on a disabled function: a tr
 breaks its graph at the call and runs it eagerly, reported and guarded as at a function decorated
 with ``torch.compiler.disable`` (tests/test_compile.py pins the graph-break sites). Its
 wrapper looks up the form to call in the function's ``__dynamo_disable`` attribute (torch 2.6
-to 2.14 alike), which is what this module sets.
+to 2.14 alike), which is what this module sets. A function decorated once Dynamo is imported
+gets the ``torch.compiler.disable`` form itself.
 """
 
 from __future__ import annotations
@@ -50,12 +51,11 @@ def outside_graph(fn: F) -> F:
     """`fn` run eagerly and whole under torch.compile (``torch.compiler.disable(fn,
     recursive=True)``), with Dynamo imported only once something imports it."""
     with _lock:
-        if _DYNAMO in sys.modules:
-            setattr(fn, _FORM, torch.compiler.disable(fn, recursive=True))
-        else:
-            setattr(fn, _FORM, fn)
-            _waiting.append(fn)
-            _watch_for_dynamo()
+        if _DYNAMO in sys.modules:  # nothing to wait for: no lazy layer around the disabled form
+            return torch.compiler.disable(fn, recursive=True)  # type: ignore[return-value]
+        setattr(fn, _FORM, fn)
+        _waiting.append(fn)
+        _watch_for_dynamo()
     wrapper = torch._disable_dynamo(fn, recursive=True)
     # The marks torch.compiler.disable puts on its wrapper, which Dynamo reads on a callee: the
     # break is then reported ("Skip calling `torch.compiler.disable()`d function", naming `fn`)
