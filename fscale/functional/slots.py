@@ -39,13 +39,15 @@ def state_slots(
     tree is a sizeable part of a small call's cost).
 
     Returns:
-        ``(tensors, slots, num_parameters)``: a tied tensor appears once, and ``slots[i]``
-        lists every slot holding ``tensors[i]``; the first `num_parameters` are parameters.
+        ``(tensors, slots, num_parameters)``: a tied tensor appears once (compiled, a tied
+        tensor subclass twice: `_index_of`), and ``slots[i]`` lists every slot holding
+        ``tensors[i]``; the first `num_parameters` are parameters.
     """
     tensors: list[torch.Tensor] = []
     slots: list[list[Slot]] = []
     index_of: dict[int, int] = {}
     num_parameters = 0
+    compiling = torch.compiler.is_compiling()
     if owners is None:
         owners = list(module.modules())
     for kind in ("_parameters", "_buffers"):
@@ -53,14 +55,35 @@ def state_slots(
             for attr, value in getattr(owner, kind).items():
                 if value is None:
                     continue
-                i = index_of.get(id(value))
+                i = _index_of(value, tensors, index_of, compiling)
                 if i is None:
-                    i = index_of[id(value)] = len(tensors)
+                    i = len(tensors)
+                    if not compiling:
+                        index_of[id(value)] = i
                     tensors.append(value)
                     slots.append([])
                     num_parameters += kind == "_parameters"
                 slots[i].append((owner, kind, attr))
     return tensors, slots, num_parameters
+
+
+def _index_of(
+    value: torch.Tensor, tensors: list[torch.Tensor], index_of: dict[int, int], compiling: bool
+) -> int | None:
+    """Where `value` is in `tensors` already (a tied tensor), or None.
+
+    Compiled, the search compares identities instead of looking up ``id(value)``: Dynamo guards
+    a traced ``id(tensor)`` on that tensor's identity, and the parameters a step swaps in are
+    new tensors every step, so every step recompiled the module's forward until Dynamo's
+    recompile limit left it eager. A tensor subclass (`fully_shard`'s placeholders) is not
+    compared there (Dynamo 2.6 fails to trace the comparison) and counts as distinct: listed
+    twice, a tied tensor is still one tensor in every slot, and its gradients add up.
+    """
+    if compiling:
+        if type(value) not in (torch.Tensor, nn.Parameter):
+            return None
+        return next((i for i, tensor in enumerate(tensors) if tensor is value), None)
+    return index_of.get(id(value))
 
 
 def named_slots(

@@ -110,17 +110,17 @@ class LinearStore:
         return found
 
 
-def _deferred_forward(module: nn.Linear, store: LinearStore, x: Tensor) -> Tensor:
-    """`module`'s forward, recorded in `store` when its weight and bias are stage leaves.
+def _deferred_forward(
+    module: nn.Linear, store: LinearStore, weight_at: int | None, bias_at: int | None, x: Tensor
+) -> Tensor:
+    """`module`'s forward, recorded in `store` when its weight and bias are stage leaves (at
+    `weight_at` and `bias_at` among them, which `recording` looked up).
 
     The layer runs on detached weights, so its backward computes the input's gradient alone
     (autograd's own kernel, which skips the weight's product); a hook on the output keeps the
     output's gradient beside the input for W. Plain operations and one hook, no Function: a
     Python Function per layer cost ~50 µs of each micro-batch's forward on small layers."""
     weight, bias = module.weight, module.bias
-    index = store.index
-    weight_at = index.get(id(weight))
-    bias_at = None if bias is None else index.get(id(bias))
     if (
         weight_at is None
         or (bias is not None and bias_at is None)
@@ -169,7 +169,12 @@ def recording(linears: Sequence[nn.Linear]) -> Iterator[None]:
         yield
         return
     for layer in linears:
-        object.__setattr__(layer, "forward", functools.partial(_deferred_forward, layer, store))
+        # Looked up here, outside any compiled layer: traced, id() would guard on the identity
+        # of the weights, which are new tensors every step, and recompile the layer every step.
+        weight_at = store.index.get(id(layer.weight))
+        bias_at = None if layer.bias is None else store.index.get(id(layer.bias))
+        forward = functools.partial(_deferred_forward, layer, store, weight_at, bias_at)
+        object.__setattr__(layer, "forward", forward)
     try:
         yield
     finally:
