@@ -1,6 +1,10 @@
 """Test session setup: deterministic torch, a bounded hypothesis profile for CI."""
 
+import atexit
 import os
+import shutil
+import sys
+from pathlib import Path
 
 # Every collective first checks that all ranks pass the same shapes and dtypes (the ranks of the
 # test pool inherit this environment).
@@ -12,6 +16,27 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis_budget import CI_EXAMPLES, THOROUGH_EXAMPLES, profile
+
+# Where PYTHONDONTWRITEBYTECODE is set (some CI images set it), every interpreter the suite
+# starts (the xdist workers, each spawned rank, each CLI and script run: about seventy) compiled
+# fscale from source again, 0.5 s of CPU each, and each worker rewrote every test module, 7 s.
+# The session writes the project's bytecode caches and removes the ones it made at exit, so the
+# tree is left as the setting wants it. (Installed packages have theirs from pip; a cache
+# prefix would move those too, and compile torch from source.) Set here, in the first process,
+# so that every process started after it inherits it.
+_SOURCES = [Path(__file__).resolve().parents[1] / name for name in ("fscale", "tests", "bench")]
+
+
+def _made_caches(before: set[Path]) -> None:
+    for directory in _SOURCES:
+        for cache in directory.rglob("__pycache__"):
+            if cache not in before:
+                shutil.rmtree(cache, ignore_errors=True)
+
+
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+    atexit.register(_made_caches, {c for d in _SOURCES for c in d.rglob("__pycache__")})
+    sys.dont_write_bytecode = False
 
 # CI (and the default) runs a bounded, derandomized profile so the suite is fast and repeatable;
 # `HYPOTHESIS_PROFILE=thorough` explores more examples locally (tests with a count of their own
