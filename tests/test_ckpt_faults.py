@@ -218,6 +218,58 @@ def test_one_ranks_disk_error_makes_every_rank_raise():
             assert latest.endswith(f"step_{1:010d}")
 
 
+# ---- one rank failing on its own before the ranks exchange --------------------------------
+
+load_module = importlib.import_module("fscale.ckpt.load")
+
+
+def _one_rank_fails_before_the_exchange(root, caller):
+    """Rank 1 fails where it finds its pieces (save) or reads the manifest (load); what each
+    rank raised, and how long it took."""
+    case, step, state = _build()
+    state = _train(case, step, state, 1)
+    fs.save(root, state, step=step)
+    module, name = {"save": (save_module, "pieces_of"), "load": (load_module, "read_manifest")}[
+        caller
+    ]
+    original = getattr(module, name)
+    if dist.get_rank() == 1:
+
+        def fail(*args, **kwargs):
+            raise ValueError("this rank cannot go on")
+
+        setattr(module, name, fail)
+    started = time.monotonic()
+    try:
+        if caller == "save":
+            fs.save(root, _train(case, step, state, 1), step=step)
+        else:
+            fs.load(root, state, step=step)
+    except Exception as error:
+        raised = (type(error).__name__, str(error))
+    else:
+        raised = None
+    finally:
+        setattr(module, name, original)
+    took = time.monotonic() - started
+    dist.barrier()  # the ranks are still in step
+    return raised, took
+
+
+@pytest.mark.parametrize("caller", ["save", "load"])
+def test_a_rank_that_fails_before_the_ranks_exchange_is_named_on_every_rank_at_once(caller):
+    # The failing rank hands its error to the exchange its peer waits in (before, the peer
+    # waited out the checkpoint group's ten minutes).
+    with tempfile.TemporaryDirectory() as root:
+        (peer, peer_took), (failed, _) = run_spmd(
+            _one_rank_fails_before_the_exchange, 2, root, caller, timeout=120.0
+        )
+    assert failed == ("ValueError", "this rank cannot go on")  # its own error, as it was
+    assert peer is not None and peer[0] == "CheckpointError"
+    assert f"{caller}: finding the pieces failed on 1 rank(s): rank 1: ValueError" in peer[1]
+    assert peer_took < 30.0
+
+
 # ---- bad input ----------------------------------------------------------------------------
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -35,10 +34,13 @@ from fscale.ckpt.placement import tensor_parallel_of
 from fscale.ckpt.planner import PieceLoadPlanner, piece_name
 from fscale.ckpt.save import (
     FAILURES,
+    FINDING,
     agree,
     checkpoint_group,
     every_rank_arrives,
+    exchange_or_fail,
     single_process_quiet,
+    tell_peers,
     wait_saves,
 )
 from fscale.functional import FunctionalModule
@@ -103,14 +105,18 @@ def load(
     directory = dirs.resolve(path, "load")
     every_rank_arrives("load", directory.name)
     group = checkpoint_group()
-    manifest = read_manifest(directory)
-    if target is None:
-        params, buffers = _empty_model(manifest, directory)
-        module = model.module if isinstance(model, FunctionalModule) else model
-        if isinstance(module, nn.Module) and tensor_parallel_of(module) is not None:
-            params = shard_like(params, module)
-        target = step.init(params, buffers)
-    _, pieces, assemble = pieces_into(step, target, model)
+    try:
+        manifest = read_manifest(directory)
+        if target is None:
+            params, buffers = _empty_model(manifest, directory)
+            module = model.module if isinstance(model, FunctionalModule) else model
+            if isinstance(module, nn.Module) and tensor_parallel_of(module) is not None:
+                params = shard_like(params, module)
+            target = step.init(params, buffers)
+        _, pieces, assemble = pieces_into(step, target, model)
+    except FAILURES as error:
+        tell_peers(error, group, FINDING, caller="load")
+        raise
     wanted = _leaves_of_ranks(pieces, group)
     try:
         check_matches(manifest, wanted, str(directory))
@@ -151,12 +157,7 @@ def _looks_split(saved: Leaves, wanted: Leaves) -> bool:
 
 def _leaves_of_ranks(pieces: list[Piece], group: Any) -> Leaves:
     """The full leaves all ranks load into (a rank of a pipeline holds only its stages')."""
-    mine = leaves_of(pieces)
-    if group is None:
-        return mine
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return join_leaves(everyone, "load")
+    return join_leaves(exchange_or_fail(leaves_of(pieces), group, FINDING, "load"), "load")
 
 
 def _empty_model(manifest: Manifest, directory: Path) -> tuple[dict, dict]:

@@ -2,10 +2,11 @@
 
 First the ranks describe their pieces to each other (`describe_ranks`): the manifest lists the
 leaves of all of them (a pipeline rank holds only its stages'), and a box that several ranks
-hold must hold the same values on all of them. Then a save has three phases, each ending in an
-agreement among all ranks (an all-gather of every rank's error, or None), so that one rank's
-failure makes every rank raise the same `CheckpointError` and no rank waits in a collective
-the others never reach:
+hold must hold the same values on all of them; a rank that fails to find its pieces sends its
+error in that exchange instead (`tell_peers`), so its peers raise it at once. Then a save has
+three phases, each ending in an agreement among all ranks (an all-gather of every rank's
+error, or None), so that one rank's failure makes every rank raise the same `CheckpointError`
+and no rank waits in a collective the others never reach:
 
 1. *prepare*: rank 0 removes what killed saves left (``.tmp-*``) and creates
    ``root/.tmp-step_<n>``; agreement.
@@ -60,13 +61,16 @@ from fscale.train import Step
 
 __all__ = [
     "FAILURES",
+    "FINDING",
     "agree",
     "checkpoint_group",
     "describe_ranks",
     "distributed",
     "every_rank_arrives",
+    "exchange_or_fail",
     "save",
     "single_process_quiet",
+    "tell_peers",
     "wait_saves",
 ]
 
@@ -79,6 +83,8 @@ _pending_lock = threading.Lock()
 # What a failed save raises: DCP reports the ranks' errors as a CheckpointException, which is a
 # BaseException.
 FAILURES = (Exception, CheckpointException)
+# The phase in which each rank finds the pieces it holds and describes them to the others.
+FINDING = "finding the pieces"
 _committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fscale-ckpt-commit")
 
 
@@ -142,19 +148,42 @@ def every_rank_arrives(caller: str, checkpoint: str) -> None:
 
 def agree(error: str | None, group: Any, phase: str, caller: str = "save") -> None:
     """Raise on every rank if any rank's `error` is set (a collective over `group`)."""
-    if group is None:
-        errors = [error]
-    else:
-        errors = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, error, group=group)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    exchange_or_fail(error, group, phase, caller)
+
+
+def exchange_or_fail(mine: Any, group: Any, phase: str, caller: str = "save") -> list[Any]:
+    """Every rank's `mine` over `group` (None: this rank alone); a str is a rank's failure,
+    raised on every rank as a CheckpointError that names the rank.
+
+    One all-gather carries either what the phase exchanges or why a rank could not produce it,
+    so a rank that fails on its own before the exchange is reported on all ranks at once.
+    """
+    everyone: list[Any] = [mine]
+    if group is not None:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    failed = [(rank, e) for rank, e in enumerate(everyone) if isinstance(e, str)]
     if failed:
         detail = "; ".join(f"rank {rank}: {e}" for rank, e in failed)
         raise CheckpointError(f"{caller}: {phase} failed on {len(failed)} rank(s): {detail}")
+    return everyone
+
+
+def tell_peers(error: BaseException, group: Any, phase: str, caller: str = "save") -> None:
+    """Hand this rank's `error` to the `exchange_or_fail` its peers wait in, for `phase`.
+
+    They raise it at once, naming this rank, instead of waiting out the group's timeout for a
+    rank that left; this rank goes on to raise `error` itself.
+    """
+    if group is not None:
+        with contextlib.suppress(CheckpointError):
+            exchange_or_fail(f"{type(error).__name__}: {error}", group, phase, caller)
 
 
 def describe_ranks(pieces: list[Piece], group: Any) -> Leaves:
     """The full leaves of every rank's `pieces` (a collective over `group`).
+
+    A rank that failed to find its pieces takes part through `tell_peers` instead.
 
     Raises, on every rank, a CheckpointError if two ranks disagree on a leaf's shape, or hold
     different values for the same box: DCP writes a box that several ranks hold once, so they
@@ -165,9 +194,7 @@ def describe_ranks(pieces: list[Piece], group: Any) -> Leaves:
     mine = leaves_of(pieces)
     if group is None:
         return dict(sorted(mine.items()))
-    sums = _checksums(pieces)
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (mine, sums), group=group)
+    everyone = exchange_or_fail((mine, _checksums(pieces)), group, FINDING)
     leaves = join_leaves([leaves for leaves, _ in everyone], "save")
     boxes = set().union(*(rank_sums for _, rank_sums in everyone))
     for index in sorted(boxes):
@@ -243,7 +270,11 @@ def save(
     world_size = dist.get_world_size() if distributed() else 1
     rank = dist.get_rank() if distributed() else 0
     root = Path(path)
-    layout, pieces = pieces_of(step, state, model)
+    try:
+        layout, pieces = pieces_of(step, state, model)
+    except FAILURES as error:
+        tell_peers(error, group, FINDING)
+        raise
     leaves = describe_ranks(pieces, group)
     params = {key.removeprefix("params/") for key in leaves if key.startswith("params/")}
     manifest = Manifest(
