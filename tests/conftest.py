@@ -27,7 +27,7 @@ from hypothesis_budget import CI_EXAMPLES, THOROUGH_EXAMPLES, profile
 _SOURCES = [Path(__file__).resolve().parents[1] / name for name in ("fscale", "tests", "bench")]
 
 
-def _made_caches(before: set[Path]) -> None:
+def _remove_new_caches(before: set[Path]) -> None:
     for directory in _SOURCES:
         for cache in directory.rglob("__pycache__"):
             if cache not in before:
@@ -35,7 +35,7 @@ def _made_caches(before: set[Path]) -> None:
 
 
 if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
-    atexit.register(_made_caches, {c for d in _SOURCES for c in d.rglob("__pycache__")})
+    atexit.register(_remove_new_caches, {c for d in _SOURCES for c in d.rglob("__pycache__")})
     sys.dont_write_bytecode = False
 
 # CI (and the default) runs a bounded, derandomized profile so the suite is fast and repeatable;

@@ -39,6 +39,7 @@ from fscale.ckpt.save import (
     checkpoint_group,
     every_rank_arrives,
     exchange_or_fail,
+    failure_message,
     single_process_quiet,
     tell_peers,
     wait_saves,
@@ -135,7 +136,7 @@ def load(
         with single_process_quiet():
             dcp_io.read(values, FileSystemReader(directory), planner, group)
     except FAILURES as failure:  # reported on every rank below
-        error = f"{type(failure).__name__}: {failure}"
+        error = failure_message(failure)
     _agree_read(error, group, directory)
     planner.finish()
     return assemble()

@@ -68,6 +68,7 @@ __all__ = [
     "distributed",
     "every_rank_arrives",
     "exchange_or_fail",
+    "failure_message",
     "save",
     "single_process_quiet",
     "tell_peers",
@@ -177,7 +178,7 @@ def tell_peers(error: BaseException, group: Any, phase: str, caller: str = "save
     """
     if group is not None:
         with contextlib.suppress(CheckpointError):
-            exchange_or_fail(f"{type(error).__name__}: {error}", group, phase, caller)
+            exchange_or_fail(failure_message(error), group, phase, caller)
 
 
 def describe_ranks(pieces: list[Piece], group: Any) -> Leaves:
@@ -386,8 +387,13 @@ def _attempt(action: Any) -> str | None:
     try:
         action()
     except FAILURES as error:  # every rank is told, and raises
-        return f"{type(error).__name__}: {error}"
+        return failure_message(error)
     return None
+
+
+def failure_message(error: BaseException) -> str:
+    """How a rank's failure travels to its peers: the exception's type and message."""
+    return f"{type(error).__name__}: {error}"
 
 
 def _check_arguments(path: Any, state: Any, step: Any, keep_last: Any, async_: Any) -> None:
