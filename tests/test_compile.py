@@ -27,7 +27,7 @@ import fscale as fs
 from fscale import purity, tree
 from fscale.functional import buffers as buffers_lib
 from fscale.functional import rng
-from fscale.parallel import bucket_layout
+from fscale.parallel import bucket_layout, buckets
 
 ROOT = Path(fs.__file__).resolve().parent
 
@@ -447,13 +447,15 @@ PLANS = {
 
 def _compiled_against_eager(
     plan: str, donate: bool, what: str = "step"
-) -> tuple[float, dict[str, int]]:
+) -> tuple[float, dict[str, int], int]:
     """Two steps of `plan` on this rank's half of each batch, eager and with `what` compiled by
-    inductor (the whole step, or only its loss function): max |diff|, and the compiled steps'
-    graph-break sites by fscale file (Dynamo decides them, whichever backend compiles)."""
+    inductor (the whole step, or only its loss function): max |diff|, the compiled steps'
+    graph-break sites by fscale file (Dynamo decides them, whichever backend compiles), and the
+    graphs the compiled second step made (none: nothing the first step left may be guarded)."""
     rank = torch.distributed.get_rank()
     mesh = fs.Mesh(dp=torch.distributed.get_world_size())
     torch._dynamo.reset()  # the pool's ranks live on: nothing compiled by an earlier test
+    graphs = torch._dynamo.utils.counters["stats"]
     results = []
     for compile_it in (False, True):
         step, state = _step(donate, compile_loss=compile_it and what == "loss_fn")
@@ -461,15 +463,18 @@ def _compiled_against_eager(
         state = step.init(state.params, state.buffers)
         whole = compile_it and what == "step"
         run = torch.compile(step) if whole else step
+        if compile_it:  # as in a new process: a graph may not guard on what its step caches
+            buckets._ZERO_RUNS.clear()
         with _break_sites() as sites:
             for index in range(2):
                 inputs, targets = _batch(index)
+                before = graphs["unique_graphs"]
                 state, _ = run(state, (inputs.chunk(2)[rank], targets.chunk(2)[rank]))
         results.append(fs.consolidate(step, state).params)
     difference = max(
         (a - b).abs().max().item() for a, b in zip(tree.leaves(results[0]), tree.leaves(results[1]))
     )
-    return difference, sites.by_file()
+    return difference, sites.by_file(), graphs["unique_graphs"] - before
 
 
 def _compiled_unit_step_difference(backend: str) -> float:
@@ -593,18 +598,20 @@ def test_compiled_multi_rank_step_equals_the_eager_step_and_breaks_only_where_ex
     plan: str, donate: bool, expected: dict[str, int] | None
 ) -> None:
     results = fs.testing.run_spmd(_compiled_against_eager, 2, plan, donate, timeout=900.0)
-    assert max(difference for difference, _ in results) <= 1e-6
+    assert max(difference for difference, _, _ in results) <= 1e-6
+    assert [second_step_graphs for _, _, second_step_graphs in results] == [0, 0]
     # The sites are those of a torch whose Dynamo traces optree's flatten (see `optree_traced`);
     # under torch 2.6 to 2.9 it breaks at every call, and only the equality is checked.
     if expected is not None and _dynamo_traces_optree():
-        assert results[0][1] == results[1][1] == expected, [sites for _, sites in results]
+        assert results[0][1] == results[1][1] == expected, [sites for _, sites, _ in results]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", ["data_parallel", "shard_optimizer", "fully_shard"])
 def test_multi_rank_step_of_a_compiled_loss_function_equals_the_eager_step(plan: str) -> None:
     results = fs.testing.run_spmd(_compiled_against_eager, 2, plan, True, "loss_fn", timeout=900.0)
-    assert max(difference for difference, _ in results) <= 1e-6
+    assert max(difference for difference, _, _ in results) <= 1e-6
+    assert [second_step_graphs for _, _, second_step_graphs in results] == [0, 0]
 
 
 def _stages(compiled: bool) -> nn.Sequential:

@@ -68,6 +68,11 @@ def _write_divided(target: torch.Tensor, source: torch.Tensor, divide_by: int) -
 
 def _zero_run(numel: int, layout: FlatBuffer) -> torch.Tensor:
     """`numel` zeros for a bucket's gaps: a slice of one zero tensor per dtype and device."""
+    if torch.compiler.is_compiling():
+        # In a graph the zeros are one more op for the compiler to fold into the copy; reading
+        # the cache there would guard the graph on its contents, and the entry the first step
+        # adds would compile the step again.
+        return torch.zeros(numel, dtype=layout.dtype, device=layout.device)
     key = (layout.dtype, layout.device)
     zeros = _ZERO_RUNS.get(key)
     if zeros is None or zeros.numel() < numel:
