@@ -67,7 +67,8 @@ def _write_divided(target: torch.Tensor, source: torch.Tensor, divide_by: int) -
 
 
 def _zero_run(numel: int, layout: FlatBuffer) -> torch.Tensor:
-    """`numel` zeros for a bucket's gaps: a slice of one zero tensor per dtype and device."""
+    """`numel` zeros for a bucket's gaps: eagerly, a slice of one zero tensor per dtype and
+    device."""
     if torch.compiler.is_compiling():
         # In a graph the zeros are one more op for the compiler to fold into the copy; reading
         # the cache there would guard the graph on its contents, and the entry the first step
