@@ -95,18 +95,24 @@ def forward_order(params: Any) -> list[int]:
     """
     if not isinstance(params, dict):
         return list(range(len(optree.tree_paths(params, none_is_leaf=False))))
-    # Determined by the structure and the key order: computed once per model, not per step.
     keys = tuple(params)
     structure = optree.tree_structure(params, none_is_leaf=False)  # pyright: ignore[reportArgumentType]
-    return list(_dict_forward_order(structure, keys))
+    if torch.compiler.is_compiling():
+        # Dynamo traces an lru_cache'd function as if it had no cache, and warns that it may be
+        # wrong to: the order depends on the structure alone, so the trace computes it itself.
+        return list(_dict_forward_order(structure, keys))
+    # Determined by the structure and the key order: computed once per model, not per step.
+    return list(_cached_dict_forward_order(structure, keys))
 
 
-@functools.lru_cache(maxsize=64)
 def _dict_forward_order(structure: optree.PyTreeSpec, keys: tuple[Any, ...]) -> tuple[int, ...]:
     by_key: dict[Any, list[int]] = {}
     for index, path in enumerate(structure.paths()):
         by_key.setdefault(path[0], []).append(index)
     return tuple(index for key in keys for index in by_key.get(key, []))
+
+
+_cached_dict_forward_order = functools.lru_cache(maxsize=64)(_dict_forward_order)
 
 
 @functools.lru_cache(maxsize=64)
