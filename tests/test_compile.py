@@ -182,7 +182,8 @@ def _dynamo_warnings() -> Iterator[list[str]]:
     once per process, and the pool's ranks live on: its record of those given is emptied first.
     Where Dynamo cannot trace optree's flatten (torch 2.6 to 2.9) it also warns of that at each
     call, and under 2.7 of inductor's own kernels: there only a warning that names an fscale
-    file counts. Enter it before the first compiled call (it resets Dynamo)."""
+    file counts. Enter it before the first compiled call: the first time in a process it asks
+    Dynamo which of the two it is, and resets Dynamo after the question."""
     every_warning_counts = _dynamo_traces_optree()
     given = getattr(torch._dynamo.utils, "warn_once_cache", None)
     if given is not None:
